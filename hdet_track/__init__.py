@@ -1,0 +1,37 @@
+"""hdet-track: Hyperparameter-Divergent Ensemble Training for PyTorch, observable.
+
+Example:
+    >>> from hdet_track import HDETScheduler
+    >>> sched = HDETScheduler(optimizer, max_lr=0.1, total_steps=1000, spread=0.3,
+    ...                       sync_every=50, auto_lr=True)
+    >>> loss.backward(); optimizer.step(); sched.step(loss)
+"""
+
+from __future__ import annotations
+
+from . import explore
+from .collectives import average_parameters
+from .controller import ControllerUpdate, controller_update, softmax_weights
+from .errors import CheckpointMismatchError, HDETError, NonFiniteReplicasError
+from .noise import warm_noisy_init
+from .schedule import decay_gamma, multipliers
+from .scheduler import HDETScheduler, SyncReport
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "HDETScheduler",
+    "SyncReport",
+    "explore",
+    "warm_noisy_init",
+    "average_parameters",
+    "multipliers",
+    "decay_gamma",
+    "softmax_weights",
+    "controller_update",
+    "ControllerUpdate",
+    "HDETError",
+    "NonFiniteReplicasError",
+    "CheckpointMismatchError",
+    "__version__",
+]

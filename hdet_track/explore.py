@@ -1,0 +1,365 @@
+"""Explored hyperparameters other than the learning rate.
+
+Each explored hyperparameter has one or more *targets* (a param group, a module, a setter),
+a base value per target, its own spread, bounds and permutation stream. Replica r uses
+``clip(base * rho_{pi(r)}, bounds)`` on every target.
+
+Example:
+    >>> from hdet_track import explore
+    >>> hps = [explore.param_group("weight_decay", spread=0.5),
+    ...        explore.dropout(model, spread=0.3),
+    ...        explore.module_attr("label_smoothing", loss_fn, "label_smoothing", spread=0.2,
+    ...                            bounds=(0.0, 0.5))]
+    >>> sched = HDETScheduler(opt, 0.1, total_steps=1000, spread=0.2, explore=hps)
+
+A mapping works too: ``explore={"weight_decay": 0.5, "momentum": {"spread": 0.1, "bounds": (0.5, 0.99)}}``
+(names of optimizer param-group keys; ``"betas.0"`` / ``"betas.1"`` address Adam's betas).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from .schedule import _check_spread
+
+__all__ = [
+    "Hyperparam",
+    "ParamGroupKey",
+    "ModuleAttr",
+    "Setter",
+    "param_group",
+    "dropout",
+    "module_attr",
+    "setter",
+    "resolve_explore",
+]
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
+DROPOUT_TYPES: tuple[type[nn.Module], ...] = (
+    nn.Dropout,
+    nn.Dropout1d,
+    nn.Dropout2d,
+    nn.Dropout3d,
+    nn.AlphaDropout,
+    nn.FeatureAlphaDropout,
+)
+# Keys whose values must stay below 1 (momentum coefficients, probabilities).
+_UNIT_KEYS = {"momentum", "betas.0", "betas.1", "dampening", "alpha", "rho"}
+
+
+class Hyperparam:
+    """Base class of an explored scalar hyperparameter.
+
+    Subclasses resolve their targets in :meth:`bind` and read and write one float per target.
+    """
+
+    def __init__(self, name: str, spread: float, bounds: tuple[float, float] | None = None) -> None:
+        if not isinstance(name, str) or not _NAME_RE.match(name) or name == "lr":
+            raise ValueError(
+                f"Expected an explored hyperparameter name of letters, digits, '_', '.', '-' "
+                f"other than 'lr', but got {name!r}"
+            )
+        _check_spread(f"explore[{name!r}] spread", spread)
+        self.name = name
+        self.spread = float(spread)
+        self._bounds_arg = bounds
+        self.bounds: tuple[float, float] = (0.0, math.inf)
+
+    # -- to implement -------------------------------------------------------
+    def bind(self, optimizer: torch.optim.Optimizer) -> None:
+        """Resolve the targets; raise ``ValueError`` when nothing matches."""
+        raise NotImplementedError
+
+    def labels(self) -> list[str]:
+        """A short label per target (for logs and events)."""
+        raise NotImplementedError
+
+    def read(self) -> list[float]:
+        """The current value of every target."""
+        raise NotImplementedError
+
+    def write(self, values: Sequence[float]) -> None:
+        """Set every target to its value."""
+        raise NotImplementedError
+
+    def default_bounds(self) -> tuple[float, float]:
+        return (0.0, math.inf)
+
+    # -- shared -------------------------------------------------------------
+    def _finish_bind(self) -> None:
+        bounds = self._bounds_arg if self._bounds_arg is not None else self.default_bounds()
+        try:
+            low, high = (float(b) for b in bounds)
+        except (TypeError, ValueError):
+            raise ValueError(f"Expected explore[{self.name!r}] bounds as (low, high), but got {bounds!r}") from None
+        if not low < high:
+            raise ValueError(f"Expected explore[{self.name!r}] bounds with low < high, but got {bounds!r}")
+        self.bounds = (low, high)
+        for label, value in zip(self.labels(), self.read()):
+            if not low <= value <= high:
+                raise ValueError(
+                    f"Expected explore[{self.name!r}] bounds {self.bounds} to contain the base "
+                    f"value {value} of {label}, but they exclude it"
+                )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, spread={self.spread}, bounds={self.bounds})"
+
+
+def _set_scalar(container: dict[str, Any], key: str, value: float) -> None:
+    current = container[key]
+    if isinstance(current, torch.Tensor):
+        current.fill_(value)
+    else:
+        container[key] = value
+
+
+class ParamGroupKey(Hyperparam):
+    """A key of every optimizer param group (``weight_decay``, ``momentum``, ``betas.0``, ...)."""
+
+    def __init__(
+        self,
+        key: str,
+        spread: float,
+        bounds: tuple[float, float] | None = None,
+        name: str | None = None,
+    ) -> None:
+        super().__init__(name or key, spread, bounds)
+        key_name, _, index = key.partition(".")
+        self.key = key
+        self._key = key_name
+        self._index = int(index) if index.isdigit() else None
+        if index and self._index is None:
+            raise ValueError(f"Expected a param-group key such as 'weight_decay' or 'betas.1', but got {key!r}")
+        self._optimizer: torch.optim.Optimizer | None = None
+
+    @property
+    def _groups(self) -> list[dict[str, Any]]:
+        # Looked up live: optimizer.load_state_dict() replaces the group dicts.
+        return self._optimizer.param_groups if self._optimizer is not None else []
+
+    def bind(self, optimizer: torch.optim.Optimizer) -> None:
+        groups = optimizer.param_groups
+        missing = [i for i, g in enumerate(groups) if self._key not in g]
+        if missing:
+            known = sorted(k for k, v in groups[0].items() if k != "params")
+            raise ValueError(
+                f"Expected explore key {self.key!r} to name a param-group key of "
+                f"{type(optimizer).__name__}, but it matches nothing; known keys: {known}"
+            )
+        for g in groups:
+            value = g[self._key]
+            if self._index is None and isinstance(value, (tuple, list)):
+                raise ValueError(
+                    f"Expected explore key {self.key!r} to be a scalar, but it is a tuple; "
+                    f"use '{self._key}.0' or '{self._key}.1'"
+                )
+            if self._index is not None and (not isinstance(value, (tuple, list)) or self._index >= len(value)):
+                raise ValueError(
+                    f"Expected explore key {self.key!r} to index a tuple, but "
+                    f"param_groups[...][{self._key!r}] is {value!r}"
+                )
+        self._optimizer = optimizer
+        self._finish_bind()
+
+    def labels(self) -> list[str]:
+        return [f"pg{i}" for i in range(len(self._groups))]
+
+    def read(self) -> list[float]:
+        out = []
+        for g in self._groups:
+            value = g[self._key] if self._index is None else g[self._key][self._index]
+            out.append(float(value))
+        return out
+
+    def write(self, values: Sequence[float]) -> None:
+        for g, value in zip(self._groups, values):
+            if self._index is None:
+                _set_scalar(g, self._key, value)
+            else:
+                entries = list(g[self._key])
+                entries[self._index] = value
+                g[self._key] = tuple(entries)
+
+    def default_bounds(self) -> tuple[float, float]:
+        return (0.0, 1.0 - 1e-6) if self.key in _UNIT_KEYS else (0.0, math.inf)
+
+
+class ModuleAttr(Hyperparam):
+    """A float attribute of every submodule of ``module`` that is an instance of ``types``."""
+
+    def __init__(
+        self,
+        name: str,
+        module: nn.Module,
+        attr: str,
+        spread: float,
+        bounds: tuple[float, float] | None = None,
+        types: type | tuple[type, ...] | None = None,
+    ) -> None:
+        super().__init__(name, spread, bounds)
+        if not isinstance(module, nn.Module):
+            raise TypeError(
+                f"Expected explore[{name!r}] module to be a torch.nn.Module, but got {type(module).__name__}"
+            )
+        self.module = module
+        self.attr = attr
+        self.types = types
+        self._targets: list[tuple[str, nn.Module]] = []
+
+    def bind(self, optimizer: torch.optim.Optimizer) -> None:
+        found = []
+        for mod_name, mod in self.module.named_modules():
+            if self.types is not None and not isinstance(mod, self.types):
+                continue
+            value = getattr(mod, self.attr, None)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                found.append((mod_name or type(mod).__name__, mod))
+        if not found:
+            what = f"instances of {self.types}" if self.types is not None else "submodules"
+            raise ValueError(
+                f"Expected explore[{self.name!r}] to find {what} with a float attribute "
+                f"{self.attr!r} in {type(self.module).__name__}, but it matches nothing"
+            )
+        self._targets = found
+        self._finish_bind()
+
+    def labels(self) -> list[str]:
+        return [name for name, _ in self._targets]
+
+    def read(self) -> list[float]:
+        return [float(getattr(mod, self.attr)) for _, mod in self._targets]
+
+    def write(self, values: Sequence[float]) -> None:
+        for (_, mod), value in zip(self._targets, values):
+            setattr(mod, self.attr, value)
+
+    def default_bounds(self) -> tuple[float, float]:
+        if self.types is not None and self.attr == "p":
+            return (0.0, 1.0)
+        return (0.0, math.inf)
+
+
+class Setter(Hyperparam):
+    """A user-provided getter/setter pair (a single target)."""
+
+    def __init__(
+        self,
+        name: str,
+        get: Callable[[], float],
+        set: Callable[[float], None],  # noqa: A002 - mirrors property(fget, fset)
+        spread: float,
+        bounds: tuple[float, float] | None = None,
+    ) -> None:
+        super().__init__(name, spread, bounds)
+        if not callable(get) or not callable(set):
+            raise TypeError(f"Expected callables for explore[{name!r}] get and set")
+        self._get = get
+        self._set = set
+
+    def bind(self, optimizer: torch.optim.Optimizer) -> None:
+        self._finish_bind()
+
+    def labels(self) -> list[str]:
+        return [self.name]
+
+    def read(self) -> list[float]:
+        return [float(self._get())]
+
+    def write(self, values: Sequence[float]) -> None:
+        self._set(values[0])
+
+
+def param_group(key: str, spread: float, bounds: tuple[float, float] | None = None) -> ParamGroupKey:
+    """Explore optimizer param-group key ``key`` (``"weight_decay"``, ``"momentum"``, ``"betas.1"``)."""
+    return ParamGroupKey(key, spread, bounds)
+
+
+def dropout(
+    model: nn.Module, spread: float, bounds: tuple[float, float] = (0.0, 1.0), name: str = "dropout"
+) -> ModuleAttr:
+    """Explore the ``p`` of every dropout module in ``model``."""
+    return ModuleAttr(name, model, "p", spread, bounds, types=DROPOUT_TYPES)
+
+
+def module_attr(
+    name: str,
+    module: nn.Module,
+    attr: str,
+    spread: float,
+    bounds: tuple[float, float] | None = None,
+    types: type | tuple[type, ...] | None = None,
+) -> ModuleAttr:
+    """Explore float attribute ``attr`` of ``module`` (and of its submodules of ``types``).
+
+    Example: ``module_attr("label_smoothing", loss_fn, "label_smoothing", 0.2, (0.0, 0.5))``.
+    """
+    return ModuleAttr(name, module, attr, spread, bounds, types)
+
+
+def setter(
+    name: str,
+    get: Callable[[], float],
+    set: Callable[[float], None],  # noqa: A002
+    spread: float,
+    bounds: tuple[float, float] | None = None,
+) -> Setter:
+    """Explore any scalar through a getter and a setter."""
+    return Setter(name, get, set, spread, bounds)
+
+
+def resolve_explore(
+    explore: Mapping[str, Any] | Iterable[Hyperparam] | None,
+    optimizer: torch.optim.Optimizer,
+    *,
+    cycle_momentum: bool,
+    use_beta1: bool,
+) -> list[Hyperparam]:
+    """Turn the scheduler's ``explore=`` argument into bound :class:`Hyperparam` objects."""
+    if explore is None:
+        return []
+    items: list[Hyperparam] = []
+    if isinstance(explore, Mapping):
+        for name, spec in explore.items():
+            if isinstance(spec, Hyperparam):
+                items.append(spec)
+            elif isinstance(spec, (int, float)) and not isinstance(spec, bool):
+                items.append(ParamGroupKey(name, spec))
+            elif isinstance(spec, Mapping):
+                unknown = set(spec) - {"spread", "bounds"}
+                if unknown or "spread" not in spec:
+                    raise ValueError(
+                        f"Expected explore[{name!r}] as a spread, a dict with 'spread' (and "
+                        f"'bounds'), or a Hyperparam, but got {dict(spec)!r}"
+                    )
+                items.append(ParamGroupKey(name, spec["spread"], spec.get("bounds")))
+            else:
+                raise ValueError(f"Expected explore[{name!r}] as a spread, a dict or a Hyperparam, but got {spec!r}")
+    elif isinstance(explore, Iterable) and not isinstance(explore, (str, bytes)):
+        for spec in explore:
+            if not isinstance(spec, Hyperparam):
+                raise ValueError(
+                    f"Expected explore entries to be hdet_track.explore.Hyperparam objects, but got {spec!r}"
+                )
+            items.append(spec)
+    else:
+        raise ValueError(f"Expected explore as a dict or a list of Hyperparam objects, but got {explore!r}")
+    names = [hp.name for hp in items]
+    dup = {n for n in names if names.count(n) > 1}
+    if dup:
+        raise ValueError(f"Expected unique explored hyperparameter names, but got duplicates {sorted(dup)}")
+    cycled = "betas.0" if use_beta1 else "momentum"
+    for hp in items:
+        if cycle_momentum and isinstance(hp, ParamGroupKey) and hp.key == cycled:
+            raise ValueError(
+                f"Expected explore not to include {hp.key!r} while cycle_momentum=True (OneCycle "
+                "sets it every step), but got it; pass cycle_momentum=False to explore it"
+            )
+        hp.bind(optimizer)
+    return items

@@ -1,0 +1,68 @@
+"""Run a function on N real gloo processes on loopback and collect what each returns."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, fn: Callable, world_size: int, port: int, out_dir: str, args: tuple) -> None:
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        result = fn(rank, world_size, *args)
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(
+    fn: Callable, world_size: int = 4, *args: Any, timeout: float = 240, allow_kill: bool = False
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes (gloo, 127.0.0.1).
+
+    Returns each rank's return value (``None`` for a rank that died and ``allow_kill`` is set).
+    """
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = mp.start_processes(
+            _entry,
+            args=(fn, world_size, free_port(), out_dir, args),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
+        try:
+            deadline = time.monotonic() + timeout
+            while not ctx.join(max(deadline - time.monotonic(), 0.01)):
+                if time.monotonic() >= deadline:
+                    for p in ctx.processes:
+                        p.kill()
+                    raise TimeoutError(f"{fn.__name__} did not finish on {world_size} ranks within {timeout} s")
+        except mp.ProcessExitedException:
+            if not allow_kill:
+                raise
+            for p in ctx.processes:
+                p.join(timeout)
+                if p.is_alive():
+                    p.kill()
+        out = []
+        for r in range(world_size):
+            path = os.path.join(out_dir, f"rank{r}.pt")
+            out.append(torch.load(path, weights_only=False) if os.path.exists(path) else None)
+        return out

@@ -1,0 +1,121 @@
+"""HDET on 4 real gloo processes on 127.0.0.1 (no mocks of torch.distributed)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hdet_track.schedule import draw_permutation, multipliers, permutation_generator
+
+from . import workers
+from .launch import run_ranks
+
+WORLD = 4
+
+
+@pytest.mark.parametrize("mode", ["plain", "ddp"])
+def test_fanout_values_and_converge(mode):
+    res = run_ranks(workers.fanout_and_sync, WORLD, mode)
+    rho = multipliers(WORLD, 0.3)
+    gen = permutation_generator(3, 0)
+    expected_perm = list(range(WORLD))
+    for step in range(31):  # lrs[k] is the LR for optimizer step k+1
+        if step > 0 and step % 5 == 0:
+            expected_perm = draw_permutation(WORLD, gen)
+        for r in range(WORLD):
+            lr, base = res[r]["lrs"][step], res[r]["onecycle"][step]
+            assert lr == pytest.approx(base * rho[expected_perm[r]], rel=1e-12), (mode, step, r)
+    # Fan-out from step 0: rank r starts on rho_r, so the first LRs differ and are ordered.
+    first = [res[r]["lrs"][0] for r in range(WORLD)]
+    assert first == sorted(first) and len(set(first)) == WORLD
+    assert all(res[r]["lr_type"] == "float" for r in range(WORLD))
+    for step in range(30):
+        p = [res[r]["params"][step] for r in range(WORLD)]
+        bn = [res[r]["bn"][step] for r in range(WORLD)]
+        synced = (step + 1) % 5 == 0
+        same = all(torch.equal(p[0], q) for q in p[1:])
+        assert same == synced, (mode, step)
+        if synced:
+            assert all(torch.equal(bn[0], b) for b in bn[1:]), "BatchNorm buffers are averaged"
+    # Parameters right after a sync are the mean of the replicas' pre-sync parameters: the average
+    # of all ranks equals the synced value, so any rank's copy equals the mean of the 4 copies.
+    assert torch.allclose(res[0]["params"][4], sum(res[r]["params"][4] for r in range(WORLD)) / WORLD)
+
+
+@pytest.mark.parametrize("prefer", ["high", "low"])
+def test_controller_moves_toward_better_replicas(prefer):
+    res = run_ranks(workers.controller_direction, WORLD, prefer)
+    reports = res[0]["reports"]
+    controlled = [rep for rep in reports if rep.weights is not None]
+    assert len(controlled) >= 8
+    assert all(rep.step >= 10 for rep in controlled)
+    assert all(rep.weights is None for rep in reports if rep.step < 10)
+    for r in range(1, WORLD):  # every rank takes the same decisions
+        assert [rep.updates for rep in res[r]["reports"]] == [rep.updates for rep in reports]
+    sign = 1 if prefer == "high" else -1
+    for name in ["lr", "weight_decay", "dropout"]:
+        deltas = [u.delta for rep in controlled for u in rep.updates[name]]
+        assert sign * sum(deltas) > 0, (name, deltas)
+        # On average, the better replicas' side wins each sync.
+        assert sum(sign * d > 0 for d in deltas) > len(deltas) / 2, (name, deltas)
+    wd_final = controlled[-1].updates["weight_decay"][0].base_after
+    p_final = controlled[-1].updates["dropout"][0].base_after
+    assert sign * (wd_final - 1e-3) > 0
+    assert sign * (p_final - 0.2) > 0
+    low_bound = 0.1 / 25 / 1e4  # OneCycle's own final LR: the default lower bound
+    for rep in controlled:
+        u = rep.updates["lr"][0]
+        raw = u.base_before * (1 - u.gamma) + 0.5 * u.velocity
+        assert u.base_after == pytest.approx(max(raw, low_bound), rel=1e-12)
+        assert u.clipped == (raw < low_bound)
+        assert u.base_after > 0
+    if prefer == "low":
+        # The paper's unbounded update would have gone below zero here.
+        assert any(u.clipped for rep in controlled for u in rep.updates["lr"])
+
+
+def test_nan_replica_is_repaired():
+    res = run_ranks(workers.nan_repair, WORLD)
+    rep = res[0]["report"]
+    assert rep.step == 10 and rep.left_out == [2]
+    assert not math.isfinite(rep.window_losses[2])
+    assert all(math.isfinite(rep.window_losses[r]) for r in (0, 1, 3))
+    at_sync = [res[r]["params_at_sync"] for r in range(WORLD)]
+    assert all(torch.isfinite(p).all() for p in at_sync)
+    assert all(torch.equal(at_sync[0], p) for p in at_sync[1:])
+    # The healthy ranks' average: rank 2 contributed nothing (its NaN would poison any mean).
+    assert res[2]["state_finite"], "rank 2's NaN Adam moments were cleared"
+    assert 0 in res[2]["state_sizes"] and all(n > 0 for n in res[0]["state_sizes"])
+    assert all(math.isfinite(res[r]["final_loss"]) for r in range(WORLD))
+    assert all(torch.isfinite(res[r]["final_params"]).all() for r in range(WORLD))
+    assert all(torch.equal(res[0]["final_params"], res[r]["final_params"]) for r in range(WORLD))
+
+
+def test_all_replicas_nonfinite_raises_naming_step():
+    res = run_ranks(workers.all_nonfinite, WORLD)
+    for r in range(WORLD):
+        assert res[r]["error"] == "NonFiniteReplicasError"
+        assert "step 4" in res[r]["message"] and "DDP" in res[r]["message"]
+
+
+def test_kill_and_resume_is_exact(tmp_path):
+    full = run_ranks(workers.resume_full, WORLD)
+    run_ranks(workers.resume_part1, WORLD, str(tmp_path), 17, allow_kill=True)
+    assert all((tmp_path / f"ckpt{r}.pt").exists() for r in range(WORLD))
+    resumed = run_ranks(workers.resume_part2, WORLD, str(tmp_path), 17)
+    for r in range(WORLD):
+        assert resumed[r]["lrs"] == full[r]["lrs"], r
+        assert torch.equal(resumed[r]["params"], full[r]["params"]), r
+    # The run explored something: ranks used different LRs, weight decays and dropouts.
+    assert len({tuple(full[r]["lrs"][20]) for r in range(WORLD)}) == WORLD
+
+
+def test_warm_noisy_init_differs_per_rank():
+    res = run_ranks(workers.noise_init, WORLD)
+    assert all(torch.equal(res[0]["before"], res[r]["before"]) for r in range(WORLD))
+    deltas = [res[r]["after"] - res[r]["before"] for r in range(WORLD)]
+    assert all(d.abs().sum() > 0 for d in deltas)
+    assert all(not torch.equal(deltas[0], d) for d in deltas[1:])
+    assert all(res[r]["rng_same"] for r in range(WORLD))

@@ -1,0 +1,227 @@
+"""Worker functions run on real gloo ranks by tests/distributed (spawned, so module-level)."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from hdet_track import HDETScheduler, explore, warm_noisy_init
+
+DIM = 8
+
+
+def make_model(seed: int = 0, dropout: float = 0.0, batchnorm: bool = False) -> nn.Module:
+    torch.manual_seed(seed)  # the same initial weights on every rank
+    layers: list[nn.Module] = [nn.Linear(DIM, 16)]
+    if batchnorm:
+        layers.append(nn.BatchNorm1d(16))
+    layers += [nn.ReLU(), nn.Dropout(dropout), nn.Linear(16, 3)]
+    return nn.Sequential(*layers)
+
+
+def batch(rank: int, step: int, n: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100_003 * rank + step)
+    x = torch.randn(n, DIM, generator=g)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long()
+    return x, y
+
+
+def flat_params(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+
+
+def fanout_and_sync(rank: int, world: int, mode: str) -> dict:
+    """Train with spread and no auto-LR; record LRs, parameters and BatchNorm stats per step."""
+    model = make_model(batchnorm=True)
+    net = DDP(model) if mode == "ddp" else model
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = HDETScheduler(opt, max_lr=0.2, total_steps=30, spread=0.3, sync_every=5, model=model, seed=3)
+    lrs, params, bn_means, perms, onecycle = [opt.param_groups[0]["lr"]], [], [], [], [sched.onecycle_lrs()[0]]
+    for step in range(30):
+        x, y = batch(rank, step)
+        loss = F.cross_entropy(net(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step(loss)
+        lrs.append(opt.param_groups[0]["lr"])
+        onecycle.append(sched.onecycle_lrs()[0])
+        params.append(flat_params(model))
+        bn_means.append(model[1].running_mean.clone())
+        perms.append(list(sched._perm["lr"]))
+    return {
+        "lrs": lrs,
+        "onecycle": onecycle,
+        "params": params,
+        "bn": bn_means,
+        "perms": perms,
+        "lr_type": type(opt.param_groups[0]["lr"]).__name__,
+    }
+
+
+def controller_direction(rank: int, world: int, prefer: str) -> dict:
+    """Report a synthetic loss that rewards high (or low) values of every explored hyperparameter.
+
+    The loss is a function of the values this replica actually uses (read back from the optimizer
+    and the model), so the test covers spread, permutation, gather and controller end to end.
+    """
+    model = make_model(dropout=0.2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
+    hps = [explore.param_group("weight_decay", spread=0.5), explore.dropout(model, spread=0.5)]
+    sched = HDETScheduler(
+        opt,
+        max_lr=0.1,
+        total_steps=60,
+        spread=0.4,
+        sync_every=5,
+        auto_lr=True,
+        auto_lr_warmup=10,
+        explore=hps,
+        temperature=0.05,
+        model=model,
+    )
+    sign = -1.0 if prefer == "high" else 1.0
+    reports = []
+    for step in range(60):
+        x, y = batch(rank, step)
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        lr = (
+            opt.param_groups[0]["lr"] / sched.onecycle_lrs()[0]
+            if sched._base["lr"] is None
+            else opt.param_groups[0]["lr"] / sched.base_values("lr")[0]
+        )
+        wd = opt.param_groups[0]["weight_decay"] / 1e-3
+        p = model[2].p / 0.2
+        sched.step(sign * (lr + wd + p))
+        if sched.last_sync is not None and sched.last_sync.step == step + 1:
+            reports.append(sched.last_sync)
+    return {"reports": reports}
+
+
+def nan_repair(rank: int, world: int) -> dict:
+    """Rank 2 gets NaN parameters at step 7; the sync at step 10 must repair it."""
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    sched = HDETScheduler(opt, max_lr=0.01, total_steps=20, spread=0.2, sync_every=10, model=model)
+    out: dict = {"finite_state_after_sync": None}
+    for step in range(20):
+        x, y = batch(rank, step)
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if rank == 2 and step == 6:
+            with torch.no_grad():
+                model[0].weight[0, 0] = float("nan")
+        sched.step(loss)
+        if step == 9:
+            out["report"] = sched.last_sync
+            out["params_at_sync"] = flat_params(model)
+            out["state_sizes"] = [len(opt.state.get(p, {})) for p in model.parameters()]
+            out["state_finite"] = all(
+                bool(torch.isfinite(v).all()) for st in opt.state.values() for v in st.values() if torch.is_tensor(v)
+            )
+    out["final_params"] = flat_params(model)
+    out["final_loss"] = float(loss)
+    return out
+
+
+def _train_resumable(rank: int, model, opt, sched, start: int, stop: int, lrs: list) -> None:
+    for step in range(start, stop):
+        x, y = batch(rank, step)
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step(loss)
+        lrs.append([g["lr"] for g in opt.param_groups] + [g["weight_decay"] for g in opt.param_groups] + [model[2].p])
+
+
+def _build_resumable(rank: int):
+    model = make_model(dropout=0.1)
+    warm_noisy_init(model, nu=0.01)
+    opt = torch.optim.AdamW(
+        [{"params": model[0].parameters()}, {"params": model[3].parameters(), "weight_decay": 0.02}], lr=0.01
+    )
+    sched = HDETScheduler(
+        opt,
+        max_lr=[0.02, 0.01],
+        total_steps=40,
+        spread=0.3,
+        sync_every=6,
+        auto_lr=True,
+        auto_lr_warmup=12,
+        explore=[explore.param_group("weight_decay", 0.5), explore.dropout(model, 0.5)],
+        model=model,
+        seed=11,
+    )
+    torch.manual_seed(1234 + rank)  # dropout masks come from the global RNG; the job owns it
+    return model, opt, sched
+
+
+def resume_full(rank: int, world: int) -> dict:
+    model, opt, sched = _build_resumable(rank)
+    lrs: list = []
+    _train_resumable(rank, model, opt, sched, 0, 40, lrs)
+    return {"lrs": lrs, "params": flat_params(model)}
+
+
+def resume_part1(rank: int, world: int, ckpt_dir: str, stop: int) -> dict:
+    model, opt, sched = _build_resumable(rank)
+    lrs: list = []
+    _train_resumable(rank, model, opt, sched, 0, stop, lrs)
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "opt": opt.state_dict(),
+            "sched": sched.state_dict(),
+            "rng": torch.get_rng_state(),
+            "lrs": lrs,
+        },
+        os.path.join(ckpt_dir, f"ckpt{rank}.pt"),
+    )
+    torch.distributed.barrier()
+    os.kill(os.getpid(), signal.SIGKILL)  # the job dies without cleaning up
+    return {}
+
+
+def resume_part2(rank: int, world: int, ckpt_dir: str, stop: int) -> dict:
+    model, opt, sched = _build_resumable(rank)
+    ckpt = torch.load(os.path.join(ckpt_dir, f"ckpt{rank}.pt"), weights_only=True)
+    model.load_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["opt"])
+    sched.load_state_dict(ckpt["sched"])
+    torch.set_rng_state(ckpt["rng"])
+    lrs = list(ckpt["lrs"])
+    _train_resumable(rank, model, opt, sched, stop, 40, lrs)
+    return {"lrs": lrs, "params": flat_params(model)}
+
+
+def noise_init(rank: int, world: int) -> dict:
+    model = make_model()
+    before = flat_params(model)
+    rng = torch.get_rng_state()
+    warm_noisy_init(model, nu=0.05)
+    return {"before": before, "after": flat_params(model), "rng_same": torch.equal(rng, torch.get_rng_state())}
+
+
+def all_nonfinite(rank: int, world: int) -> dict:
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = HDETScheduler(opt, max_lr=0.1, total_steps=10, spread=0.2, sync_every=4, model=model)
+    for step in range(10):
+        opt.step()
+        try:
+            sched.step(math.nan if step >= 2 else 1.0)
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            return {"error": type(exc).__name__, "message": str(exc), "step": step}
+    return {"error": None}

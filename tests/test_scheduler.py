@@ -1,0 +1,282 @@
+"""HDETScheduler in one process: OneCycleLR parity, state, explored hyperparameters, bad input."""
+
+from __future__ import annotations
+
+import io
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import OneCycleLR
+
+from hdet_track import HDETScheduler, NonFiniteReplicasError, explore, warm_noisy_init
+
+
+def make(opt: str = "sgd", groups: int = 3, seed: int = 0, **opt_kw):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1), nn.Linear(4, 4), nn.Linear(4, 2))
+    layers = [model[0], model[2], model[3]][:groups]
+    params = [{"params": layer.parameters()} for layer in layers]
+    if opt == "sgd":
+        return model, torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-4, **opt_kw)
+    return model, torch.optim.AdamW(params, lr=0.1, **opt_kw)
+
+
+def quiet(**kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return HDETScheduler(**kw)
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"anneal_strategy": "linear"},
+        {"three_phase": True},
+        {"cycle_momentum": False},
+        {"pct_start": 0.1, "div_factor": 10.0, "final_div_factor": 100.0},
+    ],
+)
+def test_bit_identical_to_onecycle(opt, kw):
+    _, o1 = make(opt)
+    _, o2 = make(opt)
+    ref = OneCycleLR(o1, [0.1, 0.2, 0.3], total_steps=57, **kw)
+    hdet = HDETScheduler(o2, [0.1, 0.2, 0.3], total_steps=57, sync_every=5, **kw)
+    assert isinstance(hdet, OneCycleLR)
+    key = "betas" if opt == "adam" else "momentum"
+    for _ in range(57):
+        for g1, g2 in zip(o1.param_groups, o2.param_groups):
+            assert g1["lr"] == g2["lr"] and type(g2["lr"]) is float
+            assert g1[key] == g2[key]
+        assert ref.get_last_lr() == hdet.get_last_lr()
+        o1.step()
+        o2.step()
+        ref.step()
+        hdet.step(1.0)
+
+
+def test_epochs_and_steps_per_epoch_as_in_onecycle():
+    _, o = make()
+    s = HDETScheduler(o, 0.1, epochs=3, steps_per_epoch=7)
+    assert s.total_steps == 21
+    with pytest.raises(ValueError, match="total_steps OR"):
+        HDETScheduler(make()[1], 0.1)
+
+
+def test_tensor_lr_stays_a_tensor():
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=torch.tensor(0.1), momentum=0.9)
+    s = HDETScheduler(opt, 0.2, total_steps=10, sync_every=3)
+    for _ in range(10):
+        opt.step()
+        s.step(0.5)
+        assert isinstance(opt.param_groups[0]["lr"], torch.Tensor)
+
+
+def test_never_touches_global_rng():
+    model, opt = make()
+    state = torch.get_rng_state()
+    s = quiet(
+        optimizer=opt,
+        max_lr=0.1,
+        total_steps=40,
+        spread=0.3,
+        sync_every=4,
+        auto_lr=True,
+        explore=[explore.dropout(model, 0.5)],
+        model=model,
+    )
+    for _ in range(40):
+        opt.step()
+        s.step(1.0)
+    assert torch.equal(state, torch.get_rng_state())
+
+
+def test_equal_losses_shrink_base_by_div_over_final_div():
+    """With identical losses the controller only decays: after K syncs base * (div / final_div)."""
+    _, opt = make(groups=1)
+    total, warm, T = 1000, 200, 50
+    s = HDETScheduler(
+        opt, 0.1, total_steps=total, sync_every=T, auto_lr=True, auto_lr_warmup=warm, lr_bounds=(1e-9, 1.0)
+    )
+    first_base = None
+    bases = []
+    for k in range(1, total + 1):
+        opt.step()
+        s.step(1.0)
+        if s.last_sync is not None and s.last_sync.step == k and s.last_sync.updates:
+            u = s.last_sync.updates["lr"][0]
+            first_base = u.base_before if first_base is None else first_base
+            bases.append(u.base_after)
+            assert u.delta == 0.0 and u.base_after < u.base_before
+    assert len(bases) == (total - warm) // T + 1  # syncs at 200, 250, ..., 1000
+    # K = (total - warm) / T = 16 decays take the base from its first value down by 25 / 1e4.
+    assert bases[-2] == pytest.approx(first_base * 25 / 1e4, rel=1e-9)
+    # Between syncs after warmup the LR is held.
+    assert opt.param_groups[0]["lr"] == bases[-1]
+
+
+def test_lr_held_between_syncs_after_warmup():
+    _, opt = make(groups=1)
+    s = HDETScheduler(opt, 0.1, total_steps=100, sync_every=10, auto_lr=True, auto_lr_warmup=20)
+    lrs = []
+    for _ in range(60):
+        opt.step()
+        s.step(1.0)
+        lrs.append(opt.param_groups[0]["lr"])
+    assert len(set(lrs[20:29])) == 1 and len(set(lrs[30:39])) == 1
+    assert len(set(lrs[:19])) > 10  # OneCycle moves every step before warmup
+
+
+def test_state_dict_round_trip_resumes_exactly():
+    def run(stop_at=None, state=None):
+        model, opt = make(groups=2)
+        s = quiet(
+            optimizer=opt,
+            max_lr=[0.1, 0.05],
+            total_steps=50,
+            spread=0.2,
+            sync_every=7,
+            auto_lr=True,
+            auto_lr_warmup=10,
+            explore={"weight_decay": 0.3},
+            model=model,
+        )
+        start = 0
+        if state is not None:
+            s.load_state_dict(state["sched"])
+            start = state["k"]
+        out = []
+        for k in range(start, 50):
+            opt.step()
+            s.step(1.0 + 0.1 * math.sin(k))
+            out.append([g["lr"] for g in opt.param_groups] + [g["weight_decay"] for g in opt.param_groups])
+            if stop_at is not None and k + 1 == stop_at:
+                buf = io.BytesIO()
+                torch.save({"sched": s.state_dict(), "k": k + 1}, buf)
+                buf.seek(0)
+                return out, torch.load(buf, weights_only=True)
+        return out, None
+
+    full, _ = run()
+    head, ckpt = run(stop_at=23)
+    tail, _ = run(state=ckpt)
+    assert head + tail == full
+
+
+def test_load_state_dict_rejects_other_world_or_explore():
+    from hdet_track import CheckpointMismatchError
+
+    _, opt = make()
+    s = HDETScheduler(opt, 0.1, total_steps=10)
+    state = s.state_dict()
+    bad = dict(state, _world_size=4)
+    with pytest.raises(CheckpointMismatchError, match="4"):
+        HDETScheduler(make()[1], 0.1, total_steps=10).load_state_dict(bad)
+    with pytest.raises(CheckpointMismatchError, match="weight_decay"):
+        HDETScheduler(make()[1], 0.1, total_steps=10, explore={"weight_decay": 0.1}).load_state_dict(state)
+
+
+def test_explored_values_written_to_targets():
+    model, opt = make(groups=2)
+    loss_fn = nn.CrossEntropyLoss(label_smoothing=0.1)
+    box = {"v": 2.0}
+    hps = [
+        explore.param_group("weight_decay", 0.5),
+        explore.dropout(model, 0.5),
+        explore.module_attr("label_smoothing", loss_fn, "label_smoothing", 0.2, bounds=(0.0, 0.5)),
+        explore.setter("custom", lambda: box["v"], lambda v: box.__setitem__("v", v), 0.1),
+    ]
+    s = quiet(optimizer=opt, max_lr=0.1, total_steps=10, explore=hps)
+    assert s.explored_names == ["lr", "weight_decay", "dropout", "label_smoothing", "custom"]
+    assert [g["weight_decay"] for g in opt.param_groups] == [1e-4, 1e-4]
+    assert model[1].p == 0.1 and loss_fn.label_smoothing == 0.1 and box["v"] == 2.0
+
+
+def test_betas_entry_explored_with_adam():
+    _, opt = make("adam", groups=1)
+    s = HDETScheduler(opt, 0.1, total_steps=10, explore={"betas.1": 0.001})
+    assert opt.param_groups[0]["betas"][1] == 0.999
+    assert s.replica_values("betas.1") == [[0.999]]
+
+
+@pytest.mark.parametrize(
+    ("kw", "pattern"),
+    [
+        ({"spread": 1.0}, r"spread in \[0, 1\), but got 1.0"),
+        ({"spread": -0.1}, r"spread in \[0, 1\)"),
+        ({"sync_every": 0}, "sync_every to be an integer >= 1, but got 0"),
+        ({"sync_every": 2.5}, "sync_every"),
+        ({"temperature": 0.0}, r"temperature in \(0.0, inf\), but got 0.0"),
+        ({"temperature": -1}, "temperature"),
+        ({"meta_momentum": 1.0}, r"meta_momentum in \[0.0, 1.0\), but got 1.0"),
+        ({"meta_lr": -0.5}, "meta_lr"),
+        ({"auto_lr_warmup": 11}, r"auto_lr_warmup to be an integer in \[0, total_steps=10\], but got 11"),
+        ({"auto_lr_warmup": -1}, "auto_lr_warmup"),
+        ({"explore": {"weight_decayy": 0.1}}, "'weight_decayy'.*matches nothing"),
+        ({"explore": {"weight_decay": {"spread": 0.1, "bounds": (0.1, 0.2)}}}, "exclude"),
+        ({"explore": {"weight_decay": 1.5}}, r"spread in \[0, 1\)"),
+        ({"explore": {"momentum": 0.1}}, "cycle_momentum"),
+        ({"explore": "weight_decay"}, "explore as a dict"),
+        ({"lr_bounds": (0.2, 1.0)}, "contain the base max_lr 0.1"),
+        ({"lr_bounds": (0.5, 0.1)}, "low < high"),
+        ({"lr_bounds": [(0.0, 1.0)] * 2}, "one \\(low, high\\) per param group"),
+        ({"track": True}, "track=False"),
+        ({"seed": 1.5}, "seed"),
+    ],
+)
+def test_bad_arguments_name_argument_value_and_range(kw, pattern):
+    _, opt = make(groups=3)
+    with pytest.raises(ValueError, match=pattern):
+        HDETScheduler(opt, 0.1, total_steps=10, **kw)
+
+
+def test_dropout_explore_without_dropout_modules_is_an_error():
+    with pytest.raises(ValueError, match="matches nothing"):
+        HDETScheduler(make()[1], 0.1, total_steps=10, explore=[explore.dropout(nn.Linear(2, 2), 0.2)])
+
+
+def test_step_loss_validation():
+    _, opt = make()
+    s = HDETScheduler(opt, 0.1, total_steps=10, auto_lr=True)
+    opt.step()
+    with pytest.raises(ValueError, match="no loss"):
+        s.step()
+    with pytest.raises(ValueError, match=r"shape \(3,\)"):
+        s.step(torch.ones(3))
+    with pytest.raises(ValueError, match="str"):
+        s.step("1.0")
+    s.step(torch.tensor(1.0, requires_grad=True))  # detached, accepted
+
+
+def test_single_process_warns_once_and_nonfinite_raises():
+    _, opt = make()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        s = HDETScheduler(opt, 0.1, total_steps=10, spread=0.2, sync_every=3)
+        for _ in range(2):
+            opt.step()
+            s.step(float("nan"))
+    assert sum("single replica" in str(w.message) for w in caught) == 1
+    opt.step()
+    with pytest.raises(NonFiniteReplicasError, match="step 3"):
+        s.step(1.0)
+
+
+def test_warm_noisy_init_scale_and_determinism():
+    a = nn.Linear(200, 100)
+    b = nn.Linear(200, 100)
+    b.load_state_dict(a.state_dict())
+    w0 = a.weight.detach().clone()
+    warm_noisy_init(a, nu=0.1, seed=3)
+    warm_noisy_init(b, nu=0.1, seed=3)
+    assert torch.equal(a.weight, b.weight)
+    noise = a.weight.detach() - w0
+    expected_std = 0.1 * float(w0.norm()) / math.sqrt(w0.numel())
+    assert float(noise.std()) == pytest.approx(expected_std, rel=0.05)
+    with pytest.raises(ValueError, match="nu >= 0"):
+        warm_noisy_init(a, nu=-1)
