@@ -30,7 +30,7 @@ __all__ = ["HDETScheduler", "SyncReport"]
 logger = logging.getLogger(__name__)
 
 # Attributes that are rebuilt from the constructor's arguments instead of being saved.
-_NOT_SAVED = frozenset({"optimizer", "_explore", "_gens", "_group", "_model", "_wsum", "last_sync"})
+_NOT_SAVED = frozenset({"optimizer", "_explore", "_gens", "_group", "_model", "_window", "last_sync"})
 # Per-rank facts that a checkpoint from another rank must not overwrite.
 _PER_RANK = frozenset({"_rank"})
 
@@ -44,7 +44,7 @@ class SyncReport:
         window_losses: mean training loss of each replica over the window (nan where none was given).
         left_out: ranks left out as non-finite (reset to the average of the others).
         divergence: this rank's L2 distance to the average before averaging, relative to the
-            average's norm.
+            average's norm (nan unless ``measure_divergence`` is set; tracking sets it).
         weights: the controller's softmax weight per rank (0 for left-out ranks), or ``None``
             when the controller did not run at this sync.
         updates: per hyperparameter name (``"lr"`` first), one :class:`ControllerUpdate` per
@@ -238,8 +238,9 @@ class HDETScheduler(OneCycleLR):
         for hp in self._explore:
             self._gamma[hp.name] = 0.0
         self._onecycle: list[float] = []
-        self._wsum: float | torch.Tensor | None = None
-        self._wcount = 0
+        # This replica's losses since the last sync (detached tensors or floats), summed at the sync.
+        self._window: list[float | torch.Tensor] = []
+        self.measure_divergence = False
         self._num_syncs = 0
         self.last_sync: SyncReport | None = None
 
@@ -366,13 +367,24 @@ class HDETScheduler(OneCycleLR):
                 raise ValueError(
                     f"Expected loss to be a scalar (a float or a one-element tensor), but got a tensor of shape {tuple(loss.shape)}"
                 )
-            value: float | torch.Tensor = loss.detach().reshape(()).to(torch.float64)
+            self._window.append(loss.detach())
         elif isinstance(loss, (int, float)) and not isinstance(loss, bool):
-            value = float(loss)
+            self._window.append(float(loss))
         else:
             raise ValueError(f"Expected loss to be a float or a one-element tensor, but got {type(loss).__name__}")
-        self._wsum = value if self._wsum is None else self._wsum + value
-        self._wcount += 1
+
+    def _window_sum(self) -> float:
+        """The window's loss sum in float64 (one device-to-host copy, in the same order after a resume)."""
+        if not self._window:
+            return math.nan
+        device = next((x.device for x in self._window if isinstance(x, torch.Tensor)), torch.device("cpu"))
+        values = [
+            x.reshape(()).to(device=device, dtype=torch.float64)
+            if isinstance(x, torch.Tensor)
+            else torch.tensor(x, dtype=torch.float64, device=device)
+            for x in self._window
+        ]
+        return float(torch.stack(values).sum())
 
     def _values_for(self, name: str, rank: int) -> list[float]:
         m = self._rho[name][self._perm[name][rank]]
@@ -397,20 +409,26 @@ class HDETScheduler(OneCycleLR):
         n = self._world_size
         buckets = collectives.make_buckets(self._sync_tensors())
         finite = collectives.buckets_finite(buckets)
-        wsum = math.nan if self._wsum is None else float(self._wsum)
-        rows = collectives.all_gather_rows([wsum, float(self._wcount), 1.0 if finite else 0.0], self._group)
+        rows = collectives.all_gather_rows(
+            [self._window_sum(), float(len(self._window)), 1.0 if finite else 0.0], self._group
+        )
         losses = [r[0] / r[1] if r[1] > 0 else math.nan for r in rows]
         healthy = [r[2] == 1.0 and (r[1] == 0 or math.isfinite(loss)) for r, loss in zip(rows, losses)]
         if not any(healthy):
             raise NonFiniteReplicasError(step, n, losses)
         ok = [r for r in range(n) if healthy[r]]
         left_out = [r for r in range(n) if not healthy[r]]
-        divergence = 0.0
+        divergence = 0.0 if n == 1 else math.nan
         if n > 1:
             d_sq, norm_sq = collectives.average_buckets(
-                buckets, self._group, contribute=healthy[self._rank], num_contributors=len(ok), measure=True
+                buckets,
+                self._group,
+                contribute=healthy[self._rank],
+                num_contributors=len(ok),
+                measure=self.measure_divergence,
             )
-            divergence = collectives.relative_divergence(d_sq, norm_sq)
+            if self.measure_divergence:
+                divergence = collectives.relative_divergence(d_sq, norm_sq)
             if left_out:
                 logger.warning(
                     "HDET sync at step %d: replicas %s were non-finite and were reset to the average of the others",
@@ -450,8 +468,7 @@ class HDETScheduler(OneCycleLR):
         for name in self._explore_names:
             self._perm[name] = draw_permutation(n, self._gens[name])
         self._apply_explored()
-        self._wsum = None
-        self._wcount = 0
+        self._window = []
         self._num_syncs += 1
         return SyncReport(
             step=step,
@@ -521,7 +538,7 @@ class HDETScheduler(OneCycleLR):
         """
         state = {k: v for k, v in self.__dict__.items() if k not in _NOT_SAVED}
         state["_gen_states"] = {name: g.get_state() for name, g in self._gens.items()}
-        state["_wsum"] = None if self._wsum is None else float(self._wsum)
+        state["_window"] = [float(x) for x in self._window]
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -545,13 +562,13 @@ class HDETScheduler(OneCycleLR):
                 f"Expected a checkpoint exploring {self._explore_names}, but it explores {state['_explore_names']}"
             )
         gen_states = state.pop("_gen_states", {})
-        wsum = state.pop("_wsum", None)
+        window = list(state.pop("_window", []))
         for key in _PER_RANK | _NOT_SAVED:
             state.pop(key, None)
         self.__dict__.update(state)
         for name, gen_state in gen_states.items():
             self._gens[name].set_state(gen_state)
-        self._wsum = wsum
+        self._window = window
         with _enable_get_lr_call(self):
             values = self.get_lr()
         for group, lr in zip(self.optimizer.param_groups, values):

@@ -42,6 +42,11 @@ def test_fanout_values_and_converge(mode):
     # Parameters right after a sync are the mean of the replicas' pre-sync parameters: the average
     # of all ranks equals the synced value, so any rank's copy equals the mean of the 4 copies.
     assert torch.allclose(res[0]["params"][4], sum(res[r]["params"][4] for r in range(WORLD)) / WORLD)
+    # Each rank's reported divergence is its distance to the average before averaging, relative.
+    for r in range(WORLD):
+        for pre, (div, post) in zip(res[r]["pre_sync"], res[r]["divergences"]):
+            expected = float((pre.double() - post.double()).norm() / post.double().norm())
+            assert div == pytest.approx(expected, rel=1e-6) and div > 0
 
 
 @pytest.mark.parametrize("prefer", ["high", "low"])

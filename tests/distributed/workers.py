@@ -36,12 +36,19 @@ def flat_params(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
 
 
+def _floating_state(model: nn.Module) -> torch.Tensor:
+    tensors = list(model.parameters()) + [b for b in model.buffers() if b.is_floating_point()]
+    return torch.cat([t.detach().reshape(-1).clone() for t in tensors])
+
+
 def fanout_and_sync(rank: int, world: int, mode: str) -> dict:
     """Train with spread and no auto-LR; record LRs, parameters and BatchNorm stats per step."""
     model = make_model(batchnorm=True)
     net = DDP(model) if mode == "ddp" else model
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     sched = HDETScheduler(opt, max_lr=0.2, total_steps=30, spread=0.3, sync_every=5, model=model, seed=3)
+    sched.measure_divergence = True
+    pre_sync, divergences = [], []
     lrs, params, bn_means, perms, onecycle = [opt.param_groups[0]["lr"]], [], [], [], [sched.onecycle_lrs()[0]]
     for step in range(30):
         x, y = batch(rank, step)
@@ -49,7 +56,11 @@ def fanout_and_sync(rank: int, world: int, mode: str) -> dict:
         opt.zero_grad()
         loss.backward()
         opt.step()
+        if (step + 1) % 5 == 0:
+            pre_sync.append(_floating_state(model))
         sched.step(loss)
+        if (step + 1) % 5 == 0:
+            divergences.append((sched.last_sync.divergence, _floating_state(model)))
         lrs.append(opt.param_groups[0]["lr"])
         onecycle.append(sched.onecycle_lrs()[0])
         params.append(flat_params(model))
@@ -61,6 +72,8 @@ def fanout_and_sync(rank: int, world: int, mode: str) -> dict:
         "params": params,
         "bn": bn_means,
         "perms": perms,
+        "pre_sync": pre_sync,
+        "divergences": divergences,
         "lr_type": type(opt.param_groups[0]["lr"]).__name__,
     }
 
