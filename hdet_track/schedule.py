@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["multipliers", "decay_gamma", "permutation_generator", "draw_permutation"]
+__all__ = ["multipliers", "decay_gamma", "permutation_generator", "draw_permutation", "replica_values"]
 
 
 def multipliers(num_replicas: int, spread: float) -> list[float]:
@@ -83,3 +83,14 @@ def draw_permutation(num_replicas: int, generator: torch.Generator) -> list[int]
 def _check_spread(name: str, value: float) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
         raise ValueError(f"Expected {name} in [0, 1), but got {value!r}")
+
+
+def replica_values(
+    base: list[float], rho: list[float], perm: list[int], replica: int, bounds: list[tuple[float, float]] | None
+) -> list[float]:
+    """The values replica ``replica`` uses on every target: ``base_t * rho[perm[replica]]``,
+    clipped to ``bounds[t]`` when bounds are given (the LR is not clipped, only its base is)."""
+    m = rho[perm[replica]]
+    if bounds is None:
+        return [b * m for b in base]
+    return [min(max(b * m, lo), hi) for b, (lo, hi) in zip(base, bounds)]

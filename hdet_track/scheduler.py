@@ -2,7 +2,8 @@
 
 This module wires the pure math (:mod:`hdet_track.schedule`, :mod:`hdet_track.controller`),
 the explored hyperparameters (:mod:`hdet_track.explore`) and the collective layer
-(:mod:`hdet_track.collectives`). It imports no tracker.
+(:mod:`hdet_track.collectives`), and hands events to the tracking hub on rank 0 when
+``track`` is set (the backends are imported only then).
 """
 
 from __future__ import annotations
@@ -23,14 +24,23 @@ from . import collectives
 from .controller import ControllerUpdate, controller_update, softmax_weights
 from .errors import CheckpointMismatchError, NonFiniteReplicasError
 from .explore import Hyperparam, resolve_explore
-from .schedule import _check_spread, decay_gamma, draw_permutation, multipliers, permutation_generator
+from .schedule import (
+    _check_spread,
+    decay_gamma,
+    draw_permutation,
+    multipliers,
+    permutation_generator,
+    replica_values,
+)
 
 __all__ = ["HDETScheduler", "SyncReport"]
 
 logger = logging.getLogger(__name__)
 
 # Attributes that are rebuilt from the constructor's arguments instead of being saved.
-_NOT_SAVED = frozenset({"optimizer", "_explore", "_gens", "_group", "_model", "_window", "last_sync"})
+_NOT_SAVED = frozenset(
+    {"optimizer", "_explore", "_gens", "_group", "_model", "_window", "last_sync", "_hub", "_trace", "_config"}
+)
 # Per-rank facts that a checkpoint from another rank must not overwrite.
 _PER_RANK = frozenset({"_rank"})
 
@@ -110,7 +120,13 @@ class HDETScheduler(OneCycleLR):
         process_group: the replicas; default the default group, or a world of one when
             torch.distributed is not initialised.
         seed: seeds the private permutation generators (the same on every rank).
-        track: ``False`` (the only value before the tracking backends land).
+        track: log the run: ``True`` (the backend named by ``$HDET_TRACKER``, MLflow when unset),
+            ``"mlflow"``, ``"wandb"``, a :class:`hdet_track.tracking.Tracker`, or a list of them.
+            Rank 0 owns the one run of the job; the other ranks' losses reach it at syncs.
+        log_every: keep every k-th step's per-replica metrics (sync and controller series and
+            the event archive are never thinned).
+        compare_group: the ``hdet.compare_group`` tag (W&B run group) shared by runs to compare.
+        run_name: the tracker run's name.
         model: the module whose parameters *and buffers* are averaged (e.g. BatchNorm
             running statistics). Without it, the optimizer's parameters are averaged.
         average_buffers: with ``model``, average its floating and integer buffers too.
@@ -158,7 +174,15 @@ class HDETScheduler(OneCycleLR):
         track: Any = False,
         model: nn.Module | None = None,
         average_buffers: bool = True,
+        log_every: int = 1,
+        compare_group: str | None = None,
+        run_name: str | None = None,
     ) -> None:
+        config = {
+            k: v
+            for k, v in locals().items()
+            if k not in ("self", "optimizer", "explore", "process_group", "track", "model", "__class__")
+        }
         self._hdet_ready = False
         _check_spread("spread", spread)
         if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
@@ -172,10 +196,13 @@ class HDETScheduler(OneCycleLR):
             raise ValueError(f"Expected auto_lr to be a bool, but got {auto_lr!r}")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"Expected seed to be an int, but got {seed!r}")
+        if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1:
+            raise ValueError(f"Expected log_every to be an integer >= 1, but got {log_every!r}")
+        trackers: list = []
         if track not in (False, None):
-            raise ValueError(
-                f"Expected track=False (tracking backends are not available in this version), but got {track!r}"
-            )
+            from .tracking.base import resolve_trackers
+
+            trackers = resolve_trackers(track)
         if model is not None and not isinstance(model, nn.Module):
             raise TypeError(f"Expected model to be a torch.nn.Module, but got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -239,8 +266,12 @@ class HDETScheduler(OneCycleLR):
             self._gamma[hp.name] = 0.0
         self._onecycle: list[float] = []
         # This replica's losses since the last sync (detached tensors or floats), summed at the sync.
-        self._window: list[float | torch.Tensor] = []
-        self.measure_divergence = False
+        self._window: list[float | torch.Tensor | None] = []
+        self.measure_divergence = bool(trackers)
+        self._tracking = bool(trackers)
+        self._hub: Any = None
+        self._trace: list[list[float]] = []
+        self._config = config
         self._num_syncs = 0
         self.last_sync: SyncReport | None = None
 
@@ -262,6 +293,8 @@ class HDETScheduler(OneCycleLR):
         )
         self._hdet_ready = True
         self._apply_explored()
+        if trackers:
+            self._start_tracking(trackers, log_every, compare_group, run_name)
         if n == 1 and (self.spread > 0 or any(hp.spread > 0 for hp in self._explore)):
             warnings.warn(
                 "HDETScheduler runs on a single replica (no initialised process group, or a group "
@@ -348,12 +381,18 @@ class HDETScheduler(OneCycleLR):
             )
         self._accumulate(loss)
         k = self.last_epoch + 1
+        if self._hub is not None:
+            self._trace.append(self._onecycle)
         report = None
         if k % self.sync_every == 0 or k == self.total_steps:
             report = self._sync(k)
         super().step()
         if report is not None:
             self.last_sync = replace(report, onecycle_lr=list(self._onecycle))
+        if self._hub is not None:
+            self._hub.note_step(k)
+            if k == self.total_steps:
+                self.close()
 
     def _accumulate(self, loss: float | torch.Tensor | None) -> None:
         if loss is None:
@@ -361,6 +400,7 @@ class HDETScheduler(OneCycleLR):
                 raise ValueError(
                     "Expected step(loss) with this replica's training loss while auto_lr=True, but got no loss"
                 )
+            self._window.append(None)
             return
         if isinstance(loss, torch.Tensor):
             if loss.numel() != 1:
@@ -373,25 +413,30 @@ class HDETScheduler(OneCycleLR):
         else:
             raise ValueError(f"Expected loss to be a float or a one-element tensor, but got {type(loss).__name__}")
 
-    def _window_sum(self) -> float:
-        """The window's loss sum in float64 (one device-to-host copy, in the same order after a resume)."""
-        if not self._window:
-            return math.nan
-        device = next((x.device for x in self._window if isinstance(x, torch.Tensor)), torch.device("cpu"))
-        values = [
-            x.reshape(()).to(device=device, dtype=torch.float64)
-            if isinstance(x, torch.Tensor)
-            else torch.tensor(x, dtype=torch.float64, device=device)
-            for x in self._window
-        ]
-        return float(torch.stack(values).sum())
+    def _window_stats(self, per_step: bool) -> tuple[float, int, list[float]]:
+        """The window's loss sum (float64, summed in the same order after a resume), the number of
+        losses given, and (with ``per_step``) every step's loss, nan where none was given."""
+        given = [x for x in self._window if x is not None]
+        if not given:
+            return math.nan, 0, [math.nan] * len(self._window) if per_step else []
+        device = next((x.device for x in given if isinstance(x, torch.Tensor)), torch.device("cpu"))
+        stacked = torch.stack(
+            [
+                x.reshape(()).to(device=device, dtype=torch.float64)
+                if isinstance(x, torch.Tensor)
+                else torch.tensor(x, dtype=torch.float64, device=device)
+                for x in given
+            ]
+        )
+        total = float(stacked.sum())
+        if not per_step:
+            return total, len(given), []
+        values = iter(stacked.cpu().tolist())
+        return total, len(given), [math.nan if x is None else next(values) for x in self._window]
 
     def _values_for(self, name: str, rank: int) -> list[float]:
-        m = self._rho[name][self._perm[name][rank]]
-        base = self.base_values(name)
-        if name == "lr":
-            return [b * m for b in base]
-        return [min(max(b * m, lo), hi) for b, (lo, hi) in zip(base, self._bounds[name])]
+        bounds = None if name == "lr" else self._bounds[name]
+        return replica_values(self.base_values(name), self._rho[name], self._perm[name], rank, bounds)
 
     def _apply_explored(self) -> None:
         for hp in self._explore:
@@ -409,9 +454,8 @@ class HDETScheduler(OneCycleLR):
         n = self._world_size
         buckets = collectives.make_buckets(self._sync_tensors())
         finite = collectives.buckets_finite(buckets)
-        rows = collectives.all_gather_rows(
-            [self._window_sum(), float(len(self._window)), 1.0 if finite else 0.0], self._group
-        )
+        wsum, wcount, per_step = self._window_stats(per_step=self._tracking)
+        rows = collectives.all_gather_rows([wsum, float(wcount), 1.0 if finite else 0.0, *per_step], self._group)
         losses = [r[0] / r[1] if r[1] > 0 else math.nan for r in rows]
         healthy = [r[2] == 1.0 and (r[1] == 0 or math.isfinite(loss)) for r, loss in zip(rows, losses)]
         if not any(healthy):
@@ -437,6 +481,12 @@ class HDETScheduler(OneCycleLR):
                 )
             if not healthy[self._rank]:
                 self._clear_nonfinite_optimizer_state()
+
+        divergences = [divergence]
+        if self._tracking and n > 1:
+            divergences = [row[0] for row in collectives.all_gather_rows([divergence], self._group)]
+        if self._hub is not None:
+            self._emit_window(rows, divergences, left_out, step)
 
         weights = None
         updates: dict[str, list[ControllerUpdate]] = {}
@@ -468,6 +518,8 @@ class HDETScheduler(OneCycleLR):
         for name in self._explore_names:
             self._perm[name] = draw_permutation(n, self._gens[name])
         self._apply_explored()
+        if self._hub is not None and weights is not None:
+            self._emit_controller(step, weights, updates)
         self._window = []
         self._num_syncs += 1
         return SyncReport(
@@ -479,6 +531,151 @@ class HDETScheduler(OneCycleLR):
             updates=updates,
             permutations={k: list(v) for k, v in self._perm.items()},
         )
+
+    # ------------------------------------------------------------------ tracking
+    def _start_tracking(self, trackers: list, log_every: int, compare_group: str | None, run_name: str | None) -> None:
+        import platform
+        import socket
+        import time
+
+        from . import __version__
+        from .events import RunStart
+        from .tracking.hub import TrackingHub
+
+        hostnames = [socket.gethostname()]
+        if self._world_size > 1:
+            gathered: list[Any] = [None] * self._world_size
+            dist.all_gather_object(gathered, hostnames[0], group=self._group)
+            hostnames = [str(h) for h in gathered]
+        if self._rank != 0:
+            return
+        for t in trackers:
+            if run_name and hasattr(t, "run_name") and not t.run_name:
+                t.run_name = run_name
+        explored = []
+        n_groups = len(self.optimizer.param_groups)
+        explored.append(
+            {
+                "name": "lr",
+                "spread": self.spread,
+                "bounds": [list(b) for b in self._lr_bounds],
+                "targets": [f"pg{g}" for g in range(n_groups)],
+                "multipliers": self._rho["lr"],
+            }
+        )
+        for hp in self._explore:
+            explored.append(
+                {
+                    "name": hp.name,
+                    "spread": hp.spread,
+                    "bounds": [list(b) for b in self._bounds[hp.name]],
+                    "targets": hp.labels(),
+                    "multipliers": self._rho[hp.name],
+                }
+            )
+        hdet = self.spread > 0 or self.auto_lr or any(hp.spread > 0 for hp in self._explore)
+        config = dict(self._config)
+        config["total_steps"] = self.total_steps
+        config["optimizer"] = type(self.optimizer).__name__
+        config["gamma"] = self._gamma["lr"]
+        start = RunStart(
+            config=config,
+            world_size=self._world_size,
+            schedule="hdet" if hdet else "onecycle",
+            param_groups=[str(g.get("name", f"pg{i}")) for i, g in enumerate(self.optimizer.param_groups)],
+            explored=explored,
+            versions={"hdet_track": __version__, "torch": torch.__version__, "python": platform.python_version()},
+            hostnames=hostnames,
+            compare_group=compare_group,
+            time=time.time(),
+        )
+        self._hub = TrackingHub(trackers, log_every=log_every)
+        self._hub.start(start)
+
+    def _emit_window(self, rows: list[list[float]], divergences: list[float], left_out: list[int], step: int) -> None:
+        from .events import Converge
+        from .tracking.hub import WindowPayload
+
+        count = len(self._trace)
+        losses = [list(row[3 : 3 + count]) for row in rows]
+        base = self._base["lr"]
+        self._hub.window(
+            WindowPayload(
+                steps=list(range(step - count + 1, step + 1)),
+                onecycle=self._trace,
+                lr_base=None if base is None else list(base),
+                bases={hp.name: list(self._base[hp.name] or []) for hp in self._explore},
+                perms={k: list(v) for k, v in self._perm.items()},
+                losses=losses,
+            )
+        )
+        self._trace = []
+        window_losses = [r[0] / r[1] if r[1] > 0 else math.nan for r in rows]
+        self._hub.event(Converge(step=step, window_losses=window_losses, divergence=divergences, left_out=left_out))
+
+    def _emit_controller(self, step: int, weights: list[float], updates: dict[str, list[ControllerUpdate]]) -> None:
+        from .events import ControllerDecision
+
+        for name, results in updates.items():
+            self._hub.event(
+                ControllerDecision(
+                    step=step,
+                    name=name,
+                    weights=list(weights),
+                    delta=[u.delta for u in results],
+                    velocity=[u.velocity for u in results],
+                    base_before=[u.base_before for u in results],
+                    base_after=[u.base_after for u in results],
+                    gamma=self._gamma[name],
+                    permutation=list(self._perm[name]),
+                    onecycle=list(self._onecycle) if name == "lr" else None,
+                )
+            )
+
+    @property
+    def tracking(self) -> bool:
+        """Whether this job logs to a tracker (on every rank; rank 0 owns the run)."""
+        return self._tracking
+
+    @property
+    def run_ids(self) -> dict[str, str | None]:
+        """Rank 0: the tracker run id of each backend (after its first write); elsewhere empty."""
+        if self._hub is None:
+            return {}
+        return {type(t).name or type(t).__name__: t.run_id for t in self._hub.trackers}
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        """Log extra metrics (validation loss, accuracy, ...) into the run, on rank 0; a no-op elsewhere."""
+        if self._hub is not None:
+            self._hub.metrics(dict(metrics), self.last_epoch if step is None else step)
+
+    def flush(self, timeout: float | None = 60.0) -> bool:
+        """Block until what was logged so far reached the trackers (rank 0). True when it did."""
+        return True if self._hub is None else self._hub.flush(timeout)
+
+    def close(self, status: str = "FINISHED", error: str | None = None) -> None:
+        """End the tracked run (FINISHED, FAILED or KILLED) and stop the writer; idempotent.
+
+        Runs also end by themselves at ``total_steps``, at process exit, or when the scheduler is
+        used as a context manager (an exception makes the run FAILED, Ctrl-C KILLED).
+        """
+        if status not in ("FINISHED", "FAILED", "KILLED"):
+            raise ValueError(f"Expected status in ('FINISHED', 'FAILED', 'KILLED'), but got {status!r}")
+        if self._hub is not None and not self._hub.ended:
+            self._hub.close(status, error, step=self.last_epoch)
+
+    def __enter__(self) -> HDETScheduler:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            import traceback
+
+            killed = issubclass(exc_type, KeyboardInterrupt)
+            text = "".join(traceback.format_exception(exc_type, exc, tb))[-4000:]
+            self.close("KILLED" if killed else "FAILED", text)
 
     def _clear_nonfinite_optimizer_state(self) -> None:
         state = self.optimizer.state
@@ -538,7 +735,7 @@ class HDETScheduler(OneCycleLR):
         """
         state = {k: v for k, v in self.__dict__.items() if k not in _NOT_SAVED}
         state["_gen_states"] = {name: g.get_state() for name, g in self._gens.items()}
-        state["_window"] = [float(x) for x in self._window]
+        state["_window"] = [None if x is None else float(x) for x in self._window]
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

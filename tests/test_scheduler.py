@@ -225,7 +225,9 @@ def test_betas_entry_explored_with_adam():
         ({"lr_bounds": (0.2, 1.0)}, "contain the base max_lr 0.1"),
         ({"lr_bounds": (0.5, 0.1)}, "low < high"),
         ({"lr_bounds": [(0.0, 1.0)] * 2}, "one \\(low, high\\) per param group"),
-        ({"track": True}, "track=False"),
+        ({"track": "bogus"}, "tracker name in \\['mlflow', 'wandb'\\], but got 'bogus'"),
+        ({"track": 3}, "Expected track to be True, False"),
+        ({"log_every": 0}, "log_every to be an integer >= 1, but got 0"),
         ({"seed": 1.5}, "seed"),
     ],
 )

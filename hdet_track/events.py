@@ -1,0 +1,199 @@
+"""Typed, versioned events: the contract between training and everything that reads a run.
+
+Every event is a frozen dataclass with ``to_dict()`` / :func:`event_from_dict`. Dicts carry
+``"kind"`` and ``"schema"`` (:data:`SCHEMA_VERSION`); a reader meeting a newer schema raises
+:class:`UnknownSchemaError` instead of guessing. Nothing here imports torch or a tracker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from .errors import HDETError
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "RunStart",
+    "StepRecord",
+    "Converge",
+    "ControllerDecision",
+    "RunEnd",
+    "Event",
+    "event_from_dict",
+    "UnknownSchemaError",
+    "series_key",
+]
+
+SCHEMA_VERSION = 1
+
+
+class UnknownSchemaError(HDETError):
+    """An event dict of an unknown kind or a newer schema version."""
+
+
+def series_key(name: str, target: int, label: str) -> str:
+    """The metric-name stem of target ``target`` of hyperparameter ``name``.
+
+    Target 0 keeps the bare name (``lr``, ``weight_decay``); param group g > 0 gets ``_pg{g}``
+    (``lr_pg1``); other targets (modules, ...) get ``_t{t}``.
+    """
+    if target == 0:
+        return name
+    if label.startswith("pg") and label[2:].isdigit():
+        return f"{name}_{label}"
+    return f"{name}_t{target}"
+
+
+def _clean(value: Any) -> Any:
+    """JSON-safe copy: non-finite floats become None, tuples become lists."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value
+
+
+def _unclean(value: Any) -> Any:
+    if value is None:
+        return math.nan
+    if isinstance(value, list):
+        return [_unclean(v) for v in value]
+    return value
+
+
+@dataclass(frozen=True)
+class _Event:
+    kind: ClassVar[str] = ""
+    _float_lists: ClassVar[tuple[str, ...]] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {"kind": self.kind, "schema": SCHEMA_VERSION}
+        out.update(_clean(dataclasses.asdict(self)))
+        return out
+
+    @classmethod
+    def _from_fields(cls, data: dict[str, Any]) -> _Event:
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in data.items() if k in names}
+        for key in cls._float_lists:
+            if key in kwargs:
+                kwargs[key] = _unclean(kwargs[key])
+        return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class RunStart(_Event):
+    """The start of a run: full configuration and environment.
+
+    ``explored`` holds one dict per hyperparameter (``"lr"`` first): name, spread, bounds per
+    target, target labels and multipliers.
+    """
+
+    kind: ClassVar[str] = "run_start"
+    config: dict[str, Any]
+    world_size: int
+    schedule: str  # "hdet" or "onecycle"
+    param_groups: list[str]
+    explored: list[dict[str, Any]]
+    versions: dict[str, str]
+    hostnames: list[str]
+    compare_group: str | None = None
+    time: float = 0.0
+
+
+@dataclass(frozen=True)
+class StepRecord(_Event):
+    """One replica at one optimizer step: every explored value (keyed by series), multipliers, loss."""
+
+    kind: ClassVar[str] = "step"
+    step: int
+    replica: int
+    values: dict[str, float]
+    multipliers: dict[str, float]
+    loss: float = math.nan
+
+    def to_dict(self) -> dict[str, Any]:
+        out = super().to_dict()
+        out["loss"] = _clean(self.loss)
+        return out
+
+    @classmethod
+    def _from_fields(cls, data: dict[str, Any]) -> StepRecord:
+        data = dict(data)
+        data["loss"] = _unclean(data.get("loss"))
+        return super()._from_fields(data)  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class Converge(_Event):
+    """One sync: window mean losses, each replica's divergence before averaging, left-out ranks."""
+
+    kind: ClassVar[str] = "converge"
+    _float_lists: ClassVar[tuple[str, ...]] = ("window_losses", "divergence")
+    step: int
+    window_losses: list[float]
+    divergence: list[float]
+    left_out: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ControllerDecision(_Event):
+    """The controller's decision for one hyperparameter at one sync (lists: one entry per target)."""
+
+    kind: ClassVar[str] = "controller"
+    _float_lists: ClassVar[tuple[str, ...]] = (
+        "weights",
+        "delta",
+        "velocity",
+        "base_before",
+        "base_after",
+        "onecycle",
+    )
+    step: int
+    name: str
+    weights: list[float]
+    delta: list[float]
+    velocity: list[float]
+    base_before: list[float]
+    base_after: list[float]
+    gamma: float
+    permutation: list[int]
+    onecycle: list[float] | None = None  # plain OneCycleLR's value (LR only): drift = base / onecycle
+
+
+@dataclass(frozen=True)
+class RunEnd(_Event):
+    """The end of a run: ``FINISHED``, ``FAILED`` (with the exception text) or ``KILLED``."""
+
+    kind: ClassVar[str] = "run_end"
+    status: str
+    step: int
+    error: str | None = None
+
+
+Event = RunStart | StepRecord | Converge | ControllerDecision | RunEnd
+_KINDS: dict[str, type[_Event]] = {
+    cls.kind: cls for cls in (RunStart, StepRecord, Converge, ControllerDecision, RunEnd)
+}
+
+
+def event_from_dict(data: dict[str, Any]) -> Event:
+    """Rebuild an event from :meth:`to_dict`'s output.
+
+    Raises:
+        UnknownSchemaError: unknown kind, or a schema version newer than this library's.
+    """
+    kind = data.get("kind")
+    schema = data.get("schema")
+    if kind not in _KINDS:
+        raise UnknownSchemaError(f"Expected an event kind in {sorted(_KINDS)}, but got {kind!r}")
+    if not isinstance(schema, int) or schema > SCHEMA_VERSION or schema < 1:
+        raise UnknownSchemaError(
+            f"Expected event schema version 1..{SCHEMA_VERSION}, but got {schema!r}; upgrade hdet-track to read it"
+        )
+    return _KINDS[kind]._from_fields(data)  # type: ignore[return-value]

@@ -1,0 +1,55 @@
+"""Helpers shared by the backends: flattening the run config into params."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ..events import RunStart
+from .base import redact
+
+
+def flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            flatten(f"{prefix}.{k}" if prefix else str(k), v, out)
+    elif isinstance(value, (list, tuple)) and value and all(isinstance(v, dict) for v in value):
+        for i, v in enumerate(value):
+            flatten(f"{prefix}.{i}", v, out)
+    else:
+        out[prefix] = value
+
+
+def run_params(run_start: RunStart) -> dict[str, str]:
+    """Every config value (flattened with '.'), explored hyperparameters, world size and hosts."""
+    flat: dict[str, Any] = {}
+    flatten("", run_start.config, flat)
+    for info in run_start.explored:
+        name = info["name"]
+        flat[f"explore.{name}.spread"] = info["spread"]
+        flat[f"explore.{name}.bounds"] = info["bounds"]
+        flat[f"explore.{name}.targets"] = info["targets"]
+    flat["world_size"] = run_start.world_size
+    flat["param_groups"] = run_start.param_groups
+    flat["hostnames"] = run_start.hostnames
+    for k, v in run_start.versions.items():
+        flat[f"version.{k}"] = v
+    flat = redact(flat)
+    out = {}
+    for k, v in flat.items():
+        text = v if isinstance(v, str) else json.dumps(v, default=str)
+        out[k] = text[:500]
+    return out
+
+
+def run_tags(run_start: RunStart) -> dict[str, str]:
+    from ..events import SCHEMA_VERSION
+
+    tags = {
+        "hdet.schedule": run_start.schedule,
+        "hdet.schema_version": str(SCHEMA_VERSION),
+        "hdet.world_size": str(run_start.world_size),
+    }
+    if run_start.compare_group:
+        tags["hdet.compare_group"] = run_start.compare_group
+    return tags

@@ -1,0 +1,122 @@
+"""The Tracker protocol, the batch it receives, and the name-to-class registry."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, NamedTuple
+
+from ..events import Event, RunEnd, RunStart
+
+__all__ = ["Point", "Batch", "Tracker", "register", "get_tracker_class", "resolve_trackers", "is_secret", "TRACKERS"]
+
+
+class Point(NamedTuple):
+    """One metric point: key (a name from the metric contract), value, step, wall time in ms."""
+
+    key: str
+    value: float
+    step: int
+    timestamp_ms: int
+
+
+@dataclass
+class Batch:
+    """What the hub hands a tracker at once: metric points and the events they came from."""
+
+    points: list[Point] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
+
+
+class Tracker:
+    """Base class of a tracking backend (one run per job; rank 0 only).
+
+    Subclasses implement :meth:`start`, :meth:`log` and :meth:`finish`; the hub calls them
+    from its writer thread, never from the training thread, and treats any exception as the
+    backend being unavailable (the batch is spilled to disk and replayed later).
+    """
+
+    name: ClassVar[str] = ""
+    main_process_only: ClassVar[bool] = True
+
+    def start(self, run_start: RunStart) -> None:
+        """Create (or attach to) the run. Called again after a failure: must be idempotent."""
+        raise NotImplementedError
+
+    def log(self, batch: Batch) -> None:
+        """Write a batch of metric points and archive its events."""
+        raise NotImplementedError
+
+    def finish(self, run_end: RunEnd) -> None:
+        """Flush what is archived and end the run with ``run_end.status``."""
+        raise NotImplementedError
+
+    @property
+    def run_id(self) -> str | None:
+        """The backend's id of the run, once started."""
+        return None
+
+
+TRACKERS: dict[str, type[Tracker]] = {}
+
+
+def register(cls: type[Tracker]) -> type[Tracker]:
+    """Class decorator: make ``cls`` available as ``track=cls.name``."""
+    TRACKERS[cls.name] = cls
+    return cls
+
+
+def get_tracker_class(name: str) -> type[Tracker]:
+    from . import mlflow as _mlflow  # noqa: F401 - registers the built-in backends
+    from . import wandb as _wandb  # noqa: F401
+
+    if name not in TRACKERS:
+        raise ValueError(f"Expected a tracker name in {sorted(TRACKERS)}, but got {name!r}")
+    return TRACKERS[name]
+
+
+def resolve_trackers(track: Any) -> list[Tracker]:
+    """``track=`` of the scheduler: True (``$HDET_TRACKER``, default mlflow), a name, a Tracker, or a list."""
+    if track is False or track is None:
+        return []
+    if track is True:
+        name = os.environ.get("HDET_TRACKER", "mlflow").strip().lower() or "mlflow"
+        if name not in ("mlflow", "wandb"):
+            raise ValueError(f"Expected HDET_TRACKER to be 'mlflow' or 'wandb', but got {name!r}")
+        return [get_tracker_class(name)()]
+    if isinstance(track, str):
+        return [get_tracker_class(track)()]
+    if isinstance(track, Tracker):
+        return [track]
+    if isinstance(track, (list, tuple)) and track:
+        out: list[Tracker] = []
+        for item in track:
+            out.extend(resolve_trackers(item))
+        return out
+    raise ValueError(
+        f"Expected track to be True, False, 'mlflow', 'wandb', a hdet_track.tracking.Tracker or a list of "
+        f"them, but got {track!r}"
+    )
+
+
+_SECRET = re.compile(r"(TOKEN|SECRET|PASSWORD|API_KEY|APIKEY|CREDENTIAL|PRIVATE_KEY)", re.IGNORECASE)
+
+
+def is_secret(key: str) -> bool:
+    """Whether a config/environment key looks like it holds a secret (never logged)."""
+    return bool(_SECRET.search(key))
+
+
+def redact(config: dict[str, Any], secret_values: Callable[[], set[str]] | None = None) -> dict[str, Any]:
+    """Drop secret-looking keys and any value equal to a secret environment variable."""
+    secrets = {v for k, v in os.environ.items() if is_secret(k) and len(v) >= 4}
+    if secret_values is not None:
+        secrets |= secret_values()
+    out = {}
+    for k, v in config.items():
+        if is_secret(k) or (isinstance(v, str) and any(s in v for s in secrets)):
+            continue
+        out[k] = v
+    return out

@@ -1,0 +1,376 @@
+"""The tracking hub: rank 0's queue and background writer between the scheduler and the trackers.
+
+The training thread only appends compact items to a deque (one per sync, plus a few per run).
+A writer thread expands them into events and metric points and hands batches to each tracker.
+A tracker that raises is considered down: its batches go to a spill file (JSON lines) in order
+and are replayed, oldest first, once a retry succeeds. Nothing raises into the training loop.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import weakref
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..events import ControllerDecision, Converge, Event, RunEnd, RunStart, StepRecord, event_from_dict, series_key
+from ..schedule import replica_values
+from .base import Batch, Point, Tracker
+from .naming import controller_points, converge_points, step_points
+
+__all__ = ["TrackingHub", "WindowPayload"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WindowPayload:
+    """The steps between two syncs, as compact as the scheduler can hand them over.
+
+    Every replica's values are derived from the shared bases, multipliers and permutations
+    (identical on all ranks); only the losses had to travel (gathered at the sync).
+    """
+
+    steps: list[int]
+    onecycle: list[list[float]]  # per step: plain OneCycle LR per param group
+    lr_base: list[float] | None  # the controller's held base, or None while following OneCycle
+    bases: dict[str, list[float]]  # other explored hyperparameters: base per target
+    perms: dict[str, list[int]]
+    losses: list[list[float]]  # [replica][i]
+
+
+class _Spec:
+    def __init__(self, info: dict[str, Any]) -> None:
+        self.name: str = info["name"]
+        self.rho: list[float] = info["multipliers"]
+        self.labels: list[str] = info["targets"]
+        self.bounds = None if self.name == "lr" else [tuple(b) for b in info["bounds"]]
+        self.keys = [series_key(self.name, t, label) for t, label in enumerate(self.labels)]
+
+
+def expand_window(payload: WindowPayload, specs: Sequence[_Spec]) -> list[StepRecord]:
+    """Every replica's :class:`StepRecord` for every step of the window."""
+    n = len(payload.losses)
+    out: list[StepRecord] = []
+    for i, step in enumerate(payload.steps):
+        lr_base = payload.lr_base if payload.lr_base is not None else payload.onecycle[i]
+        for r in range(n):
+            values: dict[str, float] = {}
+            mults: dict[str, float] = {}
+            for spec in specs:
+                base = lr_base if spec.name == "lr" else payload.bases[spec.name]
+                perm = payload.perms[spec.name]
+                for key, v in zip(spec.keys, replica_values(base, spec.rho, perm, r, spec.bounds)):
+                    values[key] = v
+                mults[spec.name] = spec.rho[perm[r]]
+            out.append(StepRecord(step=step, replica=r, values=values, multipliers=mults, loss=payload.losses[r][i]))
+    return out
+
+
+class _Sink:
+    """One tracker, with its spill file and retry state."""
+
+    def __init__(self, tracker: Tracker, spill_dir: Path, retry_seconds: float) -> None:
+        self.tracker = tracker
+        self.spill_path = spill_dir / f"spill-{type(tracker).__name__}-{id(tracker)}.jsonl"
+        self.retry_seconds = retry_seconds
+        self.down_since: float | None = None
+        self.next_retry = 0.0
+        self.spilled = 0
+
+    def deliver(self, batch: Batch) -> None:
+        if self.down_since is not None:
+            if time.monotonic() < self.next_retry or not self._replay():
+                self._spill(batch)
+                return
+        try:
+            self._send(batch)
+        except Exception as exc:  # noqa: BLE001 - any backend failure means "down"
+            self._went_down(exc)
+            self._spill(batch)
+
+    def _send(self, batch: Batch) -> None:
+        for ev in batch.events:
+            if isinstance(ev, RunStart):
+                self.tracker.start(ev)
+        ends = [ev for ev in batch.events if isinstance(ev, RunEnd)]
+        if batch.points or len(ends) < len(batch.events):
+            self.tracker.log(batch)
+        for ev in ends:
+            self.tracker.finish(ev)
+
+    def _went_down(self, exc: BaseException) -> None:
+        if self.down_since is None:
+            self.down_since = time.monotonic()
+            logger.warning(
+                "hdet-track: %s is unavailable (%s: %s); buffering to %s and retrying",
+                type(self.tracker).__name__,
+                type(exc).__name__,
+                exc,
+                self.spill_path,
+            )
+        self.next_retry = time.monotonic() + self.retry_seconds
+
+    def _spill(self, batch: Batch) -> None:
+        record = {"events": [e.to_dict() for e in batch.events], "points": [list(p) for p in batch.points]}
+        with open(self.spill_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        self.spilled += 1
+
+    def _replay(self) -> bool:
+        """Send the spilled batches in order; keep the unsent ones. True when all went through."""
+        if not self.spill_path.exists():
+            self.down_since = None
+            return True
+        lines = self.spill_path.read_text().splitlines()
+        for i, line in enumerate(lines):
+            data = json.loads(line)
+            batch = Batch(
+                points=[Point(str(k), float(v), int(s), int(t)) for k, v, s, t in data["points"]],
+                events=[event_from_dict(e) for e in data["events"]],
+            )
+            try:
+                self._send(batch)
+            except Exception as exc:  # noqa: BLE001
+                self._went_down(exc)
+                rest = lines[i:]
+                tmp = self.spill_path.with_suffix(".tmp")
+                tmp.write_text("".join(x + "\n" for x in rest))
+                os.replace(tmp, self.spill_path)
+                return False
+        self.spill_path.unlink()
+        logger.warning(
+            "hdet-track: %s is back after %.1f s; replayed %d buffered batches",
+            type(self.tracker).__name__,
+            time.monotonic() - (self.down_since or time.monotonic()),
+            len(lines),
+        )
+        self.down_since = None
+        return True
+
+    def drain(self, deadline: float) -> None:
+        """At shutdown: retry the spill until it is empty or the deadline passes."""
+        while self.down_since is not None and time.monotonic() < deadline:
+            if self._replay():
+                return
+            time.sleep(min(self.retry_seconds, max(0.0, deadline - time.monotonic())))
+
+
+class TrackingHub:
+    """Rank 0's background writer. Create with the trackers, then :meth:`start`."""
+
+    _instances: weakref.WeakSet[TrackingHub] = weakref.WeakSet()
+
+    def __init__(
+        self,
+        trackers: Sequence[Tracker],
+        *,
+        log_every: int = 1,
+        spill_dir: str | os.PathLike | None = None,
+        flush_seconds: float = 1.0,
+        retry_seconds: float = 2.0,
+        shutdown_timeout: float = 120.0,
+    ) -> None:
+        if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1:
+            raise ValueError(f"Expected log_every to be an integer >= 1, but got {log_every!r}")
+        self.trackers = list(trackers)
+        self.log_every = log_every
+        self.flush_seconds = flush_seconds
+        self.shutdown_timeout = shutdown_timeout
+        self.spill_dir = Path(spill_dir) if spill_dir is not None else Path(tempfile.mkdtemp(prefix="hdet-spill-"))
+        self.spill_dir.mkdir(parents=True, exist_ok=True)
+        self._sinks = [_Sink(t, self.spill_dir, retry_seconds) for t in self.trackers]
+        self._queue: deque[tuple[str, Any]] = deque()
+        self._wake = threading.Event()
+        self._specs: list[_Spec] = []
+        self._labels: dict[str, list[str]] = {}
+        self._closed = False
+        self._ended = False
+        self._failure: tuple[str, str] | None = None
+        self._last_step = 0
+        self._thread = threading.Thread(target=self._run, name="hdet-tracking-writer", daemon=True)
+        self._thread.start()
+        TrackingHub._instances.add(self)
+        _install_process_hooks()
+
+    # ------------------------------------------------------------------ training thread
+    def start(self, run_start: RunStart) -> None:
+        self._put("start", run_start)
+
+    def window(self, payload: WindowPayload) -> None:
+        self._put("window", payload)
+
+    def event(self, event: Event) -> None:
+        self._put("event", event)
+
+    def metrics(self, values: dict[str, float], step: int) -> None:
+        """User metrics (e.g. validation loss) into the same run."""
+        self._put("metrics", (dict(values), int(step)))
+
+    def note_step(self, step: int) -> None:
+        self._last_step = step
+
+    def _put(self, kind: str, item: Any) -> None:
+        if self._ended:
+            logger.warning("hdet-track: the run has ended; dropping a late %s", kind)
+            return
+        self._queue.append((kind, item))
+        if kind != "window" or len(self._queue) > 64:
+            self._wake.set()
+
+    def flush(self, timeout: float | None = 60.0) -> bool:
+        """Block until everything queued so far reached the trackers (or their spill files)."""
+        if not self._thread.is_alive():
+            return False
+        done = threading.Event()
+        self._queue.append(("flush", done))
+        self._wake.set()
+        return done.wait(timeout)
+
+    def close(self, status: str = "FINISHED", error: str | None = None, step: int | None = None) -> None:
+        """End the run with ``status`` and stop the writer once everything is written."""
+        if self._ended:
+            return
+        if self._failure is not None and status == "FINISHED":
+            status, error = self._failure
+        self._put("end", RunEnd(status=status, step=self._last_step if step is None else step, error=error))
+        self._ended = True
+        self._closed = True
+        self._wake.set()
+        self._thread.join(self.shutdown_timeout + 5)
+        if self._thread.is_alive():
+            logger.warning("hdet-track: the tracking writer did not finish within %.0f s", self.shutdown_timeout)
+
+    @property
+    def ended(self) -> bool:
+        return self._ended
+
+    # ------------------------------------------------------------------ writer thread
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(self.flush_seconds)
+            self._wake.clear()
+            try:
+                finished = self._drain()
+            except Exception:  # noqa: BLE001 - the writer must never take training down
+                logger.warning("hdet-track: the tracking writer failed:\n%s", traceback.format_exc())
+                finished = self._closed and not self._queue
+            if finished:
+                deadline = time.monotonic() + self.shutdown_timeout
+                for sink in self._sinks:
+                    sink.drain(deadline)
+                    if sink.down_since is not None:
+                        logger.warning(
+                            "hdet-track: %s still unavailable at shutdown; its unsent data stays in %s",
+                            type(sink.tracker).__name__,
+                            sink.spill_path,
+                        )
+                return
+
+    def _drain(self) -> bool:
+        batch = Batch()
+        flushes: list[threading.Event] = []
+        end: RunEnd | None = None
+        ts = int(time.time() * 1000)
+        while self._queue:
+            kind, item = self._queue.popleft()
+            if kind == "start":
+                self._specs = [_Spec(info) for info in item.explored]
+                self._labels = {s.name: s.labels for s in self._specs}
+                batch.events.append(item)
+            elif kind == "window":
+                records = expand_window(item, self._specs)
+                batch.events.extend(records)
+                n = len(item.losses)
+                for i in range(0, len(records), n):
+                    group = records[i : i + n]
+                    if group and group[0].step % self.log_every == 0:
+                        batch.points.extend(step_points(group, ts))
+            elif kind == "event":
+                batch.events.append(item)
+                if isinstance(item, Converge):
+                    batch.points.extend(converge_points(item, ts))
+                elif isinstance(item, ControllerDecision):
+                    batch.points.extend(controller_points(item, self._labels.get(item.name, []), ts))
+            elif kind == "metrics":
+                values, step = item
+                batch.points.extend(Point(k, float(v), step, ts) for k, v in values.items())
+            elif kind == "flush":
+                flushes.append(item)
+            elif kind == "end":
+                end = item
+        if batch.events or batch.points:
+            for sink in self._sinks:
+                sink.deliver(batch)
+        if end is not None:
+            for sink in self._sinks:
+                sink.deliver(Batch(events=[end]))
+        elif flushes:
+            for sink in self._sinks:
+                if sink.down_since is None:
+                    try:
+                        getattr(sink.tracker, "flush", lambda: None)()
+                    except Exception as exc:  # noqa: BLE001
+                        sink._went_down(exc)
+        for done in flushes:
+            done.set()
+        return end is not None
+
+
+# ---------------------------------------------------------------------- process hooks
+_HOOKS_INSTALLED = False
+
+
+def _close_all(status: str, error: str | None) -> None:
+    for hub in list(TrackingHub._instances):
+        if not hub.ended:
+            hub.close(status, error)
+
+
+def _record_failure(status: str, error: str) -> None:
+    for hub in list(TrackingHub._instances):
+        hub._failure = (status, error)
+
+
+def _install_process_hooks() -> None:
+    """atexit ends open runs; an uncaught exception marks them FAILED (KILLED for Ctrl-C);
+    SIGTERM marks them KILLED before the process dies as it would have."""
+    global _HOOKS_INSTALLED
+    if _HOOKS_INSTALLED:
+        return
+    _HOOKS_INSTALLED = True
+    atexit.register(_close_all, "FINISHED", None)
+    previous_hook = sys.excepthook
+
+    def excepthook(exc_type, exc, tb):  # type: ignore[no-untyped-def]
+        killed = issubclass(exc_type, KeyboardInterrupt)
+        text = "".join(traceback.format_exception(exc_type, exc, tb))[-4000:]
+        _record_failure("KILLED" if killed else "FAILED", text)
+        previous_hook(exc_type, exc, tb)
+
+    sys.excepthook = excepthook
+    if threading.current_thread() is threading.main_thread():
+        try:
+            previous = signal.getsignal(signal.SIGTERM)
+        except (ValueError, OSError):  # pragma: no cover
+            return
+        if previous in (signal.SIG_DFL, None):
+
+            def on_sigterm(signum, frame):  # type: ignore[no-untyped-def]
+                _close_all("KILLED", "terminated by SIGTERM")
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGTERM)
+
+            signal.signal(signal.SIGTERM, on_sigterm)

@@ -1,0 +1,150 @@
+"""MLflow backend: one run per job, ``log_batch`` from the hub's writer thread, Parquet event chunks
+as artifacts under ``hdet_events/``."""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from ..events import RunEnd, RunStart
+from ._common import run_params, run_tags
+from .archive import ARTIFACT_DIR, EventArchive
+from .base import Batch, Tracker, register
+
+__all__ = ["MLflowTracker", "DEFAULT_EXPERIMENT"]
+
+logger = logging.getLogger(__name__)
+DEFAULT_EXPERIMENT = "hdet"
+_MAX_METRICS = 1000
+_MAX_PARAMS = 100
+
+
+def _import_mlflow():
+    try:
+        import mlflow
+        from mlflow.tracking import MlflowClient
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError("track='mlflow' needs MLflow: pip install 'hdet-track[mlflow]'") from exc
+    return mlflow, MlflowClient
+
+
+@register
+class MLflowTracker(Tracker):
+    """Log an HDET run to MLflow.
+
+    Args:
+        tracking_uri: default ``$MLFLOW_TRACKING_URI``, else MLflow's default (``sqlite:///mlflow.db``).
+        experiment: default ``$MLFLOW_EXPERIMENT_NAME``, else ``"hdet"``.
+        run_name: the run's name.
+        run_id: attach to this existing run (default ``$MLFLOW_RUN_ID``).
+        parent_run_id: make the run a child of this run (nested runs).
+        tags: extra tags.
+        chunk_seconds: how often the event archive is written while the run is live.
+    """
+
+    name = "mlflow"
+
+    def __init__(
+        self,
+        tracking_uri: str | None = None,
+        experiment: str | None = None,
+        run_name: str | None = None,
+        run_id: str | None = None,
+        parent_run_id: str | None = None,
+        tags: dict[str, str] | None = None,
+        chunk_seconds: float = 15.0,
+    ) -> None:
+        _import_mlflow()
+        self.tracking_uri = tracking_uri
+        self.experiment = experiment
+        self.run_name = run_name
+        self._attach_id = run_id
+        self.parent_run_id = parent_run_id
+        self.extra_tags = dict(tags or {})
+        self.chunk_seconds = chunk_seconds
+        self._client: Any = None
+        self._run_id: str | None = None
+        self._archive: EventArchive | None = None
+        self._pending: list[Path] = []
+
+    @property
+    def run_id(self) -> str | None:
+        return self._run_id
+
+    @property
+    def client(self) -> Any:
+        return self._client
+
+    def start(self, run_start: RunStart) -> None:
+        if self._run_id is not None:
+            return
+        mlflow, MlflowClient = _import_mlflow()
+        from mlflow.entities import Param, RunTag
+
+        uri = self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or mlflow.get_tracking_uri()
+        client = MlflowClient(uri)
+        name = self.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT
+        exp = client.get_experiment_by_name(name)
+        exp_id = exp.experiment_id if exp is not None else client.create_experiment(name)
+        tags = run_tags(run_start)
+        tags.update(self.extra_tags)
+        if self.parent_run_id:
+            tags["mlflow.parentRunId"] = self.parent_run_id
+        attach = self._attach_id or os.environ.get("MLFLOW_RUN_ID")
+        if attach:
+            run_id = client.get_run(attach).info.run_id
+        else:
+            run = client.create_run(exp_id, run_name=self.run_name, tags=tags)
+            run_id = run.info.run_id
+        params = [Param(k, v) for k, v in run_params(run_start).items()]
+        run_tags_list = [RunTag(k, v) for k, v in tags.items()]
+        for i in range(0, max(len(params), 1), _MAX_PARAMS):
+            client.log_batch(run_id, params=params[i : i + _MAX_PARAMS], tags=run_tags_list if i == 0 else [])
+        self._client = client
+        self._run_id = run_id
+        self._archive = EventArchive(
+            Path(tempfile.mkdtemp(prefix=f"hdet-{run_id[:8]}-")) / ARTIFACT_DIR, chunk_seconds=self.chunk_seconds
+        )
+
+    def log(self, batch: Batch) -> None:
+        from mlflow.entities import Metric
+
+        metrics = [Metric(p.key, p.value, p.timestamp_ms, p.step) for p in batch.points]
+        for i in range(0, len(metrics), _MAX_METRICS):
+            self._client.log_batch(self._run_id, metrics=metrics[i : i + _MAX_METRICS], synchronous=True)
+        assert self._archive is not None
+        self._archive.add(batch.events)
+        if self._archive.due():
+            self._pending += self._archive.write()
+        self._upload(strict=False)
+
+    def flush(self) -> None:
+        if self._archive is not None:
+            self._pending += self._archive.write()
+        self._upload(strict=False)
+
+    def _upload(self, strict: bool) -> None:
+        while self._pending:
+            path = self._pending[0]
+            try:
+                self._client.log_artifact(self._run_id, str(path), ARTIFACT_DIR)
+            except Exception:
+                if strict:
+                    raise
+                logger.debug("hdet-track: artifact upload of %s deferred", path, exc_info=True)
+                return
+            self._pending.pop(0)
+
+    def finish(self, run_end: RunEnd) -> None:
+        if self._run_id is None:
+            return
+        if self._archive is not None:
+            self._pending += self._archive.write()
+        self._upload(strict=True)
+        if run_end.error:
+            self._client.set_tag(self._run_id, "hdet.error", run_end.error[-4900:])
+        self._client.set_terminated(self._run_id, status=run_end.status, end_time=int(time.time() * 1000))

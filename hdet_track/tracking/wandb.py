@@ -1,0 +1,120 @@
+"""Weights & Biases backend (online or offline): one run per job, sync and controller series on a
+sync axis, Parquet event chunks in the run's files under ``hdet_events/``."""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from ..events import RunEnd, RunStart
+from ._common import run_params, run_tags
+from .archive import ARTIFACT_DIR, EventArchive
+from .base import Batch, Tracker, register
+
+__all__ = ["WandbTracker", "DEFAULT_PROJECT", "SYNC_STEP"]
+
+DEFAULT_PROJECT = "hdet"
+SYNC_STEP = "hdet/sync/step"
+_SYNC_PREFIXES = ("hdet/sync/", "hdet/controller/", "hdet/onecycle/")
+
+
+def _import_wandb():
+    try:
+        import wandb
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError("track='wandb' needs wandb: pip install 'hdet-track[wandb]'") from exc
+    return wandb
+
+
+@register
+class WandbTracker(Tracker):
+    """Log an HDET run to W&B. ``WANDB_PROJECT``, ``WANDB_ENTITY``, ``WANDB_MODE`` (``offline`` works
+    without a network) and ``WANDB_RUN_GROUP`` are honoured; the compare group becomes the run group.
+    """
+
+    name = "wandb"
+
+    def __init__(
+        self,
+        project: str | None = None,
+        entity: str | None = None,
+        mode: str | None = None,
+        group: str | None = None,
+        run_name: str | None = None,
+        dir: str | os.PathLike | None = None,  # noqa: A002 - wandb's own argument name
+        chunk_seconds: float = 15.0,
+    ) -> None:
+        _import_wandb()
+        self.project = project
+        self.entity = entity
+        self.mode = mode
+        self.group = group
+        self.run_name = run_name
+        self.dir = dir
+        self.chunk_seconds = chunk_seconds
+        self._run: Any = None
+        self._archive: EventArchive | None = None
+        self._last_step = -1
+
+    @property
+    def run_id(self) -> str | None:
+        return None if self._run is None else self._run.id
+
+    @property
+    def run(self) -> Any:
+        return self._run
+
+    def start(self, run_start: RunStart) -> None:
+        if self._run is not None:
+            return
+        wandb = _import_wandb()
+        tags = run_tags(run_start)
+        run = wandb.init(
+            project=self.project or os.environ.get("WANDB_PROJECT") or DEFAULT_PROJECT,
+            entity=self.entity or os.environ.get("WANDB_ENTITY"),
+            mode=self.mode or os.environ.get("WANDB_MODE") or None,
+            group=self.group or run_start.compare_group or os.environ.get("WANDB_RUN_GROUP"),
+            name=self.run_name,
+            dir=str(self.dir) if self.dir is not None else None,
+            config=run_params(run_start),
+            tags=[f"{k}={v}" for k, v in tags.items()][:20],
+            reinit="create_new",
+        )
+        run.define_metric(SYNC_STEP, hidden=True)
+        for prefix in _SYNC_PREFIXES:
+            run.define_metric(f"{prefix}*", step_metric=SYNC_STEP)
+        for k, v in tags.items():
+            run.summary[k] = v
+        self._run = run
+        self._archive = EventArchive(Path(run.dir) / ARTIFACT_DIR, chunk_seconds=self.chunk_seconds)
+
+    def log(self, batch: Batch) -> None:
+        by_step: dict[int, dict[str, float]] = defaultdict(dict)
+        for p in batch.points:
+            row = by_step[p.step]
+            row[p.key] = p.value
+            if p.key.startswith(_SYNC_PREFIXES):
+                row[SYNC_STEP] = p.step
+        for step in sorted(by_step):
+            # W&B drops points whose step goes backwards; keep them on the latest step instead.
+            self._run.log(by_step[step], step=max(step, self._last_step))
+            self._last_step = max(step, self._last_step)
+        assert self._archive is not None
+        self._archive.add(batch.events)
+        if self._archive.due():
+            self._archive.write()
+
+    def flush(self) -> None:
+        if self._archive is not None:
+            self._archive.write()
+
+    def finish(self, run_end: RunEnd) -> None:
+        if self._run is None:
+            return
+        self.flush()
+        self._run.summary["hdet/status"] = run_end.status
+        if run_end.error:
+            self._run.summary["hdet/error"] = run_end.error[-4000:]
+        self._run.finish(exit_code=0 if run_end.status == "FINISHED" else 1)

@@ -1,0 +1,27 @@
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from .servers import MlflowServer
+
+
+@pytest.fixture(autouse=True)
+def _isolated_tracking_env(monkeypatch, tmp_path):
+    """No test writes into the working directory or reads the developer's tracking settings."""
+    for key in list(os.environ):
+        if key.startswith(("MLFLOW_", "WANDB_", "HDET_")):
+            monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb-root"))
+    (tmp_path / "wandb-root").mkdir()
+    monkeypatch.chdir(tmp_path)
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow-server")).start()
+    yield server
+    server.stop()

@@ -1,0 +1,310 @@
+"""Tracking into a real MLflow store (sqlite file and a real `mlflow server` on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+from torch import nn
+
+from hdet_track import HDETScheduler
+from hdet_track.tracking import Batch, Tracker
+from hdet_track.tracking.base import is_secret, redact
+from hdet_track.tracking.mlflow import MLflowTracker
+
+
+def train(tracker, steps=40, sync_every=10, log_every=1, spread=0.3, auto_lr=True, **kw):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.1), nn.Linear(8, 2))
+    opt = torch.optim.SGD(
+        [{"params": model[0].parameters()}, {"params": model[2].parameters()}],
+        lr=0.1,
+        momentum=0.9,
+        weight_decay=1e-3,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sched = HDETScheduler(
+            opt,
+            [0.1, 0.05],
+            total_steps=steps,
+            spread=spread,
+            sync_every=sync_every,
+            auto_lr=auto_lr,
+            auto_lr_warmup=sync_every if auto_lr else 0,
+            explore={"weight_decay": 0.5} if spread else None,
+            track=tracker,
+            log_every=log_every,
+            compare_group="cg-1",
+            **kw,
+        )
+    seen = []
+    for k in range(1, steps + 1):
+        opt.step()
+        seen.append((k, opt.param_groups[0]["lr"], opt.param_groups[1]["lr"], opt.param_groups[0]["weight_decay"]))
+        sched.step(1.0 / k)
+    return sched, seen
+
+
+def history(client, run_id, key):
+    return {m.step: m.value for m in client.get_metric_history(run_id, key)}
+
+
+def read_steps_artifact(client, run_id, tmp_path):
+    local = client.download_artifacts(run_id, "hdet_events", str(tmp_path))
+    files = sorted(f for f in os.listdir(local) if f.startswith("steps-"))
+    return pq.read_table([os.path.join(local, f) for f in files]).to_pylist() if files else []
+
+
+@pytest.fixture
+def sqlite_uri(tmp_path):
+    return f"sqlite:///{tmp_path / 'store.db'}"
+
+
+def test_one_run_with_metric_contract_params_tags_and_archive(sqlite_uri, tmp_path):
+    tracker = MLflowTracker(tracking_uri=sqlite_uri, experiment="contract")
+    sched, seen = train(tracker)
+    client = MlflowClient(sqlite_uri)
+    run = client.get_run(tracker.run_id)
+    assert run.info.status == "FINISHED"  # ended by itself at total_steps
+    tags = run.data.tags
+    assert tags["hdet.schedule"] == "hdet" and tags["hdet.world_size"] == "1"
+    assert tags["hdet.schema_version"] == "1" and tags["hdet.compare_group"] == "cg-1"
+    params = run.data.params
+    assert params["spread"] == "0.3" and params["sync_every"] == "10" and params["auto_lr"] == "true"
+    assert params["explore.weight_decay.spread"] == "0.5" and params["world_size"] == "1"
+    # Per replica series hold exactly what the optimizer used at each step.
+    lr0 = history(client, tracker.run_id, "hdet/replica_00/lr")
+    lr1 = history(client, tracker.run_id, "hdet/replica_00/lr_pg1")
+    wd = history(client, tracker.run_id, "hdet/replica_00/weight_decay")
+    loss = history(client, tracker.run_id, "hdet/replica_00/loss")
+    assert sorted(lr0) == list(range(1, 41))
+    for k, a, b, w in seen:
+        assert lr0[k] == pytest.approx(a, rel=1e-12) and lr1[k] == pytest.approx(b, rel=1e-12)
+        assert wd[k] == pytest.approx(w, rel=1e-12)
+        assert loss[k] == pytest.approx(1.0 / k)
+    assert history(client, tracker.run_id, "loss") == loss  # mean over one replica
+    # Sync and controller series at every sync (10, 20, 30, 40); controller from warmup on.
+    assert sorted(history(client, tracker.run_id, "hdet/sync/divergence")) == [10, 20, 30, 40]
+    base = history(client, tracker.run_id, "hdet/controller/lr/base")
+    assert sorted(base) == [10, 20, 30, 40]
+    assert sorted(history(client, tracker.run_id, "hdet/controller/lr_pg1/base")) == [10, 20, 30, 40]
+    assert sorted(history(client, tracker.run_id, "hdet/onecycle/lr")) == [10, 20, 30, 40]
+    assert sorted(history(client, tracker.run_id, "hdet/controller/weight_decay/weight/replica_00")) == [10, 20, 30, 40]
+    # The controller's held base is what the (single, multiplier 1) replica used after the sync.
+    assert lr0[11] == pytest.approx(base[10], rel=1e-12) and lr0[19] == lr0[11]
+    rows = read_steps_artifact(client, tracker.run_id, tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, 41))
+    assert rows[4]["v:lr"] == pytest.approx(seen[4][1], rel=1e-12) and rows[4]["m:lr"] == 1.0
+
+
+def test_log_every_thins_replica_series_not_sync_or_archive(sqlite_uri, tmp_path):
+    tracker = MLflowTracker(tracking_uri=sqlite_uri)
+    train(tracker, steps=40, log_every=4)
+    client = MlflowClient(sqlite_uri)
+    assert sorted(history(client, tracker.run_id, "hdet/replica_00/lr")) == list(range(4, 41, 4))
+    assert sorted(history(client, tracker.run_id, "hdet/sync/divergence")) == [10, 20, 30, 40]
+    assert len(read_steps_artifact(client, tracker.run_id, tmp_path)) == 40
+    assert client.get_experiment_by_name("hdet") is not None  # the default experiment name
+
+
+def test_onecycle_baseline_has_same_keys_and_schedule_tag(sqlite_uri):
+    tracker = MLflowTracker(tracking_uri=sqlite_uri)
+    train(tracker, spread=0.0, auto_lr=False)
+    client = MlflowClient(sqlite_uri)
+    run = client.get_run(tracker.run_id)
+    assert run.data.tags["hdet.schedule"] == "onecycle"
+    assert {"loss", "lr", "hdet/replica_00/lr"} <= set(run.data.metrics)
+    ref = torch.optim.lr_scheduler.OneCycleLR(
+        torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1), 0.1, total_steps=40
+    )
+    lrs = history(client, tracker.run_id, "lr")
+    for k in range(1, 41):
+        ref.optimizer.step()
+        assert lrs[k] == ref.get_last_lr()[0]
+        ref.step()
+
+
+def test_env_defaults_tracking_uri_experiment_and_attach(tmp_path, monkeypatch):
+    uri = f"sqlite:///{tmp_path / 'env.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "from-env")
+    sched, _ = train(True, steps=20)
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("from-env")
+    runs = client.search_runs([exp.experiment_id])
+    assert len(runs) == 1 and runs[0].info.run_id == sched.run_ids["mlflow"]
+    # MLFLOW_RUN_ID: attach to an existing run instead of creating one.
+    existing = client.create_run(exp.experiment_id).info.run_id
+    monkeypatch.setenv("MLFLOW_RUN_ID", existing)
+    sched, _ = train(True, steps=20)
+    assert sched.run_ids["mlflow"] == existing
+    assert "hdet/replica_00/lr" in client.get_run(existing).data.metrics
+    assert len(client.search_runs([exp.experiment_id])) == 2
+
+
+def test_nested_run_under_parent(sqlite_uri):
+    client = MlflowClient(sqlite_uri)
+    exp = client.create_experiment("nested")
+    parent = client.create_run(exp).info.run_id
+    tracker = MLflowTracker(tracking_uri=sqlite_uri, experiment="nested", parent_run_id=parent, run_name="child")
+    train(tracker, steps=20)
+    run = client.get_run(tracker.run_id)
+    assert run.data.tags["mlflow.parentRunId"] == parent and run.info.run_name == "child"
+
+
+def test_real_mlflow_server(mlflow_server, tmp_path):
+    tracker = MLflowTracker(tracking_uri=mlflow_server.uri, experiment="server")
+    _, seen = train(tracker, steps=30)
+    client = MlflowClient(mlflow_server.uri)
+    assert client.get_run(tracker.run_id).info.status == "FINISHED"
+    lr0 = history(client, tracker.run_id, "hdet/replica_00/lr")
+    assert [lr0[k] for k, *_ in seen] == pytest.approx([a for _, a, *_ in seen], rel=1e-12)
+    assert len(read_steps_artifact(client, tracker.run_id, tmp_path)) == 30
+
+
+def test_secrets_are_never_logged(sqlite_uri, monkeypatch):
+    monkeypatch.setenv("MY_SERVICE_TOKEN", "hunter2-secret")
+    monkeypatch.setenv("WANDB_API_KEY", "0123456789abcdef")
+    tracker = MLflowTracker(tracking_uri=sqlite_uri)
+    train(tracker, steps=20, run_name="nightly")
+    run = MlflowClient(sqlite_uri).get_run(tracker.run_id)
+    blob = repr(run.data.params) + repr(run.data.tags)
+    assert "hunter2-secret" not in blob and "0123456789abcdef" not in blob
+    assert not any(is_secret(k) for k in run.data.params)
+    assert "spread" in run.data.params  # the rest is there
+    # Config values carrying a secret, or keys that look secret, are dropped before logging.
+    assert redact({"db_password": "x", "url": "https://u:hunter2-secret@host", "lr": 0.1}) == {"lr": 0.1}
+
+
+def test_context_manager_marks_failed_with_error(sqlite_uri):
+    tracker = MLflowTracker(tracking_uri=sqlite_uri)
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="boom"):
+        with HDETScheduler(opt, 0.1, total_steps=50, sync_every=5, track=tracker) as sched:
+            for k in range(12):
+                opt.step()
+                sched.step(1.0)
+                if k == 7:
+                    raise RuntimeError("boom at step 8")
+    run = MlflowClient(sqlite_uri).get_run(tracker.run_id)
+    assert run.info.status == "FAILED"
+    assert "boom at step 8" in run.data.tags["hdet.error"]
+    assert sorted(history(MlflowClient(sqlite_uri), tracker.run_id, "hdet/sync/divergence")) == [5]
+
+
+JOB = textwrap.dedent(
+    """
+    import os, signal, sys, time, torch
+    from hdet_track import HDETScheduler
+    from hdet_track.tracking.mlflow import MLflowTracker
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tracker = MLflowTracker(tracking_uri=sys.argv[1])
+    sched = HDETScheduler(opt, 0.1, total_steps=1000, sync_every=5, track=tracker)
+    for k in range(1000):
+        opt.step(); sched.step(1.0)
+        if k == 11:
+            sched.flush()
+            print(tracker.run_id, flush=True)
+            if sys.argv[2] == "raise":
+                raise ValueError("diverged at step 12")
+            time.sleep(60)
+    """
+)
+
+
+@pytest.mark.parametrize(("mode", "status"), [("raise", "FAILED"), ("sigterm", "KILLED"), ("sigint", "KILLED")])
+def test_crashing_or_killed_job_ends_failed_or_killed(sqlite_uri, tmp_path, mode, status):
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), sqlite_uri, mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    run_id = proc.stdout.readline().strip()
+    if mode != "raise":
+        proc.send_signal(15 if mode == "sigterm" else 2)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    client = MlflowClient(sqlite_uri)
+    run = client.get_run(run_id)
+    assert run.info.status == status, err[-2000:]
+    if mode == "raise":
+        assert "diverged at step 12" in run.data.tags["hdet.error"]
+    assert sorted(history(client, run_id, "hdet/replica_00/lr")) == list(range(1, 11))  # synced windows kept
+
+
+class FlakyTracker(Tracker):
+    """Fault injection: a backend whose log() raises for its first `failures` calls."""
+
+    name = "flaky"
+
+    def __init__(self, failures):
+        self.failures = failures
+        self.calls = 0
+        self.points = []
+        self.events = []
+        self.ended = None
+
+    def start(self, run_start):
+        pass
+
+    def log(self, batch: Batch):
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise ConnectionError("backend down (injected)")
+        self.points += batch.points
+        self.events += batch.events
+
+    def finish(self, run_end):
+        self.ended = run_end.status
+
+
+def test_backend_outage_is_spilled_and_replayed_in_order(caplog):
+    flaky = FlakyTracker(failures=3)
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = HDETScheduler(opt, 0.1, total_steps=60, sync_every=5, track=flaky)
+    sched._hub._sinks[0].retry_seconds = 0.05
+    for k in range(60):
+        opt.step()
+        sched.step(float(k))
+        if k % 5 == 4:
+            sched.flush()  # one delivery per sync, so that several fail
+    assert flaky.ended == "FINISHED"
+    lr = [(p.step, p.value) for p in flaky.points if p.key == "hdet/replica_00/lr"]
+    assert [s for s, _ in lr] == list(range(1, 61))  # every point, once, in order
+    losses = {p.step: p.value for p in flaky.points if p.key == "hdet/replica_00/loss"}
+    assert losses == {k + 1: float(k) for k in range(60)}
+    assert "unavailable" in caplog.text and "is back" in caplog.text
+
+
+class BrokenTracker(FlakyTracker):
+    def __init__(self):
+        super().__init__(failures=10**9)
+
+    def finish(self, run_end):
+        raise ConnectionError("still down")
+
+
+def test_backend_that_never_works_does_not_stop_training(caplog):
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = HDETScheduler(opt, 0.1, total_steps=30, sync_every=5, track=BrokenTracker())
+    sched._hub.shutdown_timeout = 0.5
+    for _ in range(30):
+        opt.step()
+        sched.step(1.0)
+    assert math.isfinite(opt.param_groups[0]["lr"])
+    spill = sched._hub._sinks[0].spill_path
+    assert spill.exists() and spill.read_text().count("\n") >= 1  # unsent data is kept, not lost
+    assert "still unavailable at shutdown" in caplog.text
