@@ -391,8 +391,9 @@ class HDETScheduler(OneCycleLR):
             self.last_sync = replace(report, onecycle_lr=list(self._onecycle))
         if self._hub is not None:
             self._hub.note_step(k)
-            if k == self.total_steps:
-                self.close()
+            if k == self.total_steps and not self._hub.ended:
+                # Ends the run without waiting for the writer; flush(), close() or exit wait.
+                self._hub.close("FINISHED", None, step=k, wait=False)
 
     def _accumulate(self, loss: float | torch.Tensor | None) -> None:
         if loss is None:
@@ -661,7 +662,7 @@ class HDETScheduler(OneCycleLR):
         """
         if status not in ("FINISHED", "FAILED", "KILLED"):
             raise ValueError(f"Expected status in ('FINISHED', 'FAILED', 'KILLED'), but got {status!r}")
-        if self._hub is not None and not self._hub.ended:
+        if self._hub is not None:
             self._hub.close(status, error, step=self.last_epoch)
 
     def __enter__(self) -> HDETScheduler:

@@ -51,6 +51,7 @@ def train(tracker, steps=40, sync_every=10, log_every=1, spread=0.3, auto_lr=Tru
         opt.step()
         seen.append((k, opt.param_groups[0]["lr"], opt.param_groups[1]["lr"], opt.param_groups[0]["weight_decay"]))
         sched.step(1.0 / k)
+    assert sched.flush(timeout=120)  # the run ended at total_steps; wait until it is written
     return sched, seen
 
 
@@ -280,6 +281,7 @@ def test_backend_outage_is_spilled_and_replayed_in_order(caplog):
         sched.step(float(k))
         if k % 5 == 4:
             sched.flush()  # one delivery per sync, so that several fail
+    sched.close()
     assert flaky.ended == "FINISHED"
     lr = [(p.step, p.value) for p in flaky.points if p.key == "hdet/replica_00/lr"]
     assert [s for s, _ in lr] == list(range(1, 61))  # every point, once, in order
@@ -304,6 +306,7 @@ def test_backend_that_never_works_does_not_stop_training(caplog):
     for _ in range(30):
         opt.step()
         sched.step(1.0)
+    sched.close()
     assert math.isfinite(opt.param_groups[0]["lr"])
     spill = sched._hub._sinks[0].spill_path
     assert spill.exists() and spill.read_text().count("\n") >= 1  # unsent data is kept, not lost

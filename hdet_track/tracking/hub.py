@@ -231,7 +231,12 @@ class TrackingHub:
             self._wake.set()
 
     def flush(self, timeout: float | None = 60.0) -> bool:
-        """Block until everything queued so far reached the trackers (or their spill files)."""
+        """Block until everything queued so far reached the trackers (or their spill files).
+
+        After the run has ended, wait for the writer to finish delivering it."""
+        if self._ended:
+            self._thread.join(timeout)
+            return not self._thread.is_alive()
         if not self._thread.is_alive():
             return False
         done = threading.Event()
@@ -239,9 +244,16 @@ class TrackingHub:
         self._wake.set()
         return done.wait(timeout)
 
-    def close(self, status: str = "FINISHED", error: str | None = None, step: int | None = None) -> None:
-        """End the run with ``status`` and stop the writer once everything is written."""
+    def close(
+        self, status: str = "FINISHED", error: str | None = None, step: int | None = None, wait: bool = True
+    ) -> None:
+        """End the run with ``status``; the writer stops once everything is written.
+
+        With ``wait`` (the default) block until then; otherwise return at once (the process's
+        exit, :meth:`flush` or a later ``close()`` waits)."""
         if self._ended:
+            if wait:
+                self._join()
             return
         if self._failure is not None and status == "FINISHED":
             status, error = self._failure
@@ -249,6 +261,10 @@ class TrackingHub:
         self._ended = True
         self._closed = True
         self._wake.set()
+        if wait:
+            self._join()
+
+    def _join(self) -> None:
         self._thread.join(self.shutdown_timeout + 5)
         if self._thread.is_alive():
             logger.warning("hdet-track: the tracking writer did not finish within %.0f s", self.shutdown_timeout)
@@ -335,8 +351,7 @@ _HOOKS_INSTALLED = False
 
 def _close_all(status: str, error: str | None) -> None:
     for hub in list(TrackingHub._instances):
-        if not hub.ended:
-            hub.close(status, error)
+        hub.close(status, error)  # ends open runs, waits for ended ones to be written
 
 
 def _record_failure(status: str, error: str) -> None:
@@ -352,6 +367,11 @@ def _install_process_hooks() -> None:
         return
     _HOOKS_INSTALLED = True
     atexit.register(_close_all, "FINISHED", None)
+    # Processes started by multiprocessing (mp.spawn, torchrun's workers) leave through
+    # os._exit after their target returns: atexit never runs there, its finalizers do.
+    from multiprocessing import util as mp_util
+
+    mp_util.Finalize(None, _close_all, args=("FINISHED", None), exitpriority=100)
     previous_hook = sys.excepthook
 
     def excepthook(exc_type, exc, tb):  # type: ignore[no-untyped-def]

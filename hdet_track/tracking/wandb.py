@@ -77,7 +77,7 @@ class WandbTracker(Tracker):
             mode=self.mode or os.environ.get("WANDB_MODE") or None,
             group=self.group or run_start.compare_group or os.environ.get("WANDB_RUN_GROUP"),
             name=self.run_name,
-            dir=str(self.dir) if self.dir is not None else None,
+            dir=str(self.dir) if self.dir is not None else os.environ.get("WANDB_DIR") or None,
             config=run_params(run_start),
             tags=[f"{k}={v}" for k, v in tags.items()][:20],
             reinit="create_new",

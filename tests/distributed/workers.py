@@ -238,3 +238,36 @@ def all_nonfinite(rank: int, world: int) -> dict:
         except Exception as exc:  # noqa: BLE001 - the test inspects it
             return {"error": type(exc).__name__, "message": str(exc), "step": step}
     return {"error": None}
+
+
+def tracked_job(rank: int, world: int, uri: str, backend: str) -> dict:
+    """Every rank passes the same tracker; rank 0 owns the single run."""
+    from hdet_track.tracking.mlflow import MLflowTracker
+
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
+    track = MLflowTracker(tracking_uri=uri, experiment="gloo") if backend == "mlflow" else "wandb"
+    sched = HDETScheduler(
+        opt,
+        max_lr=0.1,
+        total_steps=24,
+        spread=0.3,
+        sync_every=6,
+        auto_lr=True,
+        auto_lr_warmup=6,
+        explore={"weight_decay": 0.5},
+        model=model,
+        track=track,
+        compare_group="gloo-4",
+    )
+    seen = []
+    for step in range(24):
+        x, y = batch(rank, step)
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        seen.append((step + 1, opt.param_groups[0]["lr"], opt.param_groups[0]["weight_decay"], float(loss)))
+        sched.step(loss)
+    sched.flush()
+    return {"seen": seen, "run_ids": sched.run_ids}

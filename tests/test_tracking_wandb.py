@@ -1,0 +1,101 @@
+"""Tracking into a real W&B offline run, read back from its .wandb file."""
+
+from __future__ import annotations
+
+import glob
+import os
+import warnings
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from torch import nn
+
+from hdet_track import HDETScheduler
+from hdet_track.readers.wandb_records import WandbFormatError, iter_payloads, read_wandb_file
+
+
+def run_dir(root):
+    dirs = sorted(glob.glob(os.path.join(root, "wandb", "offline-run-*")))
+    assert len(dirs) == 1
+    return dirs[0]
+
+
+def test_offline_run_read_back(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_PROJECT", "hdet-tests")
+    monkeypatch.setenv("HDET_TRACKER", "wandb")
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sched = HDETScheduler(
+            opt,
+            0.1,
+            total_steps=30,
+            spread=0.2,
+            sync_every=10,
+            auto_lr=True,
+            auto_lr_warmup=10,
+            explore={"weight_decay": 0.5},
+            track=True,
+            compare_group="ab",
+        )
+    seen = {}
+    for k in range(1, 31):
+        opt.step()
+        seen[k] = (opt.param_groups[0]["lr"], opt.param_groups[0]["weight_decay"])
+        sched.step(1.0 / k)
+    sched.close()
+    root = os.environ["WANDB_DIR"]
+    directory = run_dir(root)
+    contents = read_wandb_file(glob.glob(os.path.join(directory, "run-*.wandb"))[0])
+    assert contents.run_id == sched.run_ids["wandb"]
+    assert contents.project == "hdet-tests" and contents.group == "ab"  # compare group = run group
+    assert contents.exit_code == 0 and contents.summary["hdet/status"] == "FINISHED"
+    assert contents.config["spread"] == "0.2" and contents.config["explore.weight_decay.spread"] == "0.5"
+    assert contents.summary["hdet.schedule"] == "hdet"
+    rows = {row["_step"]: row for row in contents.history}
+    assert sorted(rows) == list(range(1, 31))  # steps never go backwards, none dropped
+    for k, (lr, wd) in seen.items():
+        assert rows[k]["hdet/replica_00/lr"] == pytest.approx(lr, rel=1e-12)
+        assert rows[k]["hdet/replica_00/weight_decay"] == pytest.approx(wd, rel=1e-12)
+        assert rows[k]["hdet/replica_00/loss"] == pytest.approx(1.0 / k)
+    # Sync and controller series sit on the sync axis.
+    assert contents.step_metrics["hdet/sync/*"] == "hdet/sync/step"
+    assert contents.step_metrics["hdet/controller/*"] == "hdet/sync/step"
+    assert [k for k in rows if "hdet/sync/step" in rows[k]] == [10, 20, 30]
+    assert rows[20]["hdet/controller/weight_decay/base"] > 0
+    # The full-resolution event archive is among the run's files.
+    steps = sorted(glob.glob(os.path.join(directory, "files", "hdet_events", "steps-*.parquet")))
+    assert [r["step"] for r in pq.read_table(steps).to_pylist()] == list(range(1, 31))
+
+
+def test_failed_run_exit_code_and_status(tmp_path):
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError):
+        with HDETScheduler(opt, 0.1, total_steps=20, sync_every=5, track="wandb") as sched:
+            for _ in range(7):
+                opt.step()
+                sched.step(1.0)
+            raise RuntimeError("exploded")
+    contents = read_wandb_file(glob.glob(os.path.join(run_dir(os.environ["WANDB_DIR"]), "run-*.wandb"))[0])
+    assert contents.exit_code == 1 and contents.summary["hdet/status"] == "FAILED"
+    assert "exploded" in contents.summary["hdet/error"]
+
+
+def test_record_parser_rejects_other_files_and_stops_at_truncation(tmp_path):
+    with pytest.raises(WandbFormatError):
+        list(iter_payloads(b"PAR1 not a wandb file"))
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = HDETScheduler(opt, 0.1, total_steps=10, sync_every=5, track="wandb")
+    for _ in range(10):
+        opt.step()
+        sched.step(1.0)
+    sched.close()
+    path = glob.glob(os.path.join(run_dir(os.environ["WANDB_DIR"]), "run-*.wandb"))[0]
+    data = open(path, "rb").read()
+    full = list(iter_payloads(data))
+    cut = list(iter_payloads(data[: len(data) - 50]))  # a file still being written
+    assert 0 < len(cut) < len(full) and cut == full[: len(cut)]
