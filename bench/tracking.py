@@ -1,0 +1,271 @@
+"""Cost of tracking: 4 gloo processes, the overhead bench's MLP (100 parameter tensors), 2,000 steps,
+log_every=1, with tracking off, MLflow (sqlite), MLflow (a real server on 127.0.0.1) and W&B
+offline. The four loops run interleaved in blocks inside the same processes, so all see the same
+machine load. Then: the same with the MLflow server killed for 30 s mid-run (ratio to the
+untracked loop, and whether every point arrived), and the training thread's enqueue cost per
+step on rank 0 of an 8-replica job.
+
+Run: .venv/bin/python bench/tracking.py [--steps 2000] [--outage 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.overhead import WIDTH, make_model  # noqa: E402
+from hdet_track import HDETScheduler  # noqa: E402
+from hdet_track.tracking.hub import TrackingHub  # noqa: E402
+from hdet_track.tracking.mlflow import MLflowTracker  # noqa: E402
+from tests.servers import MlflowServer, free_port  # noqa: E402
+
+
+def build(track, steps: int):
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    sched = HDETScheduler(
+        opt,
+        max_lr=0.01,
+        total_steps=steps,
+        spread=0.3,
+        sync_every=100,
+        auto_lr=True,
+        auto_lr_warmup=steps // 5,
+        model=model,
+        track=track,
+        log_every=1,
+    )
+    return model, opt, sched
+
+
+def block(job, x, y, n: int) -> float:
+    model, opt, sched = job
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(n):
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step(loss)
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def interleaved(jobs: dict, steps: int, x, y, on_block=None) -> dict[str, float]:
+    times = dict.fromkeys(jobs, 0.0)
+    order = list(jobs)
+    shuffle = random.Random(1234)  # the same order on every rank (blocks end in barriers)
+    for i in range(steps // 100):
+        if on_block is not None:
+            on_block(i)
+        shuffle.shuffle(order)  # no loop keeps a favoured position in the round
+        for name in order:
+            times[name] += block(jobs[name], x, y, 100)
+    return times
+
+
+def worker(rank: int, world: int, port: int, args: dict, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(32, WIDTH, generator=g), torch.randint(0, 10, (32,), generator=g)
+    steps = args["steps"]
+    os.environ["WANDB_MODE"] = "offline"
+    os.environ["WANDB_SILENT"] = "true"
+    os.environ["WANDB_DIR"] = args["tmp"]
+    block(build(False, 200), x, y, 200)  # warm-up, so that no timed loop pays for first-touch costs
+    jobs = {
+        "off": build(False, steps),
+        "mlflow_sqlite": build(
+            MLflowTracker(tracking_uri=f"sqlite:///{args['tmp']}/bench.db", experiment="bench"), steps
+        ),
+        "mlflow_server": build(MLflowTracker(tracking_uri=args["server"], experiment="bench"), steps),
+        "wandb_offline": build("wandb", steps),
+    }
+    times = interleaved(jobs, steps, x, y)
+    for _, _, sched in jobs.values():
+        sched.flush(timeout=300)
+    result = {"times": times, "run_ids": {k: v[2].run_ids for k, v in jobs.items()}}
+
+    if args["outage"] > 0:
+        long_steps = args["outage_steps"]
+        jobs2 = {
+            "off": build(False, long_steps),
+            "mlflow_server_outage": build(
+                MLflowTracker(tracking_uri=args["server"], experiment="bench-outage"), long_steps
+            ),
+        }
+
+        def chaos(i: int) -> None:
+            if rank == 0 and i == (long_steps // 100) // 4:
+                Path(args["tmp"], "kill").touch()  # the parent kills the server for `outage` seconds
+
+        result["outage_times"] = interleaved(jobs2, long_steps, x, y, on_block=chaos)
+        for _, _, sched in jobs2.values():
+            sched.flush(timeout=600)
+        result["outage_run"] = jobs2["mlflow_server_outage"][2].run_ids.get("mlflow")
+    if rank == 0:
+        Path(out).write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def enqueue_worker(rank: int, world: int, port: int, args: dict, out: str) -> None:
+    """Training-thread time spent handing data to the hub, per step, on rank 0: building and
+    enqueuing the window payload and the converge/controller events at each sync, and noting the
+    step (the one list append per step that keeps the OneCycle reference is not timed: ~50 ns)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    spent = [0]
+    for cls, names in ((HDETScheduler, ("_emit_window", "_emit_controller")), (TrackingHub, ("note_step",))):
+        for name in names:
+            original = getattr(cls, name)
+
+            def timed(*a, _f=original, **k):
+                t = time.perf_counter_ns()
+                try:
+                    return _f(*a, **k)
+                finally:
+                    spent[0] += time.perf_counter_ns() - t
+
+            setattr(cls, name, timed)
+    model = torch.nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    steps = 2000
+    sched = HDETScheduler(
+        opt,
+        0.1,
+        total_steps=steps,
+        spread=0.3,
+        sync_every=100,
+        auto_lr=True,
+        track=MLflowTracker(tracking_uri=f"sqlite:///{args['tmp']}/enqueue.db"),
+    )
+    loss = torch.tensor(1.0)
+    for _ in range(steps):
+        opt.step()
+        sched.step(loss)
+    sched.flush(timeout=300)
+    if rank == 0:
+        Path(out).write_text(json.dumps({"enqueue_us": spent[0] / steps / 1e3}))
+    dist.destroy_process_group()
+
+
+def spawn(fn, world: int, args: dict, tmp: str, name: str) -> dict:
+    out = os.path.join(tmp, f"{name}.json")
+    mp.start_processes(fn, args=(world, free_port(), args, out), nprocs=world, start_method="spawn")
+    return json.loads(Path(out).read_text())
+
+
+def count_points(uri: str, run_id: str, key: str) -> int:
+    from mlflow.tracking import MlflowClient
+
+    return len(MlflowClient(uri).get_metric_history(run_id, key))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--outage", type=float, default=30.0, help="seconds the server is down (0: skip)")
+    parser.add_argument("--outage-steps", type=int, default=4000)
+    args = parser.parse_args()
+    lines = []
+    with tempfile.TemporaryDirectory() as tmp:
+        server = MlflowServer(Path(tmp) / "server").start()
+        try:
+            cfg = {
+                "steps": args.steps,
+                "server": server.uri,
+                "tmp": tmp,
+                "outage": args.outage,
+                "outage_steps": args.outage_steps,
+            }
+            stop = threading.Event()
+
+            def chaos_monkey() -> None:
+                flag = Path(tmp, "kill")
+                while not stop.wait(0.2):
+                    if flag.exists():
+                        flag.unlink()
+                        server.stop()
+                        print(f"mlflow server killed for {args.outage:.0f} s", flush=True)
+                        time.sleep(args.outage)
+                        server.start()
+                        print("mlflow server back", flush=True)
+
+            monkey = threading.Thread(target=chaos_monkey, daemon=True)
+            monkey.start()
+            res = spawn(worker, 4, cfg, tmp, "ratios")
+            stop.set()
+            t = res["times"]
+            print(f"4 gloo processes, {args.steps} steps, interleaved blocks of 100, log_every=1")
+            for name in ("mlflow_sqlite", "mlflow_server", "wandb_offline"):
+                ratio = t[name] / t["off"]
+                print(f"  {name:15s} {t[name]:7.2f} s vs untracked {t['off']:7.2f} s -> {ratio:.3f}")
+                lines.append(
+                    {
+                        "bench": f"tracking_ratio_{name}",
+                        "value": round(ratio, 4),
+                        "unit": "x",
+                        "target": 1.05,
+                        "pass": ratio <= 1.05,
+                    }
+                )
+            if args.outage > 0:
+                ot = res["outage_times"]
+                ratio = ot["mlflow_server_outage"] / ot["off"]
+                n = count_points(server.uri, res["outage_run"], "hdet/replica_03/lr")
+                print(
+                    f"  server down {args.outage:.0f} s mid-run: {ratio:.3f} vs untracked; "
+                    f"{n}/{args.outage_steps} points of hdet/replica_03/lr in the run"
+                )
+                lines.append(
+                    {
+                        "bench": "tracking_ratio_mlflow_server_outage",
+                        "value": round(ratio, 4),
+                        "unit": "x",
+                        "target": 1.05,
+                        "pass": ratio <= 1.05,
+                    }
+                )
+                lines.append(
+                    {
+                        "bench": "tracking_outage_points_kept",
+                        "value": n / args.outage_steps,
+                        "unit": "fraction",
+                        "target": 1.0,
+                        "pass": n == args.outage_steps,
+                    }
+                )
+        finally:
+            server.stop()
+        enq = spawn(enqueue_worker, 8, {"tmp": tmp}, tmp, "enqueue")
+        print(f"  enqueue cost on rank 0 of 8 replicas: {enq['enqueue_us']:.2f} us per step")
+        lines.append(
+            {
+                "bench": "tracking_enqueue_us_per_step_8_replicas",
+                "value": round(enq["enqueue_us"], 3),
+                "unit": "us",
+                "target": 20,
+                "pass": enq["enqueue_us"] < 20,
+            }
+        )
+    for line in lines:
+        print(json.dumps(line))
+
+
+if __name__ == "__main__":
+    main()
