@@ -311,3 +311,38 @@ def test_backend_that_never_works_does_not_stop_training(caplog):
     spill = sched._hub._sinks[0].spill_path
     assert spill.exists() and spill.read_text().count("\n") >= 1  # unsent data is kept, not lost
     assert "still unavailable at shutdown" in caplog.text
+
+
+def test_archive_chunks_appear_while_the_run_is_live(sqlite_uri, tmp_path):
+    tracker = MLflowTracker(tracking_uri=sqlite_uri, chunk_seconds=0.0)
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = HDETScheduler(opt, 0.1, total_steps=100, sync_every=10, track=tracker)
+    client = MlflowClient(sqlite_uri)
+    seen_chunks = []
+    for k in range(1, 41):
+        opt.step()
+        sched.step(1.0)
+        if k % 10 == 0:
+            assert sched.flush()
+            assert client.get_run(tracker.run_id).info.status == "RUNNING"
+            seen_chunks.append(len(client.list_artifacts(tracker.run_id, "hdet_events")))
+    assert seen_chunks[0] >= 1 and seen_chunks == sorted(seen_chunks) and seen_chunks[-1] > seen_chunks[0]
+    assert [r["step"] for r in read_steps_artifact(client, tracker.run_id, tmp_path)] == list(range(1, 41))
+    sched.close()
+    assert client.get_run(tracker.run_id).info.status == "FINISHED"
+
+
+def test_several_trackers_each_get_everything():
+    a, b = FlakyTracker(failures=0), FlakyTracker(failures=1)
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = HDETScheduler(opt, 0.1, total_steps=20, sync_every=5, track=[a, b])
+    sched._hub._sinks[1].retry_seconds = 0.0
+    for _ in range(20):
+        opt.step()
+        sched.step(1.0)
+    sched.close()
+    for t in (a, b):
+        assert t.ended == "FINISHED"
+        assert sorted(p.step for p in t.points if p.key == "lr") == list(range(1, 21))
