@@ -38,7 +38,9 @@ def _masked_crc_ok(crc: int, rtype: int, payload: bytes) -> bool:
 
 def iter_payloads(data: bytes) -> Iterator[bytes]:
     """Yield each complete record payload; stop quietly at a truncated tail (a file being written)."""
-    if len(data) < _HEADER_LEN or data[:4] != b":W&B":
+    if len(data) < _HEADER_LEN and b":W&B".startswith(data[:4]):
+        return  # created but not yet written
+    if data[:4] != b":W&B":
         raise WandbFormatError("Expected a .wandb file starting with ':W&B', but got something else")
     pos = _HEADER_LEN
     pending: list[bytes] = []

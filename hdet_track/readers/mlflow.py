@@ -1,0 +1,247 @@
+"""Rebuild HDET runs from MLflow (any tracking URI: a sqlite file, an ``http://`` server, ...).
+
+The event archive (``hdet_events/*.parquet``) is read first: a handful of artifact downloads
+instead of thousands of metric-history queries. Runs without it (older runs, runs logged by other
+tools, an OneCycle baseline logged by hand) are rebuilt from metric histories.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+from ..events import ControllerDecision, Converge
+from ..tracking.archive import ARTIFACT_DIR
+from .base import HDETRun, RunNotFoundError, RunSummary, StepTable, apply_events, parse_chunks
+
+__all__ = ["MLflowReader"]
+
+logger = logging.getLogger(__name__)
+_REPLICA = re.compile(r"^hdet/replica_(\d+)/(.+)$")
+_WEIGHT = re.compile(r"^hdet/controller/([^/]+)/weight/replica_(\d+)$")
+_CTRL = re.compile(r"^hdet/controller/([^/]+)/(base|velocity|delta)$")
+_TARGET = re.compile(r"^(.*?)(?:_pg(\d+)|_t(\d+))?$")
+
+
+def default_tracking_uri() -> str:
+    return os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
+
+
+class MLflowReader:
+    """Read HDET runs from an MLflow tracking URI.
+
+    Example:
+        >>> reader = MLflowReader("sqlite:///mlflow.db")
+        >>> runs = reader.list_runs("hdet")
+        >>> run = reader.read(runs[0].run_id)
+    """
+
+    backend = "mlflow"
+
+    def __init__(self, tracking_uri: str | None = None) -> None:
+        try:
+            from mlflow.tracking import MlflowClient
+        except ImportError as exc:  # pragma: no cover
+            raise ImportError("reading MLflow runs needs MLflow: pip install 'hdet-track[mlflow]'") from exc
+        self.uri = tracking_uri or default_tracking_uri()
+        self.client = MlflowClient(self.uri)
+
+    def experiments(self) -> list[str]:
+        return [e.name for e in self.client.search_experiments()]
+
+    def _experiment_ids(self, experiment: str | None) -> list[str]:
+        if experiment is None:
+            return [e.experiment_id for e in self.client.search_experiments()]
+        exp = self.client.get_experiment_by_name(experiment)
+        if exp is None:
+            raise RunNotFoundError(f"Expected an experiment named {experiment!r} at {self.uri}, but there is none")
+        return [exp.experiment_id]
+
+    def list_runs(self, experiment: str | None = None, compare_group: str | None = None) -> list[RunSummary]:
+        ids = self._experiment_ids(experiment)
+        if not ids:
+            return []
+        filt = f"tags.`hdet.compare_group` = '{compare_group}'" if compare_group else ""
+        runs = self.client.search_runs(
+            ids, filter_string=filt, order_by=["attributes.start_time DESC"], max_results=1000
+        )
+        names = {e.experiment_id: e.name for e in self.client.search_experiments()}
+        out = []
+        for r in runs:
+            tags = r.data.tags
+            ws = tags.get("hdet.world_size", "")
+            out.append(
+                RunSummary(
+                    run_id=r.info.run_id,
+                    name=r.info.run_name or r.info.run_id[:8],
+                    status=r.info.status,
+                    live=r.info.status == "RUNNING",
+                    schedule=tags.get("hdet.schedule", ""),
+                    world_size=int(ws) if ws.isdigit() else 1,
+                    compare_group=tags.get("hdet.compare_group"),
+                    final_loss=float(r.data.metrics.get("loss", np.nan)),
+                    start_time=(r.info.start_time or 0) / 1000.0,
+                    experiment=names.get(r.info.experiment_id, ""),
+                )
+            )
+        return out
+
+    def read(self, run_id: str, previous: HDETRun | None = None) -> HDETRun:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            info = self.client.get_run(run_id)
+        except MlflowException as exc:
+            raise RunNotFoundError(f"Expected a run {run_id!r} at {self.uri}, but: {exc}") from None
+        run = HDETRun(
+            run_id=run_id,
+            name=info.info.run_name or run_id[:8],
+            source=self.uri,
+            backend=self.backend,
+            status=info.info.status,
+            tags=dict(info.data.tags),
+            start_time=(info.info.start_time or 0) / 1000.0,
+        )
+        try:
+            files = [f.path for f in self.client.list_artifacts(run_id, ARTIFACT_DIR)]
+        except Exception as exc:  # noqa: BLE001 - no artifact store, permissions...
+            run.warnings.append(f"could not list the event archive: {type(exc).__name__}: {exc}")
+            files = []
+        files = sorted(f for f in files if f.endswith(".parquet"))
+        if files:
+            self._read_archive(run, files, previous)
+        else:
+            if "hdet.schema_version" not in run.tags:
+                run.warnings.append("no HDET events in this run: only its metric histories are shown")
+            else:
+                run.warnings.append("no event archive: rebuilt from metric histories (slower, thinned by log_every)")
+            self._read_histories(run, info.data.metrics)
+        self._read_user_metrics(run, info.data.metrics, archive=bool(files))
+        return run
+
+    # ------------------------------------------------------------------ archive
+    def _read_archive(self, run: HDETRun, files: list[str], previous: HDETRun | None) -> None:
+        reuse = previous is not None and previous.run_id == run.run_id and set(previous.chunks) <= set(files)
+        known = set(previous.chunks) if reuse and previous is not None else set()
+        new = [f for f in files if f not in known]
+        chunks = []
+        with tempfile.TemporaryDirectory() as tmp:
+            for path in new:
+                try:
+                    local = self.client.download_artifacts(run.run_id, path, tmp)
+                    chunks.append((Path(path).name, Path(local).read_bytes()))
+                except Exception as exc:  # noqa: BLE001
+                    run.warnings.append(f"could not download {path}: {type(exc).__name__}: {exc}")
+        tables, events = parse_chunks(chunks, run)
+        if reuse and previous is not None:
+            tables = [previous.steps, *tables]
+            run.start, run.end = previous.start, previous.end
+            run.converge, run.controller = list(previous.converge), list(previous.controller)
+        run.steps = StepTable.concat(tables)
+        apply_events(run, events)
+        run.chunks = tuple(sorted(known | {f for f in new}))
+
+    # ------------------------------------------------------------------ metric histories
+    def _history(self, run_id: str, key: str) -> tuple[np.ndarray, np.ndarray]:
+        hist = self.client.get_metric_history(run_id, key)
+        steps = np.array([m.step for m in hist], dtype=np.int64)
+        values = np.array([m.value for m in hist], dtype=float)
+        order = np.argsort(steps, kind="stable")
+        return steps[order], values[order]
+
+    def _read_histories(self, run: HDETRun, latest: dict[str, float]) -> None:
+        per_replica: dict[int, dict[str, tuple[np.ndarray, np.ndarray]]] = defaultdict(dict)
+        for key in latest:
+            m = _REPLICA.match(key)
+            if m:
+                per_replica[int(m.group(1))][m.group(2)] = self._history(run.run_id, key)
+        tables = []
+        for r, series in sorted(per_replica.items()):
+            steps = np.unique(np.concatenate([s for s, _ in series.values()]))
+            loss = np.full(len(steps), np.nan)
+            values: dict[str, np.ndarray] = {}
+            for name, (s, v) in series.items():
+                col = np.full(len(steps), np.nan)
+                col[np.searchsorted(steps, s)] = v
+                if name == "loss":
+                    loss = col
+                else:
+                    values[name] = col
+            tables.append(StepTable(steps, np.full(len(steps), r, dtype=np.int32), loss, values, {}))
+        run.steps = StepTable.concat(tables)
+        self._rebuild_sync_events(run, latest)
+
+    def _rebuild_sync_events(self, run: HDETRun, latest: dict[str, float]) -> None:
+        windows = {int(k.rsplit("_", 1)[1]): k for k in latest if k.startswith("hdet/sync/window_loss/replica_")}
+        if windows:
+            hist = {r: dict(zip(*self._history(run.run_id, k))) for r, k in windows.items()}
+            n = max(hist) + 1
+            left = dict(zip(*self._history(run.run_id, "hdet/sync/left_out"))) if "hdet/sync/left_out" in latest else {}
+            for step in sorted({s for h in hist.values() for s in h}):
+                losses = [float(hist.get(r, {}).get(step, np.nan)) for r in range(n)]
+                left_out = [r for r, v in enumerate(losses) if not np.isfinite(v)] if left.get(step) else []
+                run.converge.append(
+                    Converge(step=int(step), window_losses=losses, divergence=[np.nan] * n, left_out=left_out)
+                )
+        controller: dict[str, dict[str, dict[int, float]]] = defaultdict(dict)
+        weights: dict[str, dict[int, dict[int, float]]] = defaultdict(dict)
+        for key in latest:
+            m = _CTRL.match(key)
+            if m:
+                controller[m.group(1)][m.group(2)] = dict(zip(*self._history(run.run_id, key)))
+            m = _WEIGHT.match(key)
+            if m:
+                weights[m.group(1)][int(m.group(2))] = dict(zip(*self._history(run.run_id, key)))
+        by_name: dict[str, dict[int, dict[int, dict[str, float]]]] = defaultdict(lambda: defaultdict(dict))
+        for key, parts in controller.items():
+            tm = _TARGET.match(key)
+            name = tm.group(1) if tm else key
+            target = int(tm.group(2) or tm.group(3) or 0) if tm else 0
+            onecycle = (
+                dict(zip(*self._history(run.run_id, f"hdet/onecycle/{key}")))
+                if f"hdet/onecycle/{key}" in latest
+                else {}
+            )
+            for step in parts.get("base", {}):
+                by_name[name][int(step)][target] = {
+                    "base": parts["base"][step],
+                    "velocity": parts.get("velocity", {}).get(step, np.nan),
+                    "delta": parts.get("delta", {}).get(step, np.nan),
+                    "onecycle": onecycle.get(step, np.nan),
+                }
+        for name, steps in by_name.items():
+            w = weights.get(name, {})
+            n = max(w) + 1 if w else 0
+            for step, targets in sorted(steps.items()):
+                ts = [targets[t] for t in sorted(targets)]
+                run.controller.append(
+                    ControllerDecision(
+                        step=step,
+                        name=name,
+                        weights=[float(w.get(r, {}).get(step, np.nan)) for r in range(n)],
+                        delta=[t["delta"] for t in ts],
+                        velocity=[t["velocity"] for t in ts],
+                        base_before=[np.nan] * len(ts),
+                        base_after=[t["base"] for t in ts],
+                        gamma=np.nan,
+                        permutation=[],
+                        onecycle=[t["onecycle"] for t in ts] if name == "lr" else None,
+                    )
+                )
+        run.controller.sort(key=lambda d: d.step)
+
+    def _read_user_metrics(self, run: HDETRun, latest: dict[str, float], archive: bool) -> None:
+        """Metrics that are not part of the HDET series (val_loss, accuracy...), and loss/lr of a run
+        without per-replica series (e.g. a OneCycle baseline logged by another tool)."""
+        for key in latest:
+            if key.startswith("hdet/"):
+                continue
+            if key in ("loss", "lr") and len(run.steps):
+                continue
+            run.metrics[key] = self._history(run.run_id, key)

@@ -1,0 +1,148 @@
+"""Rebuild HDET runs from W&B run directories (offline runs, or synced runs' local copies).
+
+Each run directory holds ``run-<id>.wandb`` (parsed by :mod:`.wandb_records`) and, under
+``files/hdet_events/``, the Parquet event archive. A directory still being written is read up to
+its last complete record.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+
+from .base import HDETRun, RunNotFoundError, RunSummary, StepTable, apply_events, parse_chunks
+from .wandb_records import WandbFormatError, read_wandb_file
+
+__all__ = ["WandbReader", "find_run_dirs"]
+
+_REPLICA = re.compile(r"^hdet/replica_(\d+)/(.+)$")
+
+
+def find_run_dirs(root: str | Path) -> list[Path]:
+    """Run directories under ``root`` (a ``wandb`` folder, its parent, or one run directory)."""
+    root = Path(root)
+    if list(root.glob("run-*.wandb")):
+        return [root]
+    dirs = [p for pattern in ("wandb/*run-*", "*run-*") for p in root.glob(pattern) if p.is_dir()]
+    return sorted({d for d in dirs if list(d.glob("run-*.wandb"))}, key=lambda p: p.name, reverse=True)
+
+
+def _run_id(directory: Path) -> str:
+    files = sorted(directory.glob("run-*.wandb"))
+    return files[0].stem[len("run-") :] if files else directory.name.rsplit("-", 1)[-1]
+
+
+class WandbReader:
+    """Read HDET runs from a directory of W&B runs.
+
+    Example:
+        >>> reader = WandbReader("./wandb")
+        >>> run = reader.read(reader.list_runs()[0].run_id)
+    """
+
+    backend = "wandb"
+
+    def __init__(self, directory: str | Path) -> None:
+        self.root = Path(directory)
+        if not self.root.exists():
+            raise RunNotFoundError(f"Expected a W&B directory at {self.root}, but it does not exist")
+        self.uri = str(self.root)
+
+    def _dirs(self) -> dict[str, Path]:
+        return {_run_id(d): d for d in find_run_dirs(self.root)}
+
+    def list_runs(self, experiment: str | None = None, compare_group: str | None = None) -> list[RunSummary]:
+        out = []
+        for run_id in self._dirs():
+            run = self.read(run_id, summary_only=True)
+            if experiment and run.tags.get("project") != experiment:
+                continue
+            if compare_group and run.compare_group != compare_group:
+                continue
+            s = run.summary()
+            s.experiment = run.tags.get("project", "")
+            out.append(s)
+        return sorted(out, key=lambda s: s.start_time, reverse=True)
+
+    def read(self, run_id: str, previous: HDETRun | None = None, summary_only: bool = False) -> HDETRun:
+        dirs = self._dirs()
+        if run_id not in dirs:
+            raise RunNotFoundError(f"Expected a W&B run {run_id!r} under {self.root}, but found {sorted(dirs)}")
+        directory = dirs[run_id]
+        run = HDETRun(run_id=run_id, source=str(directory), backend=self.backend)
+        wandb_file = sorted(directory.glob("run-*.wandb"))[0]
+        try:
+            contents = read_wandb_file(wandb_file)
+        except WandbFormatError as exc:
+            run.warnings.append(str(exc))
+            contents = None
+        history: list[dict] = []
+        if contents is not None:
+            run.name = contents.name or run_id
+            run.tags = {k: str(v) for k, v in contents.summary.items() if k.startswith("hdet.")}
+            run.tags["project"] = contents.project
+            if contents.group:
+                run.tags.setdefault("hdet.compare_group", contents.group)
+            if contents.exit_code is None:
+                run.status = "RUNNING"  # no exit record (yet): live, or a process that died
+            else:
+                run.status = str(
+                    contents.summary.get("hdet/status") or ("FINISHED" if contents.exit_code == 0 else "FAILED")
+                )
+            history = contents.history
+            times = [row.get("_timestamp") for row in history[:1] if row.get("_timestamp")]
+            run.start_time = float(times[0]) if times else wandb_file.stat().st_mtime
+            if history:
+                loss = [row["loss"] for row in history if isinstance(row.get("loss"), (int, float))]
+                if loss and summary_only:
+                    run.metrics["loss"] = (np.arange(len(loss)), np.array(loss, dtype=float))
+        if summary_only:
+            return run
+        archive = sorted((directory / "files" / "hdet_events").glob("*.parquet"))
+        if archive:
+            self._read_archive(run, archive, previous)
+        else:
+            run.warnings.append("no event archive: rebuilt from the run's history")
+            self._read_history(run, history)
+        return run
+
+    def _read_archive(self, run: HDETRun, files: list[Path], previous: HDETRun | None) -> None:
+        names = [f.name for f in files]
+        reuse = previous is not None and previous.run_id == run.run_id and set(previous.chunks) <= set(names)
+        known = set(previous.chunks) if reuse and previous is not None else set()
+        chunks = [(f.name, f.read_bytes()) for f in files if f.name not in known]
+        tables, events = parse_chunks(chunks, run)
+        if reuse and previous is not None:
+            tables = [previous.steps, *tables]
+            run.start, run.end = previous.start, previous.end
+            run.converge, run.controller = list(previous.converge), list(previous.controller)
+        run.steps = StepTable.concat(tables)
+        apply_events(run, events)
+        run.chunks = tuple(sorted(known | {name for name, _ in chunks}))
+
+    def _read_history(self, run: HDETRun, history: list[dict]) -> None:
+        rows: dict[int, dict[int, dict[str, float]]] = {}
+        for row in history:
+            step = row.get("_step")
+            for key, value in row.items():
+                m = _REPLICA.match(key)
+                if m and isinstance(value, (int, float)) and step is not None:
+                    rows.setdefault(int(m.group(1)), {}).setdefault(int(step), {})[m.group(2)] = float(value)
+                elif not key.startswith(("hdet/", "_")) and isinstance(value, (int, float)) and step is not None:
+                    s, v = run.metrics.get(key, (np.zeros(0, dtype=np.int64), np.zeros(0)))
+                    run.metrics[key] = (np.append(s, int(step)), np.append(v, float(value)))
+        tables = []
+        for r, by_step in sorted(rows.items()):
+            steps = np.array(sorted(by_step), dtype=np.int64)
+            keys = sorted({k for d in by_step.values() for k in d} - {"loss"})
+            tables.append(
+                StepTable(
+                    step=steps,
+                    replica=np.full(len(steps), r, dtype=np.int32),
+                    loss=np.array([by_step[s].get("loss", np.nan) for s in steps], dtype=float),
+                    values={k: np.array([by_step[s].get(k, np.nan) for s in steps], dtype=float) for k in keys},
+                )
+            )
+        run.steps = StepTable.concat(tables)

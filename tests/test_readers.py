@@ -1,0 +1,186 @@
+"""Readers: round trips through real MLflow stores and real W&B offline runs, live re-reads, bad data."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+from pathlib import Path
+from urllib.parse import urlparse
+
+import numpy as np
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+from torch import nn
+
+from hdet_track import HDETScheduler, explore
+from hdet_track.readers import RunNotFoundError, open_reader
+from hdet_track.readers.mlflow import MLflowReader
+from hdet_track.readers.wandb import WandbReader
+from hdet_track.tracking.mlflow import MLflowTracker
+
+
+def job(track, steps=40, stop=None, **kw):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.2), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
+    sched = HDETScheduler(
+        opt,
+        0.1,
+        total_steps=steps,
+        spread=0.3,
+        sync_every=10,
+        auto_lr=True,
+        auto_lr_warmup=10,
+        explore=[explore.param_group("weight_decay", 0.5), explore.dropout(model, 0.4)],
+        track=track,
+        compare_group="readers",
+        **kw,
+    )
+    seen = []
+    for k in range(1, (stop or steps) + 1):
+        opt.step()
+        seen.append((k, opt.param_groups[0]["lr"], model[1].p))
+        sched.step(2.0 / k)
+    sched.flush()
+    return sched, seen
+
+
+def check_run(run, seen, status="FINISHED"):
+    assert run.status == status and run.schedule == "hdet" and run.world_size == 1
+    assert run.compare_group == "readers" and run.warnings == []
+    assert run.explored_names() == ["lr", "weight_decay", "dropout"]
+    steps, lr = run.replica_series("lr", 0)
+    assert steps.tolist() == [k for k, *_ in seen]
+    np.testing.assert_allclose(lr, [a for _, a, _ in seen], rtol=1e-12)
+    np.testing.assert_allclose(run.replica_series("dropout", 0)[1], [p for *_, p in seen], rtol=1e-12)
+    np.testing.assert_allclose(run.replica_series("loss", 0)[1], [2.0 / k for k, *_ in seen])
+    assert [c.step for c in run.converge] == list(range(10, seen[-1][0] + 1, 10))
+    ctl = run.controller_series("lr")
+    assert ctl["step"].tolist() == [c.step for c in run.converge]
+    assert np.all(ctl["base"] > 0) and np.all(np.isfinite(ctl["drift"]))
+    assert run.final_loss() == pytest.approx(2.0 / seen[-1][0])
+
+
+def test_mlflow_sqlite_round_trip_and_listing(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'r.db'}"
+    tracker = MLflowTracker(tracking_uri=uri, experiment="exp", run_name="first")
+    _, seen = job(tracker)
+    reader = open_reader(uri)
+    assert isinstance(reader, MLflowReader)
+    runs = reader.list_runs("exp")
+    assert [r.run_id for r in runs] == [tracker.run_id]
+    assert runs[0].name == "first" and runs[0].schedule == "hdet" and runs[0].compare_group == "readers"
+    assert reader.list_runs("exp", compare_group="readers")[0].run_id == tracker.run_id
+    assert reader.list_runs("exp", compare_group="other") == []
+    check_run(reader.read(tracker.run_id), seen)
+
+
+def test_mlflow_server_round_trip(mlflow_server):
+    tracker = MLflowTracker(tracking_uri=mlflow_server.uri, experiment="readers-server")
+    _, seen = job(tracker)
+    check_run(MLflowReader(mlflow_server.uri).read(tracker.run_id), seen)
+
+
+def test_wandb_offline_round_trip():
+    sched, seen = job("wandb")
+    sched.close()
+    reader = open_reader(os.environ["WANDB_DIR"])
+    assert isinstance(reader, WandbReader)
+    runs = reader.list_runs()
+    assert [r.run_id for r in runs] == [sched.run_ids["wandb"]]
+    check_run(reader.read(runs[0].run_id), seen)
+
+
+def test_live_run_is_reread_incrementally(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'live.db'}"
+    tracker = MLflowTracker(tracking_uri=uri, chunk_seconds=0.0)
+    torch.manual_seed(0)
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = HDETScheduler(opt, 0.1, total_steps=100, sync_every=10, track=tracker)
+    reader = MLflowReader(uri)
+    previous = None
+    for k in range(1, 51):
+        opt.step()
+        sched.step(1.0)
+        if k % 20 == 0:
+            sched.flush()
+            run = reader.read(tracker.run_id, previous=previous)
+            assert run.live and run.status == "RUNNING"
+            assert run.last_step == k and run.steps.step.tolist() == list(range(1, k + 1))
+            if previous is not None:
+                assert set(previous.chunks) < set(run.chunks)  # only the new chunks were fetched
+            previous = run
+    sched.close()
+    final = reader.read(tracker.run_id, previous=previous)
+    assert not final.live and final.steps.step.tolist() == list(range(1, 51))
+
+
+def test_history_fallback_matches_archive(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'h.db'}"
+    tracker = MLflowTracker(tracking_uri=uri)
+    _, seen = job(tracker)
+    reader = MLflowReader(uri)
+    full = reader.read(tracker.run_id)
+    artifacts = Path(urlparse(MlflowClient(uri).get_run(tracker.run_id).info.artifact_uri).path) / "hdet_events"
+    shutil.rmtree(artifacts)
+    fallback = reader.read(tracker.run_id)
+    assert any("metric histories" in w for w in fallback.warnings)
+    np.testing.assert_allclose(fallback.replica_series("lr", 0)[1], full.replica_series("lr", 0)[1])
+    np.testing.assert_allclose(fallback.replica_series("loss", 0)[1], full.replica_series("loss", 0)[1])
+    assert [c.step for c in fallback.converge] == [c.step for c in full.converge]
+    np.testing.assert_allclose(fallback.controller_series("lr")["base"], full.controller_series("lr")["base"])
+    np.testing.assert_allclose(fallback.controller_series("lr")["drift"], full.controller_series("lr")["drift"])
+
+
+def test_bad_sources_give_typed_errors_or_partial_runs(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'bad.db'}"
+    client = MlflowClient(uri)
+    empty = client.create_experiment("empty")
+    reader = MLflowReader(uri)
+    assert reader.list_runs("empty") == []
+    with pytest.raises(RunNotFoundError, match="nope"):
+        reader.list_runs("nope")
+    with pytest.raises(RunNotFoundError):
+        reader.read("0123456789abcdef0123456789abcdef")
+    # A run logged by another tool, no HDET events: a partial run with a warning.
+    plain = client.create_run(empty).info.run_id
+    for step in range(5):
+        client.log_metric(plain, "loss", 1.0 / (step + 1), step=step)
+    run = reader.read(plain)
+    assert run.warnings and "no HDET events" in run.warnings[0]
+    assert run.mean_series("loss")[1].tolist() == [1.0, 0.5, 1 / 3, 0.25, 0.2]
+    # A truncated chunk and an event of an unknown schema version: warnings, the rest is read.
+    tracker = MLflowTracker(tracking_uri=uri)
+    job(tracker)
+    artifacts = Path(urlparse(client.get_run(tracker.run_id).info.artifact_uri).path) / "hdet_events"
+    steps_file = sorted(artifacts.glob("steps-*.parquet"))[0]
+    steps_file.write_bytes(steps_file.read_bytes()[:100])
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    future = {"kind": "converge", "schema": 99, "step": 1}
+    pq.write_table(
+        pa.table({"kind": ["converge"], "step": [1], "json": [json.dumps(future)]}), artifacts / "events-999999.parquet"
+    )
+    run = reader.read(tracker.run_id)
+    assert any("unreadable archive chunk steps-" in w for w in run.warnings)
+    assert any("upgrade hdet-track" in w for w in run.warnings)
+    assert len(run.converge) == 4 and len(run.steps) == 0
+
+
+def test_wandb_directory_still_being_written(tmp_path):
+    sched, seen = job("wandb", stop=25, steps=40)  # not finished: no exit record yet
+    directory = glob.glob(os.path.join(os.environ["WANDB_DIR"], "wandb", "offline-run-*"))[0]
+    wandb_file = glob.glob(os.path.join(directory, "run-*.wandb"))[0]
+    copy = tmp_path / "copy" / Path(directory).name
+    shutil.copytree(directory, copy)
+    data = Path(wandb_file).read_bytes()
+    (copy / Path(wandb_file).name).write_bytes(data[: len(data) - 30])  # a torn last record
+    run = WandbReader(tmp_path / "copy").read(sched.run_ids["wandb"])
+    assert run.live and run.status == "RUNNING"
+    assert run.steps.step.tolist() == list(range(1, 21))  # the synced windows
+    sched.close()
