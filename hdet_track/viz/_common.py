@@ -1,0 +1,65 @@
+"""Shared pieces of the figure builders: downsampling that keeps spikes, empty figures, colours."""
+
+from __future__ import annotations
+
+import numpy as np
+import plotly.graph_objects as go
+
+MAX_POINTS = 2000
+PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
+
+
+def color(i: int) -> str:
+    return PALETTE[i % len(PALETTE)]
+
+
+def downsample(x: np.ndarray, y: np.ndarray, max_points: int = MAX_POINTS) -> tuple[np.ndarray, np.ndarray]:
+    """At most ``max_points`` points: the min and the max of each bucket, in step order.
+
+    Spikes (a divergence, a NaN-repair) survive, unlike with striding. Non-finite values are
+    kept where they fall (they mark gaps).
+    """
+    x = np.asarray(x)
+    y = np.asarray(y, dtype=float)
+    n = len(x)
+    if n <= max_points:
+        return x, y
+    buckets = max(1, max_points // 2)
+    edges = np.linspace(0, n, buckets + 1).astype(int)
+    keep: list[int] = []
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        if hi <= lo:
+            continue
+        seg = y[lo:hi]
+        finite = np.isfinite(seg)
+        if not finite.all():
+            keep.append(lo + int(np.argmin(finite)))  # the first non-finite value of the bucket
+        if finite.any():
+            idx = np.flatnonzero(finite)
+            a = lo + idx[np.argmin(seg[finite])]
+            b = lo + idx[np.argmax(seg[finite])]
+            keep.extend(sorted({int(a), int(b)}))
+    order = np.array(sorted(set(keep)), dtype=int)
+    return x[order], y[order]
+
+
+def empty_figure(message: str, title: str = "") -> go.Figure:
+    """A figure with a note instead of data (empty input never raises)."""
+    fig = go.Figure()
+    fig.add_annotation(text=message, x=0.5, y=0.5, xref="paper", yref="paper", showarrow=False, font={"size": 14})
+    fig.update_layout(title=title, xaxis={"visible": False}, yaxis={"visible": False})
+    return fig
+
+
+def layout(fig: go.Figure, title: str, ytitle: str, log_y: bool = False) -> go.Figure:
+    fig.update_layout(
+        title=title,
+        xaxis_title="step",
+        yaxis_title=ytitle,
+        legend={"orientation": "h", "y": -0.2},
+        margin={"l": 60, "r": 20, "t": 50, "b": 40},
+        hovermode="x unified",
+    )
+    if log_y:
+        fig.update_yaxes(type="log")
+    return fig

@@ -1,0 +1,103 @@
+"""Controller drift: the controller's base against the plain OneCycle curve, drift, delta, velocity."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from ..readers.base import HDETRun
+from ._common import MAX_POINTS, downsample, empty_figure
+
+__all__ = ["plot_controller"]
+
+
+class ControllerInfo(NamedTuple):
+    name: str
+    target: int
+    series: dict[str, np.ndarray]
+    used_steps: np.ndarray  # the base the replicas trained around, every step
+    used: np.ndarray
+
+
+def _get_controller_info(
+    run: HDETRun, name: str = "lr", target: int = 0, max_points: int = MAX_POINTS
+) -> ControllerInfo:
+    series = run.controller_series(name, target)
+    keys = run.series_keys(name)
+    key = keys[target] if target < len(keys) else name
+    steps, used = run.mean_series(key)
+    steps, used = downsample(steps, used, max_points)
+    return ControllerInfo(name, target, series, steps, used)
+
+
+def plot_controller(run: HDETRun, name: str = "lr", target: int = 0, log_y: bool = False) -> go.Figure:
+    """Top: the base (each sync) and the mean value used (each step) against plain OneCycle; middle:
+    drift = base / OneCycle; bottom: delta and velocity."""
+    info = _get_controller_info(run, name, target)
+    s = info.series
+    if not len(s["step"]):
+        return empty_figure(
+            f"No controller decisions for {name!r} (auto_lr off, or still in warmup)", f"Controller: {name}"
+        )
+    fig = make_subplots(
+        rows=3,
+        cols=1,
+        shared_xaxes=True,
+        vertical_spacing=0.06,
+        row_heights=[0.5, 0.25, 0.25],
+        subplot_titles=(f"{name}: base vs plain OneCycle", "drift = base / OneCycle", "delta and velocity"),
+    )
+    if len(info.used_steps):
+        fig.add_trace(
+            go.Scatter(
+                x=info.used_steps,
+                y=info.used,
+                mode="lines",
+                name="used (mean over replicas)",
+                line={"color": "#999", "width": 1},
+            ),
+            row=1,
+            col=1,
+        )
+    fig.add_trace(
+        go.Scatter(x=s["step"], y=s["base"], mode="lines+markers", name="controller base", line={"color": "#d62728"}),
+        row=1,
+        col=1,
+    )
+    if np.isfinite(s["onecycle"]).any():
+        fig.add_trace(
+            go.Scatter(
+                x=s["step"],
+                y=s["onecycle"],
+                mode="lines",
+                name="plain OneCycle",
+                line={"color": "black", "dash": "dash"},
+            ),
+            row=1,
+            col=1,
+        )
+        fig.add_trace(
+            go.Scatter(x=s["step"], y=s["drift"], mode="lines+markers", name="drift", line={"color": "#9467bd"}),
+            row=2,
+            col=1,
+        )
+        fig.add_hline(y=1.0, line={"dash": "dot", "color": "#888"}, row=2, col=1)
+    fig.add_trace(go.Bar(x=s["step"], y=s["delta"], name="delta", marker_color="#2ca02c", opacity=0.6), row=3, col=1)
+    fig.add_trace(
+        go.Scatter(x=s["step"], y=s["velocity"], mode="lines+markers", name="velocity", line={"color": "#ff7f0e"}),
+        row=3,
+        col=1,
+    )
+    if log_y:
+        fig.update_yaxes(type="log", row=1, col=1)
+    fig.update_layout(
+        title=f"Controller drift: {name}" + (f" (target {target})" if target else ""),
+        height=700,
+        legend={"orientation": "h", "y": -0.08},
+        margin={"l": 60, "r": 20, "t": 70, "b": 40},
+    )
+    fig.update_xaxes(title_text="step", row=3, col=1)
+    return fig

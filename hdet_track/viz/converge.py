@@ -1,0 +1,120 @@
+"""Converge: sync points on the loss chart, divergence before averaging, window losses, the
+controller's softmax weights, and replicas reset for non-finite values."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import plotly.graph_objects as go
+
+from ..readers.base import HDETRun
+from ._common import MAX_POINTS, color, downsample, empty_figure, layout
+
+__all__ = ["plot_sync_loss", "plot_divergence", "plot_sync_heatmap"]
+
+
+class SyncInfo(NamedTuple):
+    steps: list[int]
+    window_losses: np.ndarray  # [sync, replica]
+    divergence: np.ndarray  # [sync, replica]
+    left_out: list[tuple[int, int]]  # (step, replica)
+    weight_steps: list[int]
+    weights: np.ndarray  # [sync with controller, replica]
+
+
+def _get_sync_info(run: HDETRun) -> SyncInfo:
+    n = run.world_size
+    steps = [c.step for c in run.converge]
+
+    def grid(rows: list[list[float]]) -> np.ndarray:
+        out = np.full((len(rows), n), np.nan)
+        for i, row in enumerate(rows):
+            out[i, : min(n, len(row))] = row[:n]
+        return out
+
+    left = [(c.step, r) for c in run.converge for r in c.left_out]
+    lr_decisions = [d for d in run.controller if d.name == "lr"]
+    return SyncInfo(
+        steps,
+        grid([c.window_losses for c in run.converge]),
+        grid([c.divergence for c in run.converge]),
+        left,
+        [d.step for d in lr_decisions],
+        grid([d.weights for d in lr_decisions]),
+    )
+
+
+def plot_sync_loss(run: HDETRun, log_y: bool = True, max_points: int = MAX_POINTS) -> go.Figure:
+    """Mean training loss with every sync marked; replicas reset as non-finite in red."""
+    steps, loss = run.mean_series("loss")
+    if not len(steps):
+        return empty_figure("No loss recorded in this run", "Loss and sync points")
+    info = _get_sync_info(run)
+    s, v = downsample(steps, loss, max_points)
+    fig = go.Figure(go.Scatter(x=s, y=v, mode="lines", name="mean loss", line={"color": "black"}))
+    if info.steps:
+        at = np.interp(info.steps, steps, np.where(np.isfinite(loss), loss, np.nan))
+        fig.add_trace(
+            go.Scatter(
+                x=info.steps,
+                y=at,
+                mode="markers",
+                name="sync (parameters averaged)",
+                marker={"symbol": "diamond", "size": 8, "color": "#1f77b4"},
+            )
+        )
+    if info.left_out:
+        xs = [s for s, _ in info.left_out]
+        fig.add_trace(
+            go.Scatter(
+                x=xs,
+                y=np.interp(xs, steps, loss),
+                mode="markers",
+                name="replica reset (non-finite)",
+                text=[f"replica {r}" for _, r in info.left_out],
+                marker={"symbol": "x", "size": 12, "color": "red"},
+            )
+        )
+    return layout(fig, "Loss with converge points", "loss", log_y)
+
+
+def plot_divergence(run: HDETRun) -> go.Figure:
+    """Each replica's distance to the average just before each averaging (relative to its norm)."""
+    info = _get_sync_info(run)
+    if not info.steps or not np.isfinite(info.divergence).any():
+        return empty_figure("No divergence recorded (single replica, or no syncs yet)", "Divergence before averaging")
+    fig = go.Figure()
+    for r in range(info.divergence.shape[1]):
+        fig.add_trace(
+            go.Scatter(
+                x=info.steps,
+                y=info.divergence[:, r],
+                mode="lines+markers",
+                name=f"replica {r}",
+                line={"color": color(r)},
+            )
+        )
+    return layout(fig, "Divergence before averaging: ||theta_r - mean|| / ||mean||", "relative L2 distance")
+
+
+def plot_sync_heatmap(run: HDETRun, what: str = "weights") -> go.Figure:
+    """Window losses (``what="window_losses"``) or softmax weights (``"weights"``) per sync and replica."""
+    info = _get_sync_info(run)
+    if what == "weights":
+        z, x, title, label = info.weights, info.weight_steps, "Controller softmax weights", "weight"
+    else:
+        z, x, title, label = info.window_losses, info.steps, "Window mean loss", "loss"
+    if not len(x):
+        return empty_figure("No controller decisions yet" if what == "weights" else "No syncs yet", title)
+    fig = go.Figure(
+        go.Heatmap(
+            z=z.T,
+            x=[str(s) for s in x],
+            y=[f"replica {r}" for r in range(z.shape[1])],
+            colorscale="Viridis",
+            colorbar={"title": label},
+        )
+    )
+    fig.update_layout(title=f"{title} per sync", xaxis_title="sync step", margin={"l": 80, "r": 20, "t": 50, "b": 40})
+    return fig

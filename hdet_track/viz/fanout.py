@@ -1,0 +1,156 @@
+"""Fan-out: every replica's trajectory of an explored hyperparameter, the spread band, the
+multiplier each replica held in each window, and per-replica loss."""
+
+from __future__ import annotations
+
+import re
+from typing import NamedTuple
+
+import numpy as np
+import plotly.graph_objects as go
+
+from ..readers.base import HDETRun
+from ._common import MAX_POINTS, color, downsample, empty_figure, layout
+
+__all__ = ["plot_fanout", "plot_permutations", "plot_replica_loss"]
+
+
+class FanoutInfo(NamedTuple):
+    key: str
+    replicas: list[tuple[int, np.ndarray, np.ndarray]]  # (replica, steps, values), downsampled
+    base_steps: np.ndarray
+    base: np.ndarray  # mean over replicas (the shared base: the multipliers average to 1)
+    low: np.ndarray  # base * (1 - spread)
+    high: np.ndarray
+    spread: float
+
+
+def _spread(run: HDETRun, name: str) -> float:
+    for e in run.explored:
+        if e["name"] == name:
+            return float(e["spread"])
+    return 0.0
+
+
+def _get_fanout_info(run: HDETRun, key: str = "lr", max_points: int = MAX_POINTS) -> FanoutInfo:
+    name = re.sub(r"_(pg|t)\d+$", "", key)
+    replicas = []
+    for r in range(run.world_size):
+        steps, values = run.replica_series(key, r)
+        if len(steps):
+            s, v = downsample(steps, values, max_points)
+            replicas.append((r, s, v))
+    steps, base = run.mean_series(key)
+    steps, base = downsample(steps, base, max_points)
+    spread = _spread(run, name)
+    return FanoutInfo(key, replicas, steps, base, base * (1 - spread), base * (1 + spread), spread)
+
+
+def _get_fanout_plot(info: FanoutInfo, log_y: bool) -> go.Figure:
+    if not info.replicas:
+        return empty_figure(f"No per-replica values of {info.key!r} in this run", f"Fan-out: {info.key}")
+    fig = go.Figure()
+    if info.spread > 0 and len(info.base_steps):
+        fig.add_trace(
+            go.Scatter(
+                x=info.base_steps,
+                y=info.high,
+                mode="lines",
+                line={"width": 0},
+                name=f"1+{info.spread:g}",
+                showlegend=False,
+                hoverinfo="skip",
+            )
+        )
+        fig.add_trace(
+            go.Scatter(
+                x=info.base_steps,
+                y=info.low,
+                mode="lines",
+                line={"width": 0},
+                fill="tonexty",
+                fillcolor="rgba(100,100,100,0.15)",
+                name=f"band [1-{info.spread:g}, 1+{info.spread:g}]",
+            )
+        )
+    for r, steps, values in info.replicas:
+        fig.add_trace(
+            go.Scatter(x=steps, y=values, mode="lines", name=f"replica {r}", line={"color": color(r), "width": 1})
+        )
+    if len(info.base_steps):
+        fig.add_trace(
+            go.Scatter(
+                x=info.base_steps,
+                y=info.base,
+                mode="lines",
+                name="base (mean)",
+                line={"color": "black", "dash": "dash", "width": 2},
+            )
+        )
+    return layout(fig, f"Fan-out: {info.key} per replica", info.key, log_y)
+
+
+def plot_fanout(run: HDETRun, key: str = "lr", log_y: bool = False, max_points: int = MAX_POINTS) -> go.Figure:
+    """Each replica's ``key`` (``lr``, ``lr_pg1``, ``weight_decay``...) with the spread band around the base."""
+    return _get_fanout_plot(_get_fanout_info(run, key, max_points), log_y)
+
+
+class PermutationInfo(NamedTuple):
+    name: str
+    window_starts: list[int]
+    multipliers: np.ndarray  # [replica, window]
+
+
+def _get_permutation_info(run: HDETRun, name: str = "lr") -> PermutationInfo:
+    table = run.steps
+    column = table.multipliers.get(name)
+    if column is None or not len(table):
+        return PermutationInfo(name, [], np.zeros((0, 0)))
+    sync_steps = sorted({c.step for c in run.converge})
+    starts = [1] + [s + 1 for s in sync_steps if s < int(table.step[-1])]
+    grid = np.full((run.world_size, len(starts)), np.nan)
+    for j, start in enumerate(starts):
+        rows = np.flatnonzero(table.step == start)
+        for i in rows:
+            grid[int(table.replica[i]), j] = column[i]
+    return PermutationInfo(name, starts, grid)
+
+
+def plot_permutations(run: HDETRun, name: str = "lr") -> go.Figure:
+    """Which multiplier each replica held in each window (re-shuffled at every sync)."""
+    info = _get_permutation_info(run, name)
+    if not info.window_starts:
+        return empty_figure("No multipliers recorded in this run", f"Multipliers: {name}")
+    fig = go.Figure(
+        go.Heatmap(
+            z=info.multipliers,
+            x=[str(s) for s in info.window_starts],
+            y=[f"replica {r}" for r in range(info.multipliers.shape[0])],
+            colorscale="RdBu_r",
+            zmid=1.0,
+            colorbar={"title": "multiplier"},
+        )
+    )
+    fig.update_layout(
+        title=f"Multiplier of {name} held by each replica, per window",
+        xaxis_title="window start step",
+        margin={"l": 80, "r": 20, "t": 50, "b": 40},
+    )
+    return fig
+
+
+def plot_replica_loss(run: HDETRun, log_y: bool = True, max_points: int = MAX_POINTS) -> go.Figure:
+    """Each replica's training loss and the mean."""
+    fig = go.Figure()
+    for r in range(run.world_size):
+        steps, values = run.replica_series("loss", r)
+        if len(steps):
+            s, v = downsample(steps, values, max_points)
+            fig.add_trace(go.Scatter(x=s, y=v, mode="lines", name=f"replica {r}", line={"color": color(r), "width": 1}))
+    steps, mean = run.mean_series("loss")
+    if len(steps):
+        s, v = downsample(steps, mean, max_points)
+        fig.add_trace(go.Scatter(x=s, y=v, mode="lines", name="mean", line={"color": "black", "width": 2}))
+    if not fig.data:
+        return empty_figure("No loss recorded in this run", "Loss per replica")
+    return layout(fig, "Training loss per replica", "loss", log_y)

@@ -1,0 +1,194 @@
+"""Figure builders on constructed runs: assertions on the figures' data."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from hdet_track.events import ControllerDecision, Converge, RunStart
+from hdet_track.readers.base import HDETRun, StepTable
+from hdet_track.schedule import multipliers
+from hdet_track.viz import (
+    compare_table,
+    diverged_at,
+    lambdalr_snippet,
+    plot_compare,
+    plot_controller,
+    plot_divergence,
+    plot_fanout,
+    plot_permutations,
+    plot_replica_loss,
+    plot_sync_heatmap,
+    plot_sync_loss,
+    schedule_csv,
+)
+from hdet_track.viz._common import downsample
+
+
+def make_run(n=4, steps=100, T=10, spread=0.3, nan_replica=None, name="run", schedule="hdet", lr_scale=1.0):
+    rho = multipliers(n, spread)
+    perms = [list(range(n))] + [list(np.roll(range(n), j)) for j in range(1, steps // T + 1)]
+    rows = []
+    for k in range(1, steps + 1):
+        w = (k - 1) // T
+        base = 0.1 * lr_scale * (1 - k / (steps + 1))
+        for r in range(n):
+            m = rho[perms[w][r]]
+            loss = 1.0 / k + 0.01 * r
+            if nan_replica is not None and r == nan_replica and 45 <= k <= 50:
+                loss = math.nan
+            rows.append((k, r, loss, base * m, m))
+    arr = np.array(rows, dtype=float)
+    table = StepTable(
+        arr[:, 0].astype(np.int64), arr[:, 1].astype(np.int32), arr[:, 2], {"lr": arr[:, 3]}, {"lr": arr[:, 4]}
+    )
+    start = RunStart(
+        config={},
+        world_size=n,
+        schedule=schedule,
+        param_groups=["pg0"],
+        explored=[{"name": "lr", "spread": spread, "bounds": [[0, 1]], "targets": ["pg0"], "multipliers": rho}],
+        versions={},
+        hostnames=["h"] * n,
+    )
+    converge = [
+        Converge(
+            step=s,
+            window_losses=[1.0 / s + 0.01 * r for r in range(n)],
+            divergence=[0.01 * (r + 1) for r in range(n)],
+            left_out=[nan_replica] if nan_replica is not None and s == 50 else [],
+        )
+        for s in range(T, steps + 1, T)
+    ]
+    controller = [
+        ControllerDecision(
+            step=s,
+            name="lr",
+            weights=[1.0 / n] * n,
+            delta=[0.001],
+            velocity=[0.0005],
+            base_before=[0.1],
+            base_after=[0.09 - s * 1e-4],
+            gamma=0.05,
+            permutation=perms[s // T],
+            onecycle=[0.1 - s * 1e-4],
+        )
+        for s in range(2 * T, steps + 1, T)
+    ]
+    return HDETRun(
+        run_id=name, name=name, status="FINISHED", start=start, steps=table, converge=converge, controller=controller
+    )
+
+
+def test_fanout_traces_are_each_replicas_values_with_band():
+    run = make_run(n=8)
+    fig = plot_fanout(run)
+    names = [t.name for t in fig.data]
+    assert [f"replica {r}" for r in range(8)] == [n for n in names if n.startswith("replica")]
+    r3 = next(t for t in fig.data if t.name == "replica 3")
+    steps, values = run.replica_series("lr", 3)
+    assert list(r3.x) == steps.tolist() and np.allclose(r3.y, values)
+    base = next(t for t in fig.data if t.name == "base (mean)")
+    band = [t for t in fig.data if t.name and t.name.startswith("band")][0]
+    assert np.allclose(band.y, np.asarray(base.y) * 0.7)  # lower edge 1 - alpha
+
+
+def test_permutation_heatmap_shows_the_multiplier_each_replica_held():
+    run = make_run(n=4, steps=40, T=10)
+    fig = plot_permutations(run)
+    z = np.asarray(fig.data[0].z)
+    rho = multipliers(4, 0.3)
+    assert z.shape == (4, 4)
+    assert np.allclose(z[:, 0], rho)  # window 1: rank r on rho_r
+    assert np.allclose(z[:, 1], [rho[p] for p in np.roll(range(4), 1)])
+    assert list(fig.data[0].x) == ["1", "11", "21", "31"]
+
+
+def test_sync_loss_marks_syncs_and_resets():
+    run = make_run(n=4, nan_replica=2)
+    fig = plot_sync_loss(run)
+    syncs = next(t for t in fig.data if t.name.startswith("sync"))
+    assert list(syncs.x) == list(range(10, 101, 10))
+    resets = next(t for t in fig.data if t.name.startswith("replica reset"))
+    assert list(resets.x) == [50] and list(resets.text) == ["replica 2"]
+    mean = fig.data[0]
+    assert all(np.isfinite(mean.y))  # a NaN replica is left out of the mean, not poisoning it
+
+
+def test_divergence_and_heatmaps():
+    run = make_run(n=3)
+    fig = plot_divergence(run)
+    assert [t.name for t in fig.data] == ["replica 0", "replica 1", "replica 2"]
+    assert np.allclose(fig.data[1].y, [0.02] * 10)
+    weights = plot_sync_heatmap(run, "weights")
+    assert np.asarray(weights.data[0].z).shape == (3, 9)
+    losses = plot_sync_heatmap(run, "window_losses")
+    assert np.asarray(losses.data[0].z)[0, 0] == pytest.approx(0.1)
+
+
+def test_controller_plot_shows_base_onecycle_drift():
+    run = make_run()
+    fig = plot_controller(run)
+    base = next(t for t in fig.data if t.name == "controller base")
+    onecycle = next(t for t in fig.data if t.name == "plain OneCycle")
+    drift = next(t for t in fig.data if t.name == "drift")
+    assert list(base.x) == list(range(20, 101, 10))
+    assert np.allclose(drift.y, np.asarray(base.y) / np.asarray(onecycle.y))
+
+
+def test_empty_and_single_replica_runs_draw_notes_not_errors():
+    empty = HDETRun(run_id="e")
+    for fig in (
+        plot_fanout(empty),
+        plot_permutations(empty),
+        plot_replica_loss(empty),
+        plot_sync_loss(empty),
+        plot_divergence(empty),
+        plot_sync_heatmap(empty),
+        plot_controller(empty),
+        plot_compare([empty]),
+    ):
+        assert len(fig.data) == 0 and fig.layout.annotations
+    one = make_run(n=1, spread=0.0)
+    assert [t.name for t in plot_fanout(one).data] == ["replica 0", "base (mean)"]
+    assert "No" not in str(plot_replica_loss(one).layout.annotations)
+
+
+def test_downsample_keeps_spikes_and_bounds_points():
+    x = np.arange(100_000)
+    y = np.ones(100_000)
+    y[54_321] = 1e6
+    y[77_777] = np.nan
+    xs, ys = downsample(x, y, 1000)
+    assert len(xs) <= 1000 + 10
+    assert 54_321 in xs and np.nanmax(ys) == 1e6 and 77_777 in xs
+    big = make_run(n=8, steps=5000, T=100)
+    fig = plot_fanout(big, max_points=500)
+    assert all(len(t.x) <= 510 for t in fig.data)
+
+
+def test_compare_table_and_overlay():
+    hdet = make_run(name="hdet")
+    base = make_run(name="onecycle", schedule="onecycle", spread=0.0, lr_scale=2.0)
+    # Make the baseline diverge at step 60.
+    base.steps.loss[base.steps.step >= 60] = np.inf
+    rows = {r.name: r for r in compare_table([hdet, base])}
+    assert rows["hdet"].diverged_at is None and rows["onecycle"].diverged_at == 60
+    assert rows["hdet"].final_loss == pytest.approx(np.mean([0.01 + 0.01 * r for r in range(4)]))
+    assert rows["onecycle"].highest_stable_lr == pytest.approx(0.2 * (1 - 1 / 101))
+    fig = plot_compare([hdet, base], "lr", log_y=False)
+    assert [t.name for t in fig.data] == ["hdet (hdet)", "onecycle (onecycle)"] and fig.data[1].line.dash == "dash"
+    assert diverged_at(np.array([1, 2, 3]), np.array([1.0, 20.0, 1.0])) == 2
+
+
+def test_export_schedule_csv_and_lambdalr_replay():
+    run = make_run()
+    csv = schedule_csv(run).splitlines()
+    assert csv[0] == "step,lr" and len(csv) == 101
+    namespace: dict = {}
+    exec(lambdalr_snippet(run), namespace)
+    steps, lr = run.mean_series("lr")
+    replay = [namespace["BASE_LR"] * namespace["hdet_schedule"](s - 1) for s in steps]
+    assert np.allclose(replay, lr, rtol=1e-6)
