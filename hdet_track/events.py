@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -25,6 +26,7 @@ __all__ = [
     "event_from_dict",
     "UnknownSchemaError",
     "series_key",
+    "series_name",
 ]
 
 SCHEMA_VERSION = 1
@@ -45,6 +47,11 @@ def series_key(name: str, target: int, label: str) -> str:
     if label.startswith("pg") and label[2:].isdigit():
         return f"{name}_{label}"
     return f"{name}_t{target}"
+
+
+def series_name(key: str) -> str:
+    """The hyperparameter a series key belongs to (``lr_pg1`` -> ``lr``, ``dropout_t2`` -> ``dropout``)."""
+    return re.sub(r"_(pg|t)\d+$", "", key)
 
 
 def _clean(value: Any) -> Any:

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..events import ControllerDecision, Converge
 from ..tracking.archive import ARTIFACT_DIR
-from .base import HDETRun, RunNotFoundError, RunSummary, StepTable, apply_events, parse_chunks
+from .base import HDETRun, ReaderError, RunNotFoundError, RunSummary, StepTable, apply_events, parse_chunks
 
 __all__ = ["MLflowReader"]
 
@@ -27,6 +27,20 @@ _REPLICA = re.compile(r"^hdet/replica_(\d+)/(.+)$")
 _WEIGHT = re.compile(r"^hdet/controller/([^/]+)/weight/replica_(\d+)$")
 _CTRL = re.compile(r"^hdet/controller/([^/]+)/(base|velocity|delta)$")
 _TARGET = re.compile(r"^(.*?)(?:_pg(\d+)|_t(\d+))?$")
+
+
+def _probe(uri: str, timeout: float = 5.0) -> None:
+    """Fail fast on a server that does not answer (MLflow's client would retry for minutes)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout):
+            return
+    except urllib.error.HTTPError:
+        return  # it answered (some deployments have no /health): good enough
+    except OSError as exc:
+        raise ReaderError(f"Expected an MLflow server at {uri}, but it does not answer: {exc}") from None
 
 
 def default_tracking_uri() -> str:
@@ -50,6 +64,8 @@ class MLflowReader:
         except ImportError as exc:  # pragma: no cover
             raise ImportError("reading MLflow runs needs MLflow: pip install 'hdet-track[mlflow]'") from exc
         self.uri = tracking_uri or default_tracking_uri()
+        if self.uri.startswith(("http://", "https://")):
+            _probe(self.uri)
         self.client = MlflowClient(self.uri)
 
     def experiments(self) -> list[str]:

@@ -3,12 +3,12 @@ multiplier each replica held in each window, and per-replica loss."""
 
 from __future__ import annotations
 
-import re
 from typing import NamedTuple
 
 import numpy as np
 import plotly.graph_objects as go
 
+from ..events import series_name
 from ..readers.base import HDETRun
 from ._common import MAX_POINTS, color, downsample, empty_figure, layout
 
@@ -33,7 +33,7 @@ def _spread(run: HDETRun, name: str) -> float:
 
 
 def _get_fanout_info(run: HDETRun, key: str = "lr", max_points: int = MAX_POINTS) -> FanoutInfo:
-    name = re.sub(r"_(pg|t)\d+$", "", key)
+    name = series_name(key)
     replicas = []
     for r in range(run.world_size):
         steps, values = run.replica_series(key, r)

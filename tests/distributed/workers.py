@@ -240,13 +240,13 @@ def all_nonfinite(rank: int, world: int) -> dict:
     return {"error": None}
 
 
-def tracked_job(rank: int, world: int, uri: str, backend: str) -> dict:
+def tracked_job(rank: int, world: int, uri: str, backend: str, name: str = "hdet-4", nan_at: int = -1) -> dict:
     """Every rank passes the same tracker; rank 0 owns the single run."""
     from hdet_track.tracking.mlflow import MLflowTracker
 
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
-    track = MLflowTracker(tracking_uri=uri, experiment="gloo") if backend == "mlflow" else "wandb"
+    track = MLflowTracker(tracking_uri=uri, experiment="gloo", run_name=name) if backend == "mlflow" else "wandb"
     sched = HDETScheduler(
         opt,
         max_lr=0.1,
@@ -268,6 +268,12 @@ def tracked_job(rank: int, world: int, uri: str, backend: str) -> dict:
         loss.backward()
         opt.step()
         seen.append((step + 1, opt.param_groups[0]["lr"], opt.param_groups[0]["weight_decay"], float(loss)))
+        if rank == 1 and step == nan_at:
+            with torch.no_grad():
+                model[0].weight[0, 0] = float("nan")
+        if rank == 1 and step == nan_at:
+            with torch.no_grad():
+                model[0].weight[0, 0] = float("nan")
         sched.step(loss)
     sched.flush()
     return {"seen": seen, "run_ids": sched.run_ids}

@@ -1,0 +1,52 @@
+"""Compare: several runs overlaid by step and a summary table; pick runs by compare group."""
+
+from __future__ import annotations
+
+import streamlit as st
+from hdet_track.dashboard.state import label, load_run
+
+from hdet_track.readers import ReaderError
+from hdet_track.viz import compare_table, plot_compare
+
+st.header("Compare")
+runs = st.session_state.get("runs", [])
+if not runs:
+    st.info("No runs to compare yet.")
+else:
+    groups = sorted({r.compare_group for r in runs if r.compare_group})
+    c1, c2 = st.columns([1, 3])
+    group = c1.selectbox("Compare group", ["(pick runs)"] + groups, index=1 if groups else 0)
+    default = [r.run_id for r in runs if r.compare_group == group] if group != "(pick runs)" else [runs[0].run_id]
+    labels = {r.run_id: label(r) for r in runs}
+    chosen = c2.multiselect("Runs", list(labels), default=default, format_func=labels.get)
+    loaded = []
+    for run_id in chosen:
+        try:
+            loaded.append(load_run(run_id))
+        except ReaderError as exc:
+            st.error(str(exc))
+    if loaded:
+        rows = compare_table(loaded)
+        st.dataframe(
+            [
+                {
+                    "run": r.name,
+                    "schedule": r.schedule,
+                    "replicas": r.world_size,
+                    "status": r.status,
+                    "mean lr": r.mean_lr,
+                    "final loss": r.final_loss,
+                    "best loss": r.best_loss,
+                    "highest stable lr": r.highest_stable_lr,
+                    "diverged": "no" if r.diverged_at is None else f"yes, step {r.diverged_at}",
+                }
+                for r in rows
+            ],
+            hide_index=True,
+            width="stretch",
+        )
+        st.plotly_chart(plot_compare(loaded, "loss"), key="cmp_loss")
+        st.plotly_chart(plot_compare(loaded, "lr", log_y=False), key="cmp_lr")
+        extra = sorted({k for run in loaded for k in run.metrics if k not in ("loss", "lr")})
+        for key in extra:
+            st.plotly_chart(plot_compare(loaded, key, log_y=False), key=f"cmp_{key}")

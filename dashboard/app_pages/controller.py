@@ -1,0 +1,33 @@
+"""Controller drift: base vs plain OneCycle, drift, delta and velocity per hyperparameter."""
+
+from __future__ import annotations
+
+import numpy as np
+import streamlit as st
+from hdet_track.dashboard.state import live_every, load_run, selected_run
+
+from hdet_track.viz import plot_controller
+
+st.header("Controller drift")
+run = selected_run()
+if run is not None:
+    names = run.explored_names() or ["lr"]
+    c1, c2, c3 = st.columns([2, 1, 1])
+    name = c1.selectbox("Hyperparameter", names)
+    targets = run.series_keys(name) or [name]
+    target = c2.selectbox("Target", list(range(len(targets))), format_func=lambda t: targets[t])
+    log_y = c3.toggle("log scale", value=False)
+
+    @st.fragment(run_every=live_every(run))
+    def charts() -> None:
+        fresh = load_run(run.run_id)
+        series = fresh.controller_series(name, target)
+        if len(series["step"]):
+            m1, m2, m3 = st.columns(3)
+            m1.metric("base", f"{series['base'][-1]:.4g}")
+            drift = series["drift"][-1]
+            m2.metric("drift vs OneCycle", f"{drift:.3g}x" if np.isfinite(drift) else "n/a")
+            m3.metric("syncs with the controller", len(series["step"]))
+        st.plotly_chart(plot_controller(fresh, name, target, log_y=log_y), key="controller")
+
+    charts()

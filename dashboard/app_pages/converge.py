@@ -1,0 +1,28 @@
+"""Converge: sync points, divergence before averaging, window losses and softmax weights, resets."""
+
+from __future__ import annotations
+
+import streamlit as st
+from hdet_track.dashboard.state import live_every, load_run, selected_run
+
+from hdet_track.viz import plot_divergence, plot_sync_heatmap, plot_sync_loss
+
+st.header("Converge")
+run = selected_run()
+if run is not None:
+
+    @st.fragment(run_every=live_every(run))
+    def charts() -> None:
+        fresh = load_run(run.run_id)
+        st.plotly_chart(plot_sync_loss(fresh), key="sync_loss")
+        resets = [(c.step, r) for c in fresh.converge for r in c.left_out]
+        if resets:
+            st.error(
+                "Replicas reset for non-finite values: " + ", ".join(f"replica {r} at step {s}" for s, r in resets)
+            )
+        st.plotly_chart(plot_divergence(fresh), key="divergence")
+        c1, c2 = st.columns(2)
+        c1.plotly_chart(plot_sync_heatmap(fresh, "window_losses"), key="window_losses")
+        c2.plotly_chart(plot_sync_heatmap(fresh, "weights"), key="weights")
+
+    charts()

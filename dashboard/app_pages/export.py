@@ -1,0 +1,21 @@
+"""Export: the schedule the controller discovered, as CSV/JSON and a LambdaLR snippet."""
+
+from __future__ import annotations
+
+import streamlit as st
+from hdet_track.dashboard.state import selected_run
+
+from hdet_track.viz import lambdalr_snippet, schedule_csv, schedule_json
+
+st.header("Export the discovered schedule")
+run = selected_run()
+if run is not None:
+    keys = run.series_keys("lr") or ["lr"]
+    key = st.selectbox("Param group", keys)
+    c1, c2 = st.columns(2)
+    c1.download_button("schedule.csv", schedule_csv(run, key), file_name=f"{run.run_id}-{key}.csv", mime="text/csv")
+    c2.download_button(
+        "schedule.json", schedule_json(run, key), file_name=f"{run.run_id}-{key}.json", mime="application/json"
+    )
+    st.subheader("Replay it with LambdaLR")
+    st.code(lambdalr_snippet(run, key), language="python")

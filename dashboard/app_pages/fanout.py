@@ -1,0 +1,28 @@
+"""Fan-out: per-replica trajectories, spread band, multipliers per window, per-replica loss."""
+
+from __future__ import annotations
+
+import streamlit as st
+from hdet_track.dashboard.state import live_every, load_run, selected_run
+
+from hdet_track.events import series_name
+from hdet_track.viz import plot_fanout, plot_permutations, plot_replica_loss
+
+st.header("Fan-out")
+run = selected_run()
+if run is not None:
+    keys = [k for name in run.explored_names() for k in run.series_keys(name)] or ["lr"]
+    c1, c2 = st.columns([3, 1])
+    key = c1.selectbox("Hyperparameter", keys)
+    log_y = c2.toggle("log scale", value=False)
+
+    @st.fragment(run_every=live_every(run))
+    def charts() -> None:
+        fresh = load_run(run.run_id)
+        if fresh.live:
+            st.caption(f"LIVE: step {fresh.last_step}")
+        st.plotly_chart(plot_fanout(fresh, key, log_y=log_y), key="fanout")
+        st.plotly_chart(plot_permutations(fresh, series_name(key)), key="perms")
+        st.plotly_chart(plot_replica_loss(fresh), key="replica_loss")
+
+    charts()

@@ -1,0 +1,109 @@
+"""Shared state of the dashboard's pages: the source, cached readers, the selected runs.
+
+Readers are cached per source (``st.cache_resource``), run lists for a few seconds
+(``st.cache_data``), and runs in the session: a RUNNING run is re-read incrementally (only new
+archive chunks), a finished one is kept as is.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import streamlit as st
+
+from hdet_track.readers import HDETRun, ReaderError, RunSummary, default_source, open_reader
+
+LIVE_SECONDS = 2.0
+
+
+@st.cache_resource(show_spinner=False)
+def get_reader(source: str) -> Any:
+    return open_reader(source)
+
+
+@st.cache_data(ttl=3, show_spinner=False)
+def list_runs(source: str, experiment: str | None) -> list[RunSummary]:
+    return get_reader(source).list_runs(experiment)
+
+
+@st.cache_data(ttl=10, show_spinner=False)
+def list_experiments(source: str) -> list[str]:
+    reader = get_reader(source)
+    return reader.experiments() if hasattr(reader, "experiments") else []
+
+
+def load_run(run_id: str) -> HDETRun:
+    """The run, re-read incrementally while it is live."""
+    source = current_source()
+    cache: dict[tuple[str, str], HDETRun] = st.session_state.setdefault("_runs", {})
+    key = (source, run_id)
+    previous = cache.get(key)
+    if previous is None or previous.live:
+        cache[key] = get_reader(source).read(run_id, previous=previous)
+    return cache[key]
+
+
+def current_source() -> str:
+    return st.session_state.get("source") or os.environ.get("HDET_DASHBOARD_SOURCE") or default_source()
+
+
+def sidebar() -> None:
+    """Source, experiment and run pickers shared by every page."""
+    st.sidebar.title("hdet-track")
+    source = st.sidebar.text_input(
+        "Source (MLflow tracking URI or W&B directory)", value=current_source(), key="source_input"
+    )
+    st.session_state["source"] = source.strip() or default_source()
+    try:
+        experiments = list_experiments(st.session_state["source"])
+    except Exception as exc:  # noqa: BLE001 - an unreachable source is shown, not raised
+        st.sidebar.error(f"Cannot read {st.session_state['source']}: {type(exc).__name__}: {exc}")
+        st.session_state["runs"] = []
+        return
+    experiment = None
+    if experiments:
+        default = "hdet" if "hdet" in experiments else experiments[0]
+        experiment = st.sidebar.selectbox("Experiment", ["(all)"] + experiments, index=experiments.index(default) + 1)
+        experiment = None if experiment == "(all)" else experiment
+    try:
+        runs = list_runs(st.session_state["source"], experiment)
+    except ReaderError as exc:
+        st.sidebar.error(str(exc))
+        runs = []
+    st.session_state["runs"] = runs
+    if runs:
+        labels = {r.run_id: label(r) for r in runs}
+        chosen = st.sidebar.selectbox("Run", list(labels), format_func=labels.get, key="run_id")
+        st.session_state["selected"] = chosen
+    st.sidebar.toggle("Live refresh of running runs", value=True, key="live")
+
+
+def label(r: RunSummary) -> str:
+    badge = " (live)" if r.live else ""
+    return f"{r.name} [{r.schedule or 'plain'}, {r.world_size}x]{badge}"
+
+
+def selected_run() -> HDETRun | None:
+    """The run picked in the sidebar, or a note on the page when there is none."""
+    runs: list[RunSummary] = st.session_state.get("runs", [])
+    if not runs:
+        st.info(
+            f"No runs at `{current_source()}`. Log one with `hdet-track demo` or "
+            "`HDETScheduler(..., track=True)`, or point the sidebar at another source."
+        )
+        return None
+    run_id = st.session_state.get("selected") or runs[0].run_id
+    try:
+        run = load_run(run_id)
+    except ReaderError as exc:
+        st.error(str(exc))
+        return None
+    for w in run.warnings:
+        st.warning(w)
+    return run
+
+
+def live_every(run: HDETRun) -> float | None:
+    """The fragment refresh interval for this run: only for a live run with live refresh on."""
+    return LIVE_SECONDS if run.live and st.session_state.get("live", True) else None

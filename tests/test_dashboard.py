@@ -1,0 +1,117 @@
+"""Every dashboard page through Streamlit's AppTest against real logged runs."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from streamlit.testing.v1 import AppTest
+from torch import nn
+
+from hdet_track import HDETScheduler
+from hdet_track.tracking.mlflow import MLflowTracker
+
+from .distributed import workers
+from .distributed.launch import run_ranks
+
+APP = str(Path(__file__).resolve().parents[1] / "dashboard" / "app.py")
+PAGES = [
+    "app_pages/fanout.py",
+    "app_pages/converge.py",
+    "app_pages/controller.py",
+    "app_pages/compare.py",
+    "app_pages/export.py",
+]
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """A 4-replica HDET run (replica 1 goes NaN at step 9) and a OneCycle baseline in one compare group."""
+    root = tmp_path_factory.mktemp("dash")
+    uri = f"sqlite:///{root / 'dash.db'}"
+    run_ranks(workers.tracked_job, 4, uri, "mlflow", "hdet-4", 8)
+    model = nn.Linear(8, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sched = HDETScheduler(
+            opt,
+            0.1,
+            total_steps=24,
+            sync_every=6,
+            compare_group="gloo-4",
+            track=MLflowTracker(tracking_uri=uri, experiment="gloo", run_name="onecycle-1"),
+        )
+    for k in range(24):
+        opt.step()
+        sched.step(1.0 / (k + 1))
+    sched.close()
+    return uri
+
+
+def app(monkeypatch, source):
+    monkeypatch.setenv("HDET_DASHBOARD_SOURCE", source)
+    at = AppTest.from_file(APP, default_timeout=60).run()
+    assert not at.exception, at.exception
+    return at
+
+
+def figures(at):
+    return [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
+
+
+def select_run(at, name):
+    box = next(s for s in at.sidebar.selectbox if s.label == "Run")
+    run_id = next(r.run_id for r in at.session_state["runs"] if r.name == name)
+    box.set_value(run_id)
+    at.run()
+    assert not at.exception, at.exception
+    return at
+
+
+def test_runs_page_lists_runs(monkeypatch, store):
+    at = app(monkeypatch, store)
+    assert [h.value for h in at.header] == ["Runs"]
+    table = at.dataframe[0].value
+    assert sorted(table["name"]) == ["hdet-4", "onecycle-1"]
+    assert dict(zip(table["name"], table["schedule"])) == {"hdet-4": "hdet", "onecycle-1": "onecycle"}
+    assert dict(zip(table["name"], table["replicas"])) == {"hdet-4": 4, "onecycle-1": 1}
+
+
+def test_every_page_renders_the_hdet_run(monkeypatch, store):
+    at = select_run(app(monkeypatch, store), "hdet-4")
+    at.switch_page("app_pages/fanout.py").run()
+    assert not at.exception
+    fan, perms, loss = figures(at)
+    assert [t["name"] for t in fan["data"] if t["name"].startswith("replica")] == [f"replica {r}" for r in range(4)]
+    assert len(perms["data"][0]["y"]) == 4
+    at.switch_page("app_pages/converge.py").run()
+    assert not at.exception
+    assert any("replica 1 at step 12" in e.value for e in at.error)  # the NaN replica was reset
+    sync_loss = figures(at)[0]
+    assert any(t["name"].startswith("replica reset") for t in sync_loss["data"])
+    at.switch_page("app_pages/controller.py").run()
+    assert not at.exception
+    ctl = figures(at)[0]
+    assert any(t["name"] == "controller base" for t in ctl["data"])
+    assert at.metric[2].value == "4"  # controller syncs at 6 (the end of warmup), 12, 18 and 24
+    at.switch_page("app_pages/compare.py").run()
+    assert not at.exception
+    table = at.dataframe[0].value
+    assert sorted(table["run"]) == ["hdet-4", "onecycle-1"]
+    at.switch_page("app_pages/export.py").run()
+    assert not at.exception
+    assert "LambdaLR" in at.code[0].value
+
+
+def test_empty_and_unreadable_sources(monkeypatch, tmp_path):
+    at = app(monkeypatch, f"sqlite:///{tmp_path / 'empty.db'}")
+    assert any("No runs" in i.value for i in at.info)
+    for page in PAGES:
+        at.switch_page(page).run()
+        assert not at.exception, page
+    at = app(monkeypatch, "http://127.0.0.1:9")  # nothing listens there
+    assert at.sidebar.error and "Cannot read" in at.sidebar.error[0].value
