@@ -56,7 +56,7 @@ class MLflowTracker(Tracker):
         run_id: str | None = None,
         parent_run_id: str | None = None,
         tags: dict[str, str] | None = None,
-        chunk_seconds: float = 15.0,
+        chunk_seconds: float = 3.0,
     ) -> None:
         _import_mlflow()
         self.tracking_uri = tracking_uri

@@ -44,7 +44,7 @@ class WandbTracker(Tracker):
         group: str | None = None,
         run_name: str | None = None,
         dir: str | os.PathLike | None = None,  # noqa: A002 - wandb's own argument name
-        chunk_seconds: float = 15.0,
+        chunk_seconds: float = 3.0,
     ) -> None:
         _import_wandb()
         self.project = project
