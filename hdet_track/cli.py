@@ -111,6 +111,8 @@ def run_dashboard(source: str | None, host: str, port: int) -> int:
         "false",
         "--server.fileWatcherType",
         "none",
+        "--client.toolbarMode",
+        "minimal",
     ]
     print(f"hdet-track dashboard on http://{host}:{port} reading {source}", flush=True)
     try:
