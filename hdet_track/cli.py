@@ -18,6 +18,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
+    return value
+
+
 def _spread(text: str) -> float:
     try:
         value = float(text)
@@ -34,15 +44,40 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
         "demo",
-        help="train an MLP on scikit-learn's digits with N local gloo replicas and print each replica's LR and loss",
+        help="train OneCycle and HDET side by side on real data with N local gloo replicas, logged to MLflow",
+        description="The paper's ablation on one machine: OneCycle at a conservative and at an aggressive "
+        "max_lr, HDET without auto-LR and full HDET (--quick: aggressive OneCycle vs full HDET), same data "
+        "order, seed and step budget, every run logged to one experiment and compared at the end.",
     )
-    demo.add_argument("--replicas", type=_positive_int, default=4, help="number of gloo processes (default 4)")
-    demo.add_argument("--steps", type=_positive_int, default=300, help="optimizer steps (default 300)")
+    demo.add_argument("--dataset", choices=["digits", "fashion-mnist"], default="digits")
+    demo.add_argument("--data-dir", default=None, help="directory with the Fashion-MNIST idx files")
+    demo.add_argument("--replicas", type=_positive_int, default=4, help="gloo processes per run (default 4)")
+    demo.add_argument(
+        "--steps", type=_positive_int, default=None, help="optimizer steps per run (default 600, --quick 200)"
+    )
     demo.add_argument("--sync-every", type=_positive_int, default=25, help="steps between averagings (default 25)")
-    demo.add_argument("--spread", type=_spread, default=0.3, help="LR spread alpha in [0, 1) (default 0.3)")
-    demo.add_argument("--max-lr", type=float, default=0.2, help="OneCycle max_lr (default 0.2)")
-    demo.add_argument("--no-auto-lr", action="store_true", help="fan-out and converge only, no controller")
+    demo.add_argument("--quick", action="store_true", help="only baseline-high vs full HDET, 200 steps")
+    demo.add_argument("--tracker", choices=["mlflow", "wandb"], default="mlflow")
+    demo.add_argument(
+        "--grad-mode",
+        choices=["shared", "independent"],
+        default="shared",
+        help="shared: DDP gradients every step (the paper); independent: local-SGD replicas",
+    )
+    demo.add_argument("--low-lr", type=_positive_float, default=0.05, help="conservative max_lr (default 0.05)")
+    demo.add_argument("--high-lr", type=_positive_float, default=0.5, help="aggressive max_lr (default 0.5)")
+    demo.add_argument("--spread", type=_spread, default=0.5, help="HDET's LR spread alpha in [0, 1) (default 0.5)")
+    demo.add_argument("--group", default=None, help="compare group of the runs (default: a fresh one)")
     demo.add_argument("--seed", type=int, default=0)
+    cmp = sub.add_parser("compare", help="the comparison table (paper's Table 1) from runs already logged")
+    cmp.add_argument("--tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db")
+    cmp.add_argument(
+        "--experiment",
+        default=None,
+        help="default: the experiment the demo writes to ($MLFLOW_EXPERIMENT_NAME or hdet)",
+    )
+    cmp.add_argument("--group", default=None, help="compare group (default: the newest run's group)")
+    cmp.add_argument("--format", choices=["table", "markdown", "json"], default="table")
     dash = sub.add_parser(
         "dashboard",
         help="open the Streamlit dashboard on an MLflow tracking URI or a W&B directory (read-only)",
@@ -67,6 +102,93 @@ def _port(text: str) -> int:
     if not 1 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"expected a port in 1..65535, got {value}")
     return value
+
+
+def _fail(message: str) -> int:
+    print(f"hdet-track: {message}", file=sys.stderr)
+    return 2
+
+
+def run_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    import os
+    import uuid
+
+    from .examples.ablation import AblationConfig, DataError, load_dataset, run_ablation
+
+    steps = args.steps or (200 if args.quick else 600)
+    if steps < args.sync_every:
+        parser.error(f"--steps ({steps}) must be at least --sync-every ({args.sync_every})")
+    uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+    if args.tracker == "mlflow" and (not uri or uri.startswith("sqlite:///mlflow.db")):
+        if not os.access(os.getcwd(), os.W_OK):
+            return _fail(
+                f"cannot write the MLflow store (mlflow.db) in {os.getcwd()}: run from a writable directory "
+                "or set MLFLOW_TRACKING_URI"
+            )
+    try:
+        load_dataset(args.dataset, args.data_dir, args.seed)
+    except (DataError, ImportError) as exc:
+        return _fail(str(exc))
+    group = args.group or f"demo-{uuid.uuid4().hex[:8]}"
+    cfg = AblationConfig(
+        dataset=args.dataset,
+        data_dir=args.data_dir,
+        replicas=args.replicas,
+        steps=steps,
+        sync_every=args.sync_every,
+        low_lr=args.low_lr,
+        high_lr=args.high_lr,
+        spread=args.spread,
+        grad_mode=args.grad_mode,
+        tracker=args.tracker,
+        compare_group=group,
+        seed=args.seed,
+    )
+    specs = cfg.ablation(args.quick)
+    print(
+        f"hdet-track demo: {args.dataset}, {args.replicas} replicas ({args.grad_mode} gradients), {steps} steps, "
+        f"runs: {', '.join(s.name for s in specs)}; compare group {group}",
+        flush=True,
+    )
+    results = run_ablation(cfg, args.quick)
+    if args.tracker == "mlflow":
+        print()
+        code = run_compare(None, None, group, "table")
+        source = uri or "sqlite:///mlflow.db"
+        print(f"\nOpen the dashboard:  hdet-track dashboard {source}")
+        print(f"Open MLflow's UI:    mlflow ui --backend-store-uri {source} --host 127.0.0.1")
+        return code
+    wandb_dir = os.environ.get("WANDB_DIR", ".")
+    for r in results:
+        print(
+            f"{r['name']:>16}: val loss {r['val_loss']:.4f}, val accuracy {r['val_accuracy']:.3f}"
+            + (f", diverged at step {r['diverged_at']}" if r["diverged_at"] else "")
+        )
+    print(f"\nOpen the dashboard:  hdet-track dashboard {wandb_dir}")
+    return 0
+
+
+def run_compare(tracking_uri: str | None, experiment: str | None, group: str | None, fmt: str) -> int:
+    import os
+
+    from .compare import comparison_rows, format_rows
+    from .readers import ReaderError
+    from .readers.mlflow import MLflowReader
+
+    experiment = experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or "hdet"
+    try:
+        reader = MLflowReader(tracking_uri)
+        summaries = reader.list_runs(experiment)
+    except ReaderError as exc:
+        return _fail(str(exc))
+    if group is None:
+        group = next((r.compare_group for r in summaries if r.compare_group), None)
+    chosen = [r for r in summaries if group is None or r.compare_group == group]
+    if not chosen:
+        return _fail(f"no runs in experiment {experiment!r}" + (f" with compare group {group!r}" if group else ""))
+    runs = [reader.read(r.run_id) for r in reversed(chosen)]  # oldest first: the order they ran
+    print(format_rows(comparison_rows(runs), fmt))
+    return 0
 
 
 def run_dashboard(source: str | None, host: str, port: int) -> int:
@@ -125,21 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "demo":
-        from .examples.digits import DigitsConfig, launch
-
-        if args.steps < args.sync_every:
-            parser.error(f"--steps ({args.steps}) must be at least --sync-every ({args.sync_every})")
-        cfg = DigitsConfig(
-            steps=args.steps,
-            sync_every=args.sync_every,
-            spread=args.spread,
-            max_lr=args.max_lr,
-            auto_lr=not args.no_auto_lr,
-            auto_lr_warmup=args.steps // 4,
-            seed=args.seed,
-        )
-        launch(cfg, replicas=args.replicas)
-        return 0
+        return run_demo(parser, args)
+    if args.command == "compare":
+        return run_compare(args.tracking_uri, args.experiment, args.group, args.format)
     if args.command == "dashboard":
         return run_dashboard(args.source, args.host, args.port)
     parser.error(f"unknown command {args.command!r}")  # pragma: no cover

@@ -127,6 +127,9 @@ class HDETScheduler(OneCycleLR):
             the event archive are never thinned).
         compare_group: the ``hdet.compare_group`` tag (W&B run group) shared by runs to compare.
         run_name: the tracker run's name.
+        close_at_end: end the tracked run when ``total_steps`` is reached (default). With
+            ``False`` it stays open for final metrics (``log_metrics``) until :meth:`close`, the
+            context manager's exit or the process's exit.
         model: the module whose parameters *and buffers* are averaged (e.g. BatchNorm
             running statistics). Without it, the optimizer's parameters are averaged.
         average_buffers: with ``model``, average its floating and integer buffers too.
@@ -177,12 +180,14 @@ class HDETScheduler(OneCycleLR):
         log_every: int = 1,
         compare_group: str | None = None,
         run_name: str | None = None,
+        close_at_end: bool = True,
     ) -> None:
         config = {
             k: v
             for k, v in locals().items()
             if k not in ("self", "optimizer", "explore", "process_group", "track", "model", "__class__")
         }
+        self.close_at_end = bool(close_at_end)
         self._hdet_ready = False
         _check_spread("spread", spread)
         if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
@@ -391,7 +396,7 @@ class HDETScheduler(OneCycleLR):
             self.last_sync = replace(report, onecycle_lr=list(self._onecycle))
         if self._hub is not None:
             self._hub.note_step(k)
-            if k == self.total_steps and not self._hub.ended:
+            if k == self.total_steps and self.close_at_end and not self._hub.ended:
                 # Ends the run without waiting for the writer; flush(), close() or exit wait.
                 self._hub.close("FINISHED", None, step=k, wait=False)
 
@@ -460,6 +465,8 @@ class HDETScheduler(OneCycleLR):
         losses = [r[0] / r[1] if r[1] > 0 else math.nan for r in rows]
         healthy = [r[2] == 1.0 and (r[1] == 0 or math.isfinite(loss)) for r, loss in zip(rows, losses)]
         if not any(healthy):
+            if self._hub is not None:  # the diverged window is part of the run's record
+                self._emit_window(rows, [math.nan] * n, list(range(n)), step)
             raise NonFiniteReplicasError(step, n, losses)
         ok = [r for r in range(n) if healthy[r]]
         left_out = [r for r in range(n) if not healthy[r]]

@@ -2,31 +2,109 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 
 import pytest
+from mlflow.tracking import MlflowClient
 
 from hdet_track.cli import main
 
 
-def test_demo_runs_replicas_and_prints_each(tmp_path):
+@pytest.fixture(scope="module")
+def demo_store(tmp_path_factory):
+    """`hdet-track demo --quick` end to end: 2 gloo replicas per run, a temporary sqlite store."""
+    root = tmp_path_factory.mktemp("demo")
+    uri = f"sqlite:///{root / 'demo.db'}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "HDET_"))}
+    env["MLFLOW_TRACKING_URI"] = uri
     proc = subprocess.run(
-        [sys.executable, "-m", "hdet_track.cli", "demo", "--replicas", "2", "--steps", "60", "--sync-every", "20"],
+        [
+            sys.executable,
+            "-m",
+            "hdet_track.cli",
+            "demo",
+            "--quick",
+            "--replicas",
+            "2",
+            "--steps",
+            "50",
+            "--sync-every",
+            "25",
+            "--group",
+            "cli-test",
+        ],
         capture_output=True,
         text=True,
-        timeout=300,
-        cwd=tmp_path,
+        timeout=600,
+        cwd=root,
+        env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = proc.stdout
-    assert "2 replicas" in out
-    rows = [line for line in out.splitlines() if line.strip()[:2].isdigit() and "|" in line]
-    assert [int(r.split("|")[0]) for r in rows] == [20, 40, 60]
-    first = [float(cell.split("/")[0]) for cell in rows[0].split("|")[1:]]
-    assert len(first) == 2 and first[0] < first[1]  # replica 1 holds the higher multiplier at first
-    accuracy = float(out.split("accuracy")[1].strip())
-    assert accuracy > 0.5  # digits is easy: an averaged HDET model must learn something
+    return uri, proc.stdout, env, root
+
+
+def test_demo_logs_one_run_per_ablation_arm_and_prints_the_table(demo_store):
+    uri, out, _, root = demo_store
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("hdet")
+    runs = {r.info.run_name: r for r in client.search_runs([exp.experiment_id])}
+    assert set(runs) == {"baseline-high", "hdet"}
+    assert runs["baseline-high"].data.tags["hdet.schedule"] == "onecycle"
+    assert runs["hdet"].data.tags["hdet.schedule"] == "hdet"
+    assert {r.data.tags["hdet.compare_group"] for r in runs.values()} == {"cli-test"}
+    assert all(r.data.tags["hdet.world_size"] == "2" for r in runs.values())
+    for r in runs.values():
+        assert r.info.status in ("FINISHED", "FAILED")
+        assert "val_loss" in r.data.metrics and "hdet/replica_01/loss" in r.data.metrics
+    assert "baseline-high" in out and "final train loss" in out and "hdet-track dashboard" in out
+    assert "mlflow ui --backend-store-uri" in out
+    assert not (root / "mlflow.db").exists()  # MLFLOW_TRACKING_URI was honoured
+
+
+@pytest.mark.parametrize("fmt", ["table", "markdown", "json"])
+def test_compare_formats(demo_store, fmt):
+    uri, _, env, root = demo_store
+    proc = subprocess.run(
+        [sys.executable, "-m", "hdet_track.cli", "compare", "--format", fmt],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=root,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    if fmt == "json":
+        rows = json.loads(proc.stdout)
+        assert [r["name"] for r in rows] == ["baseline-high", "hdet"]
+        assert set(rows[0]) == {
+            "run_id",
+            "name",
+            "schedule",
+            "mean_lr",
+            "final_train_loss",
+            "best_val_loss",
+            "final_val_loss",
+            "val_accuracy",
+            "diverged",
+            "diverged_at_step",
+        }
+        assert [r["schedule"] for r in rows] == ["onecycle", "hdet"]
+        assert all(isinstance(r["diverged"], bool) for r in rows)
+        assert all(r["mean_lr"] > 0 for r in rows)
+    elif fmt == "markdown":
+        lines = proc.stdout.strip().splitlines()
+        assert lines[0].startswith("| run | schedule | mean LR") and lines[1].startswith("|---|")
+        assert len(lines) == 4
+    else:
+        assert proc.stdout.splitlines()[0].split()[:2] == ["run", "schedule"]
+
+
+def test_compare_without_runs_is_a_one_line_error(tmp_path):
+    code = main(["compare", "--tracking-uri", f"sqlite:///{tmp_path / 'none.db'}", "--experiment", "nope"])
+    assert code == 2
 
 
 @pytest.mark.parametrize(
@@ -35,6 +113,10 @@ def test_demo_runs_replicas_and_prints_each(tmp_path):
         (["demo", "--replicas", "0"], "positive integer"),
         (["demo", "--spread", "1.5"], "[0, 1)"),
         (["demo", "--steps", "10", "--sync-every", "25"], "at least --sync-every"),
+        (["demo", "--dataset", "cifar"], "invalid choice: 'cifar'"),
+        (["demo", "--tracker", "tensorboard"], "invalid choice: 'tensorboard'"),
+        (["demo", "--high-lr", "-1"], "positive number"),
+        (["dashboard", "--port", "70000"], "1..65535"),
         (["nope"], "invalid choice"),
     ],
 )
@@ -43,3 +125,40 @@ def test_bad_arguments_exit_2_with_message(argv, message, capsys):
         main(argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_wheel_ships_the_dashboard_inside_the_package(tmp_path):
+    import zipfile
+
+    root = __import__("pathlib").Path(__file__).resolve().parents[1]
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            str(root),
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    wheel = next(tmp_path.glob("hdet_track-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "hdet_track/dashboard/app.py" in names and "hdet_track/dashboard/app_pages/fanout.py" in names
+    assert not any(n.startswith("dashboard/") for n in names)  # no generic top-level module
+    entry = next(n for n in names if n.endswith("entry_points.txt"))
+    assert "hdet-track = hdet_track.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
+
+
+def test_missing_dataset_is_a_one_line_error_before_any_run(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'x.db'}")
+    code = main(["demo", "--dataset", "fashion-mnist", "--data-dir", str(tmp_path / "missing")])
+    err = capsys.readouterr().err
+    assert code == 2 and "Fashion-MNIST not found" in err and "--data-dir" in err and "dataset-fashion-mnist" in err
+    assert not (tmp_path / "x.db").exists()  # nothing half-written

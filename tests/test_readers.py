@@ -21,6 +21,8 @@ from hdet_track.readers.mlflow import MLflowReader
 from hdet_track.readers.wandb import WandbReader
 from hdet_track.tracking.mlflow import MLflowTracker
 
+from .test_tracking_wandb import read_finished
+
 
 def job(track, steps=40, stop=None, **kw):
     torch.manual_seed(0)
@@ -87,6 +89,8 @@ def test_mlflow_server_round_trip(mlflow_server):
 def test_wandb_offline_round_trip():
     sched, seen = job("wandb")
     sched.close()
+    for path in glob.glob(os.path.join(os.environ["WANDB_DIR"], "wandb", "offline-run-*", "run-*.wandb")):
+        read_finished(path)  # wandb's service may still be flushing the exit record
     reader = open_reader(os.environ["WANDB_DIR"])
     assert isinstance(reader, WandbReader)
     runs = reader.list_runs()

@@ -346,3 +346,20 @@ def test_several_trackers_each_get_everything():
     for t in (a, b):
         assert t.ended == "FINISHED"
         assert sorted(p.step for p in t.points if p.key == "lr") == list(range(1, 21))
+
+
+def test_close_at_end_false_keeps_the_run_open_for_final_metrics(sqlite_uri):
+    tracker = MLflowTracker(tracking_uri=sqlite_uri)
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = HDETScheduler(opt, 0.1, total_steps=10, sync_every=5, track=tracker, close_at_end=False)
+    for _ in range(10):
+        opt.step()
+        sched.step(1.0)
+    sched.flush()
+    client = MlflowClient(sqlite_uri)
+    assert client.get_run(tracker.run_id).info.status == "RUNNING"
+    sched.log_metrics({"val_loss": 0.25})  # after training: the step defaults to the last one
+    sched.close()
+    assert client.get_run(tracker.run_id).info.status == "FINISHED"
+    assert history(client, tracker.run_id, "val_loss") == {10: 0.25}

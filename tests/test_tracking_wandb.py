@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import os
+import time
 import warnings
 
 import pyarrow.parquet as pq
@@ -13,6 +14,16 @@ from torch import nn
 
 from hdet_track import HDETScheduler
 from hdet_track.readers.wandb_records import WandbFormatError, iter_payloads, read_wandb_file
+
+
+def read_finished(path, timeout=20.0):
+    """The run file once its exit record is on disk (wandb's service may still be flushing it)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        contents = read_wandb_file(path)
+        if contents.exit_code is not None or time.monotonic() > deadline:
+            return contents
+        time.sleep(0.2)
 
 
 def run_dir(root):
@@ -48,7 +59,7 @@ def test_offline_run_read_back(tmp_path, monkeypatch):
     sched.close()
     root = os.environ["WANDB_DIR"]
     directory = run_dir(root)
-    contents = read_wandb_file(glob.glob(os.path.join(directory, "run-*.wandb"))[0])
+    contents = read_finished(glob.glob(os.path.join(directory, "run-*.wandb"))[0])
     assert contents.run_id == sched.run_ids["wandb"]
     assert contents.project == "hdet-tests" and contents.group == "ab"  # compare group = run group
     assert contents.exit_code == 0 and contents.summary["hdet/status"] == "FINISHED"
@@ -79,7 +90,7 @@ def test_failed_run_exit_code_and_status(tmp_path):
                 opt.step()
                 sched.step(1.0)
             raise RuntimeError("exploded")
-    contents = read_wandb_file(glob.glob(os.path.join(run_dir(os.environ["WANDB_DIR"]), "run-*.wandb"))[0])
+    contents = read_finished(glob.glob(os.path.join(run_dir(os.environ["WANDB_DIR"]), "run-*.wandb"))[0])
     assert contents.exit_code == 1 and contents.summary["hdet/status"] == "FAILED"
     assert "exploded" in contents.summary["hdet/error"]
 

@@ -28,6 +28,7 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, out_dir: str, ar
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # nobody tears down its sockets while a peer still finishes a collective
     finally:
         dist.destroy_process_group()
 

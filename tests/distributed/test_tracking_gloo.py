@@ -9,8 +9,7 @@ import os
 import pytest
 from mlflow.tracking import MlflowClient
 
-from hdet_track.readers.wandb_records import read_wandb_file
-
+from ..test_tracking_wandb import read_finished
 from . import workers
 from .launch import run_ranks
 
@@ -51,7 +50,7 @@ def test_one_wandb_offline_run_holds_all_replicas(tmp_path):
     res = run_ranks(workers.tracked_job, WORLD, "", "wandb")
     files = glob.glob(os.path.join(os.environ["WANDB_DIR"], "wandb", "offline-run-*", "run-*.wandb"))
     assert len(files) == 1
-    contents = read_wandb_file(files[0])
+    contents = read_finished(files[0])
     assert contents.run_id == res[0]["run_ids"]["wandb"] and contents.group == "gloo-4"
     rows = {row["_step"]: row for row in contents.history}
     for r in range(WORLD):
