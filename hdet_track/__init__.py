@@ -13,6 +13,7 @@ from . import explore
 from .collectives import average_parameters
 from .controller import ControllerUpdate, controller_update, softmax_weights
 from .errors import CheckpointMismatchError, HDETError, NonFiniteReplicasError
+from .integrations.wrap import wrap
 from .noise import warm_noisy_init
 from .schedule import decay_gamma, multipliers
 from .scheduler import HDETScheduler, SyncReport
@@ -22,6 +23,7 @@ __version__ = "0.1.0"
 __all__ = [
     "HDETScheduler",
     "SyncReport",
+    "wrap",
     "explore",
     "warm_noisy_init",
     "average_parameters",

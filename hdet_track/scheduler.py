@@ -774,6 +774,10 @@ class HDETScheduler(OneCycleLR):
         for name, gen_state in gen_states.items():
             self._gens[name].set_state(gen_state)
         self._window = window
+        self._refresh()
+
+    def _refresh(self) -> None:
+        """Re-apply this rank's LRs (and momenta) for the current step, and its explored values."""
         with _enable_get_lr_call(self):
             values = self.get_lr()
         for group, lr in zip(self.optimizer.param_groups, values):
