@@ -11,7 +11,17 @@ from ..scheduler import HDETScheduler
 
 __all__ = ["wrap", "onecycle_arguments"]
 
-SUPPORTED = "a torch.optim.lr_scheduler.OneCycleLR, or a torch.optim.Optimizer (with max_lr and total_steps)"
+SUPPORTED = (
+    "a torch.optim.lr_scheduler.OneCycleLR, a torch.optim.Optimizer (with max_lr and total_steps), "
+    "or a Lightning Trainer (lightning.pytorch.Trainer)"
+)
+
+
+def _is_lightning_trainer(obj: Any) -> bool:
+    return any(
+        c.__name__ == "Trainer" and c.__module__.startswith(("lightning.pytorch", "pytorch_lightning"))
+        for c in type(obj).__mro__
+    )
 
 
 def onecycle_arguments(scheduler: OneCycleLR) -> dict[str, Any]:
@@ -39,7 +49,7 @@ def onecycle_arguments(scheduler: OneCycleLR) -> dict[str, Any]:
     return args
 
 
-def wrap(obj: Any, **hdet_kwargs: Any) -> HDETScheduler:
+def wrap(obj: Any, **hdet_kwargs: Any) -> Any:
     """Return an ``HDETScheduler`` for ``obj``, with HDET's keyword arguments (``spread``,
     ``sync_every``, ``auto_lr``, ``track``, ...).
 
@@ -48,6 +58,8 @@ def wrap(obj: Any, **hdet_kwargs: Any) -> HDETScheduler:
       the returned scheduler from now on, with the loss: ``sched.step(loss)``.
     - An optimizer: ``max_lr`` and ``total_steps`` (or ``epochs`` and ``steps_per_epoch``) are
       required keyword arguments, as for ``OneCycleLR``.
+    - A Lightning ``Trainer``: adds an :class:`~hdet_track.integrations.lightning.HDETCallback`
+      and returns the trainer.
 
     Raises:
         TypeError: ``obj`` is something else (the message says what is supported).
@@ -68,6 +80,10 @@ def wrap(obj: Any, **hdet_kwargs: Any) -> HDETScheduler:
             sched._step_count = obj._step_count
             sched._refresh()
         return sched
+    if _is_lightning_trainer(obj):
+        from .lightning import wrap_trainer
+
+        return wrap_trainer(obj, **hdet_kwargs)
     if isinstance(obj, torch.optim.Optimizer):
         if "max_lr" not in hdet_kwargs:
             raise TypeError("wrap(optimizer, ...) needs max_lr= and total_steps= (as OneCycleLR does)")

@@ -40,7 +40,8 @@ class MLflowTracker(Tracker):
         tracking_uri: default ``$MLFLOW_TRACKING_URI``, else MLflow's default (``sqlite:///mlflow.db``).
         experiment: default ``$MLFLOW_EXPERIMENT_NAME``, else ``"hdet"``.
         run_name: the run's name.
-        run_id: attach to this existing run (default ``$MLFLOW_RUN_ID``).
+        run_id: attach to this existing run (default ``$MLFLOW_RUN_ID``). An attached run is left
+            open when training finishes (its owner ends it); a failure still marks it FAILED/KILLED.
         parent_run_id: make the run a child of this run (nested runs).
         tags: extra tags.
         chunk_seconds: how often the event archive is written while the run is live.
@@ -68,6 +69,7 @@ class MLflowTracker(Tracker):
         self.chunk_seconds = chunk_seconds
         self._client: Any = None
         self._run_id: str | None = None
+        self._attached = False
         self._archive: EventArchive | None = None
         self._pending: list[Path] = []
 
@@ -95,6 +97,7 @@ class MLflowTracker(Tracker):
         if self.parent_run_id:
             tags["mlflow.parentRunId"] = self.parent_run_id
         attach = self._attach_id or os.environ.get("MLFLOW_RUN_ID")
+        self._attached = bool(attach)
         if attach:
             run_id = client.get_run(attach).info.run_id
         else:
@@ -147,4 +150,6 @@ class MLflowTracker(Tracker):
         self._upload(strict=True)
         if run_end.error:
             self._client.set_tag(self._run_id, "hdet.error", run_end.error[-4900:])
+        if self._attached and run_end.status == "FINISHED":
+            return  # the run's owner (a Lightning logger, a parent script) ends it
         self._client.set_terminated(self._run_id, status=run_end.status, end_time=int(time.time() * 1000))

@@ -45,8 +45,10 @@ class WandbTracker(Tracker):
         run_name: str | None = None,
         dir: str | os.PathLike | None = None,  # noqa: A002 - wandb's own argument name
         chunk_seconds: float = 3.0,
+        run: Any = None,
     ) -> None:
         _import_wandb()
+        self._existing = run  # log into a run someone else started (e.g. Lightning's WandbLogger)
         self.project = project
         self.entity = entity
         self.mode = mode
@@ -71,6 +73,10 @@ class WandbTracker(Tracker):
             return
         wandb = _import_wandb()
         tags = run_tags(run_start)
+        if self._existing is not None:
+            self._existing.config.update(run_params(run_start), allow_val_change=True)
+            self._setup(self._existing, tags)
+            return
         run = wandb.init(
             project=self.project or os.environ.get("WANDB_PROJECT") or DEFAULT_PROJECT,
             entity=self.entity or os.environ.get("WANDB_ENTITY"),
@@ -82,6 +88,9 @@ class WandbTracker(Tracker):
             tags=[f"{k}={v}" for k, v in tags.items()][:20],
             reinit="create_new",
         )
+        self._setup(run, tags)
+
+    def _setup(self, run: Any, tags: dict[str, str]) -> None:
         run.define_metric(SYNC_STEP, hidden=True)
         for prefix in _SYNC_PREFIXES:
             run.define_metric(f"{prefix}*", step_metric=SYNC_STEP)
@@ -117,4 +126,5 @@ class WandbTracker(Tracker):
         self._run.summary["hdet/status"] = run_end.status
         if run_end.error:
             self._run.summary["hdet/error"] = run_end.error[-4000:]
-        self._run.finish(exit_code=0 if run_end.status == "FINISHED" else 1)
+        if self._existing is None:
+            self._run.finish(exit_code=0 if run_end.status == "FINISHED" else 1)

@@ -1,0 +1,91 @@
+"""PyTorch Lightning with DDP on 2 CPU processes, switched to HDET with one callback.
+
+    python examples/lightning_ddp.py         # logs to MLflow (MLFLOW_TRACKING_URI or sqlite:///mlflow.db)
+
+Lightning starts the second process itself (strategy="ddp", gloo on CPU). The module keeps its
+OneCycleLR; HDETCallback takes it over. With HDET_TRACKER=wandb it logs through a WandbLogger.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from hdet_track.examples.digits import load_digits_split
+from hdet_track.integrations.lightning import HDETCallback
+
+
+class Digits(pl.LightningModule):
+    def __init__(self, steps: int) -> None:
+        super().__init__()
+        self.steps = steps
+        torch.manual_seed(0)  # the same initial weights on every replica
+        self.net = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.3, total_steps=self.steps)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class DumpAfterSync(pl.Callback):
+    """Test hook: save this rank's flat parameters after every optimizer step."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        flat = torch.cat([p.detach().reshape(-1) for p in pl_module.parameters()])
+        torch.save(flat, os.path.join(self.directory, f"rank{trainer.global_rank}-step{trainer.global_step}.pt"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--dump", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    x, y, _, _ = load_digits_split()
+    loader = DataLoader(TensorDataset(x, y), batch_size=64, shuffle=True, generator=torch.Generator().manual_seed(0))
+    if os.environ.get("HDET_TRACKER") == "wandb":
+        from lightning.pytorch.loggers import WandbLogger
+
+        logger = WandbLogger(project=os.environ.get("WANDB_PROJECT", "hdet"))
+    else:
+        from lightning.pytorch.loggers import MLFlowLogger
+
+        logger = MLFlowLogger(
+            experiment_name=os.environ.get("MLFLOW_EXPERIMENT_NAME", "hdet"),
+            tracking_uri=os.environ.get("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db"),
+        )
+    # HDET's callback must come first so that the dump sees the averaged parameters.
+    callbacks = [HDETCallback(spread=0.3, sync_every=20, auto_lr=True, auto_lr_warmup=args.steps // 4)]
+    if args.dump:
+        callbacks.append(DumpAfterSync(args.dump))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=args.replicas,
+        strategy="ddp",
+        max_steps=args.steps,
+        max_epochs=-1,
+        logger=logger,
+        callbacks=callbacks,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(Digits(args.steps), loader)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""PyTorch Lightning: ``callbacks=[HDETCallback(...)]`` or ``hdet_track.wrap(pl.Trainer(...), ...)``.
+
+The callback takes over the module's ``OneCycleLR`` (from ``configure_optimizers``), or builds
+one from ``max_lr`` over ``trainer.estimated_stepping_batches``; it steps HDET once per optimizer
+step with the training loss (so gradient accumulation counts once), averages across Lightning's
+DDP ranks (Lightning initialises ``torch.distributed``; gloo on CPU, nccl on GPU), and logs into
+the run of Lightning's ``MLFlowLogger`` or ``WandbLogger`` when one is configured, through the
+project's tracker otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.optim.lr_scheduler import OneCycleLR
+
+from ..scheduler import HDETScheduler
+from .wrap import wrap
+
+try:
+    import lightning.pytorch as pl
+except ImportError:  # pragma: no cover - the standalone package name
+    try:
+        import pytorch_lightning as pl  # type: ignore[no-redef]
+    except ImportError as exc:
+        raise ImportError(
+            "hdet_track.integrations.lightning needs Lightning: pip install 'hdet-track[lightning]'"
+        ) from exc
+
+__all__ = ["HDETCallback", "wrap_trainer"]
+
+
+def _tracker_for(trainer: Any, track: Any) -> Any:
+    """Lightning's own logger's run when there is one, else ``track`` as given."""
+    if track is False or track is None:
+        return False
+    loggers = getattr(trainer, "loggers", []) or []
+    for logger in loggers:
+        name = type(logger).__name__
+        if name == "MLFlowLogger":
+            from ..tracking.mlflow import MLflowTracker
+
+            run_id = logger.run_id if trainer.global_rank == 0 else None
+            return MLflowTracker(tracking_uri=getattr(logger, "_tracking_uri", None), run_id=run_id)
+        if name == "WandbLogger":
+            from ..tracking.wandb import WandbTracker
+
+            return WandbTracker(run=logger.experiment if trainer.global_rank == 0 else None)
+    return track
+
+
+class HDETCallback(pl.Callback):
+    """Run a Lightning fit with HDET.
+
+    Args:
+        max_lr: build a OneCycle schedule with this peak when the module configures none.
+        track: as for :class:`HDETScheduler` (``True`` by default); Lightning's MLflow/W&B logger
+            wins when configured.
+        **hdet_kwargs: HDET's arguments (``spread``, ``sync_every``, ``auto_lr``, ...).
+
+    Example:
+        >>> trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp",
+        ...                      callbacks=[HDETCallback(spread=0.2, sync_every=100, auto_lr=True)])
+    """
+
+    def __init__(self, *, max_lr: float | None = None, track: Any = True, **hdet_kwargs: Any) -> None:
+        super().__init__()
+        self.max_lr = max_lr
+        self.track = track
+        self.hdet_kwargs = hdet_kwargs
+        self.scheduler: HDETScheduler | None = None
+        self._last_global_step = 0
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        kwargs = dict(self.hdet_kwargs)
+        kwargs.setdefault("model", pl_module)
+        kwargs["track"] = _tracker_for(trainer, self.track)
+        kwargs.setdefault("close_at_end", False)
+        configs = list(trainer.lr_scheduler_configs)
+        onecycle = [c for c in configs if isinstance(c.scheduler, OneCycleLR)]
+        if onecycle:
+            self.scheduler = wrap(onecycle[0].scheduler, **kwargs)
+            # Lightning must not step it too: HDET steps once per optimizer step, with the loss.
+            trainer.strategy.lr_scheduler_configs = [c for c in configs if c is not onecycle[0]]
+        elif self.max_lr is not None:
+            optimizer = trainer.optimizers[0]
+            self.scheduler = HDETScheduler(
+                optimizer, self.max_lr, total_steps=int(trainer.estimated_stepping_batches), **kwargs
+            )
+        else:
+            raise ValueError(
+                "Expected configure_optimizers to return a OneCycleLR, or HDETCallback(max_lr=...), but got neither"
+            )
+        self._last_global_step = trainer.global_step
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.scheduler is None or trainer.global_step == self._last_global_step:
+            return  # no optimizer step in this batch (gradient accumulation)
+        self._last_global_step = trainer.global_step
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if isinstance(loss, torch.Tensor):
+            loss = loss.detach()
+        if self.scheduler.last_epoch < self.scheduler.total_steps:
+            self.scheduler.step(loss)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self.scheduler is not None:
+            self.scheduler.close()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        if self.scheduler is not None:
+            status = "KILLED" if isinstance(exception, KeyboardInterrupt) else "FAILED"
+            self.scheduler.close(status, f"{type(exception).__name__}: {exception}")
+
+
+def wrap_trainer(trainer: Any, **hdet_kwargs: Any) -> Any:
+    """Add an :class:`HDETCallback` to a ``pl.Trainer``; returns the trainer."""
+    trainer.callbacks.append(HDETCallback(**hdet_kwargs))
+    return trainer

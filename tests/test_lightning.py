@@ -1,0 +1,46 @@
+"""Lightning DDP on 2 CPU processes (gloo) with HDETCallback: fan-out, converge, one MLflow run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+pytest.importorskip("lightning")
+
+
+def test_lightning_ddp_example(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'pl.db'}"
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "HDET_"))}
+    env["MLFLOW_TRACKING_URI"] = uri
+    script = Path(__file__).resolve().parents[1] / "examples" / "lightning_ddp.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--steps", "60", "--dump", str(dump)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    # Parameters are equal right after each sync (every 20 steps) and differ in between.
+    for step in (20, 40, 60):
+        a, b = (torch.load(dump / f"rank{r}-step{step}.pt") for r in (0, 1))
+        assert torch.equal(a, b), step
+    a, b = (torch.load(dump / f"rank{r}-step{30}.pt") for r in (0, 1))
+    assert not torch.equal(a, b)
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("hdet").experiment_id])
+    assert len(runs) == 1  # Lightning's run holds both replicas
+    run_id = runs[0].info.run_id
+    lr0 = {m.step: m.value for m in client.get_metric_history(run_id, "hdet/replica_00/lr")}
+    lr1 = {m.step: m.value for m in client.get_metric_history(run_id, "hdet/replica_01/lr")}
+    assert sorted(lr0) == list(range(1, 61)) and lr0[1] < lr1[1]  # fanned out from the first step
+    assert runs[0].data.tags["hdet.world_size"] == "2"
