@@ -541,6 +541,26 @@ class HDETScheduler(OneCycleLR):
         )
 
     # ------------------------------------------------------------------ tracking
+    def start_tracking(
+        self, track: Any, *, log_every: int = 1, compare_group: str | None = None, run_name: str | None = None
+    ) -> None:
+        """Start tracking a scheduler built with ``track=False`` (call on every rank, before the
+        first ``step``): for integrations whose tracker run exists only once training begins."""
+        from .tracking.base import resolve_trackers
+
+        if self._hub is not None or self._tracking:
+            raise ValueError("Expected a scheduler that is not tracked yet, but it already is")
+        if self.last_epoch > 0:
+            raise ValueError(f"Expected start_tracking() before the first step, but {self.last_epoch} steps were taken")
+        if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1:
+            raise ValueError(f"Expected log_every to be an integer >= 1, but got {log_every!r}")
+        trackers = resolve_trackers(track)
+        if trackers:
+            self._tracking = True
+            self.measure_divergence = True
+            self._config.update(log_every=log_every, compare_group=compare_group, run_name=run_name)
+            self._start_tracking(trackers, log_every, compare_group, run_name)
+
     def _start_tracking(self, trackers: list, log_every: int, compare_group: str | None, run_name: str | None) -> None:
         import platform
         import socket

@@ -13,8 +13,12 @@ __all__ = ["wrap", "onecycle_arguments"]
 
 SUPPORTED = (
     "a torch.optim.lr_scheduler.OneCycleLR, a torch.optim.Optimizer (with max_lr and total_steps), "
-    "or a Lightning Trainer (lightning.pytorch.Trainer)"
+    "a Lightning Trainer (lightning.pytorch.Trainer) or a Hugging Face transformers.Trainer"
 )
+
+
+def _is_hf_trainer(obj: Any) -> bool:
+    return any(c.__name__ == "Trainer" and c.__module__.startswith("transformers") for c in type(obj).__mro__)
 
 
 def _is_lightning_trainer(obj: Any) -> bool:
@@ -60,6 +64,8 @@ def wrap(obj: Any, **hdet_kwargs: Any) -> Any:
       required keyword arguments, as for ``OneCycleLR``.
     - A Lightning ``Trainer``: adds an :class:`~hdet_track.integrations.lightning.HDETCallback`
       and returns the trainer.
+    - A Hugging Face ``transformers.Trainer``: its scheduler becomes HDET (see
+      :mod:`hdet_track.integrations.transformers`); returns the trainer.
 
     Raises:
         TypeError: ``obj`` is something else (the message says what is supported).
@@ -80,6 +86,10 @@ def wrap(obj: Any, **hdet_kwargs: Any) -> Any:
             sched._step_count = obj._step_count
             sched._refresh()
         return sched
+    if _is_hf_trainer(obj):
+        from .transformers import wrap_trainer as wrap_hf
+
+        return wrap_hf(obj, **hdet_kwargs)
     if _is_lightning_trainer(obj):
         from .lightning import wrap_trainer
 

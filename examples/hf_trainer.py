@@ -1,0 +1,117 @@
+"""A Hugging Face Trainer (a tiny GPT-2 built from a config: nothing is downloaded) on 2 CPU
+replicas, switched to HDET with one line.
+
+    python examples/hf_trainer.py        # report_to = $HDET_TRACKER (mlflow by default)
+
+Character-level language modelling on Python's own standard-library sources. The script starts
+its replicas itself (torch's elastic launcher, gloo, 127.0.0.1), as torchrun would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sysconfig
+import uuid
+from pathlib import Path
+
+import torch
+
+import hdet_track
+
+SEQ = 32
+
+
+def corpus(limit: int = 200_000) -> torch.Tensor:
+    """Bytes of the standard library's sources, folded into a 96-symbol vocabulary."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    data = bytearray()
+    for path in sorted(root.glob("*.py")):
+        data += path.read_bytes()
+        if len(data) >= limit:
+            break
+    ids = torch.tensor(list(data[:limit]), dtype=torch.long)
+    return (ids.clamp(32, 127) - 32).clamp_max(95)
+
+
+class Chunks(torch.utils.data.Dataset):
+    def __init__(self, ids: torch.Tensor) -> None:
+        self.ids = ids
+
+    def __len__(self) -> int:
+        return len(self.ids) // SEQ - 1
+
+    def __getitem__(self, i: int) -> dict:
+        x = self.ids[i * SEQ : (i + 1) * SEQ]
+        return {"input_ids": x, "labels": x.clone()}
+
+
+def main_worker(steps: int, out_dir: str, dump: str | None = None) -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+    torch.manual_seed(0)  # the same initial weights on every replica
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=96, n_positions=SEQ, n_embd=32, n_layer=1, n_head=2))
+    report = os.environ.get("HDET_TRACKER", "mlflow")
+    args = TrainingArguments(
+        output_dir=out_dir,
+        max_steps=steps,
+        per_device_train_batch_size=16,
+        learning_rate=3e-3,
+        warmup_steps=steps // 10,
+        logging_steps=10,
+        save_strategy="no",
+        report_to=[report],
+        use_cpu=True,
+        ddp_backend="gloo",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        run_name="hf-hdet",
+        seed=0,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=Chunks(corpus()))
+    # The one line:
+    trainer = hdet_track.wrap(trainer, spread=0.3, sync_every=10, auto_lr=True, auto_lr_warmup=steps // 4)
+    if dump:  # test hook: each rank's parameters after every optimizer step
+
+        class Dump(TrainerCallback):
+            def on_step_end(self, args, state, control, model=None, **kwargs):
+                flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+                torch.save(flat, os.path.join(dump, f"rank{args.process_index}-step{state.global_step}.pt"))
+
+        trainer.add_callback(Dump())
+    trainer.train()
+
+
+def _entry(steps: int, out_dir: str, dump: str | None) -> None:
+    torch.set_num_threads(1)
+    main_worker(steps, out_dir, dump)
+
+
+def launch(replicas: int, steps: int, out_dir: str, dump: str | None = None) -> None:
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=replicas,
+        run_id=uuid.uuid4().hex[:8],
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{port}",
+        max_restarts=0,
+        local_addr="127.0.0.1",
+    )
+    elastic_launch(config, _entry)(steps, out_dir, dump)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--output-dir", default="hf-output")
+    parser.add_argument("--dump", default=None, help=argparse.SUPPRESS)
+    a = parser.parse_args()
+    launch(a.replicas, a.steps, a.output_dir, a.dump)

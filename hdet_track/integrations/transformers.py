@@ -1,0 +1,120 @@
+"""Hugging Face ``Trainer``: ``hdet_track.wrap(transformers.Trainer(...), spread=..., ...)``.
+
+The trainer's scheduler becomes an ``HDETScheduler`` (OneCycle-shaped: peak
+``args.learning_rate``, warm-up from ``warmup_steps``/``warmup_ratio`` when set, over the
+trainer's optimizer steps; one HDET step per optimizer step, so gradient accumulation counts
+once), fed with the training loss of that step. It honours ``report_to``: with ``mlflow`` or
+``wandb`` it logs into the run Hugging Face's own callback opened; otherwise through the project's
+tracker when ``track`` asks for one. Under ``torchrun`` the replicas are the DDP ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..scheduler import HDETScheduler
+
+try:
+    from transformers import TrainerCallback
+except ImportError as exc:  # pragma: no cover
+    raise ImportError("hdet_track.integrations.transformers needs transformers: pip install 'hdet-track[hf]'") from exc
+
+__all__ = ["HDETTrainerCallback", "wrap_trainer"]
+
+
+class _LossFedScheduler(HDETScheduler):
+    """HDET stepped by the Trainer without arguments; the loss comes from the wrapped training_step."""
+
+    def step(self, loss: Any = None, epoch: Any = None) -> None:  # type: ignore[override]
+        if loss is None and getattr(self, "_hdet_ready", False):
+            pending = self.__dict__.get("_fed", [])
+            if pending:
+                loss = torch.stack([p.reshape(()).double() for p in pending]).sum()
+                pending.clear()
+        super().step(loss, epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state.pop("_fed", None)
+        return state
+
+
+class HDETTrainerCallback(TrainerCallback):
+    """Starts tracking once Hugging Face's reporting callbacks opened their runs."""
+
+    def __init__(self, trainer: Any, track: Any, log_every: int, compare_group: str | None) -> None:
+        self.trainer = trainer
+        self.track = track
+        self.log_every = log_every
+        self.compare_group = compare_group
+
+    def _tracker(self, args: Any) -> Any:
+        report_to = args.report_to if isinstance(args.report_to, (list, tuple)) else [args.report_to]
+        if "mlflow" in report_to:
+            import mlflow
+
+            from ..tracking.mlflow import MLflowTracker
+
+            active = mlflow.active_run()
+            return MLflowTracker(run_id=active.info.run_id if active is not None else None)
+        if "wandb" in report_to:
+            import wandb
+
+            from ..tracking.wandb import WandbTracker
+
+            return WandbTracker(run=wandb.run) if wandb.run is not None else "wandb"
+        return self.track
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        sched = self.trainer.lr_scheduler
+        if isinstance(sched, HDETScheduler) and not sched.tracking:
+            track = self._tracker(args)
+            if track not in (False, None):
+                sched.start_tracking(
+                    track, log_every=self.log_every, compare_group=self.compare_group, run_name=args.run_name
+                )
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        sched = self.trainer.lr_scheduler
+        if isinstance(sched, HDETScheduler):
+            sched.close()
+
+
+def wrap_trainer(
+    trainer: Any, *, track: Any = True, log_every: int = 1, compare_group: str | None = None, **hdet_kwargs: Any
+) -> Any:
+    """Make ``trainer`` train with HDET; returns it."""
+    original_step = trainer.training_step
+
+    def training_step(*args: Any, **kwargs: Any) -> Any:
+        loss = original_step(*args, **kwargs)
+        sched = trainer.lr_scheduler
+        if isinstance(sched, _LossFedScheduler) and isinstance(loss, torch.Tensor):
+            sched.__dict__.setdefault("_fed", []).append(loss.detach())
+        return loss
+
+    def create_scheduler(num_training_steps: int, optimizer: Any = None) -> Any:
+        if trainer.lr_scheduler is None:
+            args = trainer.args
+            warmup = args.get_warmup_steps(num_training_steps) if hasattr(args, "get_warmup_steps") else 0
+            pct = warmup / num_training_steps if warmup else 0.3
+            kwargs = dict(hdet_kwargs)
+            kwargs.setdefault("model", trainer.model)
+            trainer.lr_scheduler = _LossFedScheduler(
+                optimizer if optimizer is not None else trainer.optimizer,
+                max_lr=args.learning_rate,
+                total_steps=num_training_steps,
+                pct_start=float(min(max(pct, 1.0 / num_training_steps), 0.99)),
+                cycle_momentum=False,
+                close_at_end=False,
+                **kwargs,
+            )
+            trainer._created_lr_scheduler = True
+        return trainer.lr_scheduler
+
+    trainer.training_step = training_step
+    trainer.create_scheduler = create_scheduler
+    trainer.add_callback(HDETTrainerCallback(trainer, track, log_every, compare_group))
+    return trainer

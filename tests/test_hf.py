@@ -1,0 +1,50 @@
+"""Hugging Face Trainer on 2 gloo replicas with hdet_track.wrap: fan-out, converge, W&B offline run."""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from .test_tracking_wandb import read_finished
+
+pytest.importorskip("transformers")
+
+
+def test_hf_trainer_example_into_a_wandb_offline_run(tmp_path):
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "HDET_", "WANDB_"))}
+    env.update(
+        HDET_TRACKER="wandb",
+        WANDB_MODE="offline",
+        WANDB_SILENT="true",
+        WANDB_DIR=str(tmp_path),
+        WANDB_PROJECT="hf-test",
+    )
+    script = Path(__file__).resolve().parents[1] / "examples" / "hf_trainer.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--steps", "30", "--output-dir", str(tmp_path / "out"), "--dump", str(dump)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for step in (10, 20, 30):  # equal right after each sync
+        a, b = (torch.load(dump / f"rank{r}-step{step}.pt") for r in (0, 1))
+        assert torch.equal(a, b), step
+    a, b = (torch.load(dump / f"rank{r}-step15.pt") for r in (0, 1))
+    assert not torch.equal(a, b)  # different step sizes between syncs
+    files = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
+    assert len(files) == 1  # Hugging Face's own W&B run holds both replicas
+    rows = {r["_step"]: r for r in read_finished(files[0]).history if "hdet/replica_00/lr" in r}
+    assert sorted(rows) == list(range(1, 31))
+    assert rows[1]["hdet/replica_00/lr"] < rows[1]["hdet/replica_01/lr"]  # fanned out from the first step
+    assert all("hdet/replica_01/loss" in r for r in rows.values())
