@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sysconfig
-import uuid
 from pathlib import Path
 
 import torch
 
 import hdet_track
+from hdet_track.launch import launch_local
 
 SEQ = 32
 
@@ -89,22 +88,7 @@ def _entry(steps: int, out_dir: str, dump: str | None) -> None:
 
 
 def launch(replicas: int, steps: int, out_dir: str, dump: str | None = None) -> None:
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=replicas,
-        run_id=uuid.uuid4().hex[:8],
-        rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{port}",
-        max_restarts=0,
-        local_addr="127.0.0.1",
-    )
-    elastic_launch(config, _entry)(steps, out_dir, dump)
+    launch_local(_entry, replicas, steps, out_dir, dump)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from torch import nn
 
 import hdet_track
 from hdet_track.examples.digits import load_digits_split
+from hdet_track.launch import launch_local
 
 
 def main_worker(steps: int) -> None:
@@ -66,25 +67,7 @@ def _entry(steps: int) -> None:
 
 
 def launch(replicas: int, steps: int) -> None:
-    import socket
-    import uuid
-
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=replicas,
-        run_id=uuid.uuid4().hex[:8],
-        rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{port}",
-        max_restarts=0,
-        local_addr="127.0.0.1",
-    )
-    elastic_launch(config, _entry)(steps)
+    launch_local(_entry, replicas, steps)
 
 
 if __name__ == "__main__":

@@ -9,10 +9,9 @@ which ``HDETScheduler`` replaces ``OneCycleLR``.
 from __future__ import annotations
 
 import math
-import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -21,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hdet_track import HDETScheduler, NonFiniteReplicasError
+from hdet_track.launch import launch_local
 
 FASHION_DIRS = ("/usr/share/datasets/fashion-mnist",)
 
@@ -225,28 +225,8 @@ def worker(cfg: AblationConfig, spec: RunSpec) -> dict:
 
 
 def launch_run(cfg: AblationConfig, spec: RunSpec) -> dict:
-    """Start ``cfg.replicas`` local gloo processes for one run through torch's elastic launcher."""
-    import socket
-    import uuid
-
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=cfg.replicas,
-        run_id=f"hdet-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{port}",
-        max_restarts=0,
-        monitor_interval=0.2,
-        local_addr="127.0.0.1",
-    )
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    return elastic_launch(config, worker)(cfg, spec)[0]
+    """Start ``cfg.replicas`` local gloo processes for one run; rank 0's result."""
+    return launch_local(worker, cfg.replicas, cfg, spec)[0]
 
 
 def run_ablation(cfg: AblationConfig, quick: bool) -> list[dict]:
@@ -263,5 +243,4 @@ __all__ = [
     "train_one",
     "load_dataset",
     "DataError",
-    "asdict",
 ]

@@ -10,7 +10,7 @@ import io
 import json
 import logging
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -28,6 +28,7 @@ __all__ = [
     "RunNotFoundError",
     "parse_chunks",
     "apply_events",
+    "read_archive",
 ]
 
 logger = logging.getLogger(__name__)
@@ -305,6 +306,32 @@ def parse_chunks(chunks: Iterable[tuple[str, bytes]], run: HDETRun) -> tuple[lis
 
 def _floats(column: Any) -> np.ndarray:
     return column.to_numpy(zero_copy_only=False).astype(np.float64, copy=False)
+
+
+def read_archive(
+    run: HDETRun, names: Sequence[str], fetch: Callable[[str], bytes | None], previous: HDETRun | None
+) -> None:
+    """Fold the archive chunks ``names`` into ``run``. With ``previous`` (the same run read before,
+    e.g. while live), only the chunks it has not read are fetched; ``fetch`` returns a chunk's bytes
+    (or None after adding a warning)."""
+    reuse = previous is not None and previous.run_id == run.run_id and set(previous.chunks) <= set(names)
+    known = set(previous.chunks) if reuse and previous is not None else set()
+    chunks, fetched = [], set()
+    for name in names:
+        if name in known:
+            continue
+        data = fetch(name)
+        if data is not None:
+            chunks.append((name.rsplit("/", 1)[-1], data))
+            fetched.add(name)
+    tables, events = parse_chunks(chunks, run)
+    if reuse and previous is not None:
+        tables = [previous.steps, *tables]
+        run.start, run.end = previous.start, previous.end
+        run.converge, run.controller = list(previous.converge), list(previous.controller)
+    run.steps = StepTable.concat(tables)
+    apply_events(run, events)
+    run.chunks = tuple(sorted(known | fetched))
 
 
 def apply_events(run: HDETRun, events: Iterable[Any]) -> None:

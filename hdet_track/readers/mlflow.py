@@ -18,7 +18,7 @@ import numpy as np
 
 from ..events import ControllerDecision, Converge
 from ..tracking.archive import ARTIFACT_DIR
-from .base import HDETRun, ReaderError, RunNotFoundError, RunSummary, StepTable, apply_events, parse_chunks
+from .base import HDETRun, ReaderError, RunNotFoundError, RunSummary, StepTable, read_archive
 
 __all__ = ["MLflowReader"]
 
@@ -143,25 +143,16 @@ class MLflowReader:
 
     # ------------------------------------------------------------------ archive
     def _read_archive(self, run: HDETRun, files: list[str], previous: HDETRun | None) -> None:
-        reuse = previous is not None and previous.run_id == run.run_id and set(previous.chunks) <= set(files)
-        known = set(previous.chunks) if reuse and previous is not None else set()
-        new = [f for f in files if f not in known]
-        chunks = []
         with tempfile.TemporaryDirectory() as tmp:
-            for path in new:
+
+            def fetch(path: str) -> bytes | None:
                 try:
-                    local = self.client.download_artifacts(run.run_id, path, tmp)
-                    chunks.append((Path(path).name, Path(local).read_bytes()))
+                    return Path(self.client.download_artifacts(run.run_id, path, tmp)).read_bytes()
                 except Exception as exc:  # noqa: BLE001
                     run.warnings.append(f"could not download {path}: {type(exc).__name__}: {exc}")
-        tables, events = parse_chunks(chunks, run)
-        if reuse and previous is not None:
-            tables = [previous.steps, *tables]
-            run.start, run.end = previous.start, previous.end
-            run.converge, run.controller = list(previous.converge), list(previous.controller)
-        run.steps = StepTable.concat(tables)
-        apply_events(run, events)
-        run.chunks = tuple(sorted(known | {f for f in new}))
+                    return None
+
+            read_archive(run, files, fetch, previous)
 
     # ------------------------------------------------------------------ metric histories
     def _history(self, run_id: str, key: str) -> tuple[np.ndarray, np.ndarray]:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .base import HDETRun, RunNotFoundError, RunSummary, StepTable, apply_events, parse_chunks
+from .base import HDETRun, RunNotFoundError, RunSummary, StepTable, read_archive
 from .wandb_records import WandbFormatError, read_wandb_file
 
 __all__ = ["WandbReader", "find_run_dirs"]
@@ -102,25 +102,12 @@ class WandbReader:
             return run
         archive = sorted((directory / "files" / "hdet_events").glob("*.parquet"))
         if archive:
-            self._read_archive(run, archive, previous)
+            by_name = {f.name: f for f in archive}
+            read_archive(run, list(by_name), lambda name: by_name[name].read_bytes(), previous)
         else:
             run.warnings.append("no event archive: rebuilt from the run's history")
             self._read_history(run, history)
         return run
-
-    def _read_archive(self, run: HDETRun, files: list[Path], previous: HDETRun | None) -> None:
-        names = [f.name for f in files]
-        reuse = previous is not None and previous.run_id == run.run_id and set(previous.chunks) <= set(names)
-        known = set(previous.chunks) if reuse and previous is not None else set()
-        chunks = [(f.name, f.read_bytes()) for f in files if f.name not in known]
-        tables, events = parse_chunks(chunks, run)
-        if reuse and previous is not None:
-            tables = [previous.steps, *tables]
-            run.start, run.end = previous.start, previous.end
-            run.converge, run.controller = list(previous.converge), list(previous.controller)
-        run.steps = StepTable.concat(tables)
-        apply_events(run, events)
-        run.chunks = tuple(sorted(known | {name for name, _ in chunks}))
 
     def _read_history(self, run: HDETRun, history: list[dict]) -> None:
         rows: dict[int, dict[int, dict[str, float]]] = {}
