@@ -46,7 +46,7 @@ class Chunks(torch.utils.data.Dataset):
         return {"input_ids": x, "labels": x.clone()}
 
 
-def main_worker(steps: int, out_dir: str, dump: str | None = None) -> None:
+def main_worker(steps: int, out_dir: str, dump: str | None = None, callback: bool = False) -> None:
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
     torch.manual_seed(0)  # the same initial weights on every replica
@@ -68,9 +68,15 @@ def main_worker(steps: int, out_dir: str, dump: str | None = None) -> None:
         run_name="hf-hdet",
         seed=0,
     )
-    trainer = Trainer(model=model, args=args, train_dataset=Chunks(corpus()))
-    # The one line:
-    trainer = hdet_track.wrap(trainer, spread=0.3, sync_every=10, auto_lr=True, auto_lr_warmup=steps // 4)
+    hdet = {"spread": 0.3, "sync_every": 10, "auto_lr": True, "auto_lr_warmup": steps // 4}
+    if callback:  # the callback form
+        from hdet_track.integrations.transformers import HDETTrainerCallback
+
+        trainer = Trainer(
+            model=model, args=args, train_dataset=Chunks(corpus()), callbacks=[HDETTrainerCallback(**hdet)]
+        )
+    else:  # the one line
+        trainer = hdet_track.wrap(Trainer(model=model, args=args, train_dataset=Chunks(corpus())), **hdet)
     if dump:  # test hook: each rank's parameters after every optimizer step
 
         class Dump(TrainerCallback):
@@ -82,13 +88,13 @@ def main_worker(steps: int, out_dir: str, dump: str | None = None) -> None:
     trainer.train()
 
 
-def _entry(steps: int, out_dir: str, dump: str | None) -> None:
+def _entry(steps: int, out_dir: str, dump: str | None, callback: bool) -> None:
     torch.set_num_threads(1)
-    main_worker(steps, out_dir, dump)
+    main_worker(steps, out_dir, dump, callback)
 
 
-def launch(replicas: int, steps: int, out_dir: str, dump: str | None = None) -> None:
-    launch_local(_entry, replicas, steps, out_dir, dump)
+def launch(replicas: int, steps: int, out_dir: str, dump: str | None = None, callback: bool = False) -> None:
+    launch_local(_entry, replicas, steps, out_dir, dump, callback)
 
 
 if __name__ == "__main__":
@@ -96,6 +102,7 @@ if __name__ == "__main__":
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--output-dir", default="hf-output")
+    parser.add_argument("--callback", action="store_true", help="use HDETTrainerCallback instead of wrap()")
     parser.add_argument("--dump", default=None, help=argparse.SUPPRESS)
     a = parser.parse_args()
-    launch(a.replicas, a.steps, a.output_dir, a.dump)
+    launch(a.replicas, a.steps, a.output_dir, a.dump, a.callback)

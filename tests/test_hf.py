@@ -48,3 +48,46 @@ def test_hf_trainer_example_into_a_wandb_offline_run(tmp_path):
     assert sorted(rows) == list(range(1, 31))
     assert rows[1]["hdet/replica_00/lr"] < rows[1]["hdet/replica_01/lr"]  # fanned out from the first step
     assert all("hdet/replica_01/loss" in r for r in rows.values())
+
+
+def test_hf_trainer_callback_form_into_the_mlflow_run_report_to_opened(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    uri = f"sqlite:///{tmp_path / 'hf.db'}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "HDET_", "WANDB_"))}
+    env.update(MLFLOW_TRACKING_URI=uri, HDET_TRACKER="mlflow")
+    script = Path(__file__).resolve().parents[1] / "examples" / "hf_trainer.py"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            "--steps",
+            "30",
+            "--callback",
+            "--output-dir",
+            str(tmp_path / "out"),
+            "--dump",
+            str(dump),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for step in (10, 20, 30):
+        a, b = (torch.load(dump / f"rank{r}-step{step}.pt") for r in (0, 1))
+        assert torch.equal(a, b), step
+    a, b = (torch.load(dump / f"rank{r}-step15.pt") for r in (0, 1))
+    assert not torch.equal(a, b)
+    client = MlflowClient(uri)
+    runs = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
+    assert len(runs) == 1 and runs[0].data.tags["hdet.world_size"] == "2"
+    lr0 = {m.step: m.value for m in client.get_metric_history(runs[0].info.run_id, "hdet/replica_00/lr")}
+    lr1 = {m.step: m.value for m in client.get_metric_history(runs[0].info.run_id, "hdet/replica_01/lr")}
+    assert sorted(lr0) == list(range(1, 31)) and lr0[1] < lr1[1]
+    loss = client.get_metric_history(runs[0].info.run_id, "hdet/replica_01/loss")
+    assert len(loss) == 30 and all(m.value > 0 for m in loss)  # the loss came from the model's outputs

@@ -41,7 +41,26 @@ class _LossFedScheduler(HDETScheduler):
         return state
 
 
-class HDETTrainerCallback(TrainerCallback):
+def _report_tracker(args: Any, track: Any) -> Any:
+    """The run Hugging Face's reporting callback opened (``report_to``), else ``track`` as given."""
+    report_to = args.report_to if isinstance(args.report_to, (list, tuple)) else [args.report_to]
+    if "mlflow" in report_to:
+        import mlflow
+
+        from ..tracking.mlflow import MLflowTracker
+
+        active = mlflow.active_run()
+        return MLflowTracker(run_id=active.info.run_id if active is not None else None)
+    if "wandb" in report_to:
+        import wandb
+
+        from ..tracking.wandb import WandbTracker
+
+        return WandbTracker(run=wandb.run) if wandb.run is not None else "wandb"
+    return track
+
+
+class _TrackingCallback(TrainerCallback):
     """Starts tracking once Hugging Face's reporting callbacks opened their runs."""
 
     def __init__(self, trainer: Any, track: Any, log_every: int, compare_group: str | None) -> None:
@@ -50,27 +69,10 @@ class HDETTrainerCallback(TrainerCallback):
         self.log_every = log_every
         self.compare_group = compare_group
 
-    def _tracker(self, args: Any) -> Any:
-        report_to = args.report_to if isinstance(args.report_to, (list, tuple)) else [args.report_to]
-        if "mlflow" in report_to:
-            import mlflow
-
-            from ..tracking.mlflow import MLflowTracker
-
-            active = mlflow.active_run()
-            return MLflowTracker(run_id=active.info.run_id if active is not None else None)
-        if "wandb" in report_to:
-            import wandb
-
-            from ..tracking.wandb import WandbTracker
-
-            return WandbTracker(run=wandb.run) if wandb.run is not None else "wandb"
-        return self.track
-
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         sched = self.trainer.lr_scheduler
         if isinstance(sched, HDETScheduler) and not sched.tracking:
-            track = self._tracker(args)
+            track = _report_tracker(args, self.track)
             if track not in (False, None):
                 sched.start_tracking(
                     track, log_every=self.log_every, compare_group=self.compare_group, run_name=args.run_name
@@ -97,24 +99,88 @@ def wrap_trainer(
 
     def create_scheduler(num_training_steps: int, optimizer: Any = None) -> Any:
         if trainer.lr_scheduler is None:
-            args = trainer.args
-            warmup = args.get_warmup_steps(num_training_steps) if hasattr(args, "get_warmup_steps") else 0
-            pct = warmup / num_training_steps if warmup else 0.3
-            kwargs = dict(hdet_kwargs)
-            kwargs.setdefault("model", trainer.model)
-            trainer.lr_scheduler = _LossFedScheduler(
+            trainer.lr_scheduler = _hdet_for(
+                trainer.args,
                 optimizer if optimizer is not None else trainer.optimizer,
-                max_lr=args.learning_rate,
-                total_steps=num_training_steps,
-                pct_start=float(min(max(pct, 1.0 / num_training_steps), 0.99)),
-                cycle_momentum=False,
-                close_at_end=False,
-                **kwargs,
+                trainer.model,
+                num_training_steps,
+                hdet_kwargs,
             )
             trainer._created_lr_scheduler = True
         return trainer.lr_scheduler
 
     trainer.training_step = training_step
     trainer.create_scheduler = create_scheduler
-    trainer.add_callback(HDETTrainerCallback(trainer, track, log_every, compare_group))
+    trainer.add_callback(_TrackingCallback(trainer, track, log_every, compare_group))
     return trainer
+
+
+def _hdet_for(args: Any, optimizer: Any, model: Any, num_training_steps: int, hdet_kwargs: dict) -> _LossFedScheduler:
+    warmup = args.get_warmup_steps(num_training_steps) if hasattr(args, "get_warmup_steps") else 0
+    pct = warmup / num_training_steps if warmup else 0.3
+    kwargs = dict(hdet_kwargs)
+    kwargs.setdefault("model", model)
+    return _LossFedScheduler(
+        optimizer,
+        max_lr=args.learning_rate,
+        total_steps=num_training_steps,
+        pct_start=float(min(max(pct, 1.0 / num_training_steps), 0.99)),
+        cycle_momentum=False,
+        close_at_end=False,
+        **kwargs,
+    )
+
+
+class HDETTrainerCallback(TrainerCallback):
+    """The callback form: ``Trainer(..., callbacks=[HDETTrainerCallback(spread=0.3, ...)])``.
+
+    At the start of training it puts an ``HDETScheduler`` in charge of the optimizer's learning
+    rates (the Trainer's own scheduler object is kept, but its ``step`` and ``get_last_lr`` now
+    drive and report HDET), and takes each optimizer step's training loss from the model's output
+    (``outputs.loss``, as Hugging Face models return when given labels). ``hdet_track.wrap(trainer)``
+    does the same without relying on the model's output.
+    """
+
+    def __init__(
+        self, *, track: Any = True, log_every: int = 1, compare_group: str | None = None, **hdet_kwargs: Any
+    ) -> None:
+        self.track = track
+        self.log_every = log_every
+        self.compare_group = compare_group
+        self.hdet_kwargs = hdet_kwargs
+        self.scheduler: _LossFedScheduler | None = None
+        self._hook: Any = None
+
+    def on_train_begin(
+        self,
+        args: Any,
+        state: Any,
+        control: Any,
+        model: Any = None,
+        optimizer: Any = None,
+        lr_scheduler: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        sched = _hdet_for(args, optimizer, model, state.max_steps, self.hdet_kwargs)
+        self.scheduler = sched
+
+        def capture(module: Any, inputs: Any, output: Any) -> None:
+            loss = getattr(output, "loss", None)
+            if module.training and isinstance(loss, torch.Tensor):
+                sched.__dict__.setdefault("_fed", []).append(loss.detach() / max(args.gradient_accumulation_steps, 1))
+
+        self._hook = model.register_forward_hook(capture)
+        if lr_scheduler is not None:  # the Trainer keeps calling its scheduler: let that be HDET's step
+            lr_scheduler.step = sched.step
+            lr_scheduler.get_last_lr = sched.get_last_lr
+        tracker = _report_tracker(args, self.track)
+        if tracker not in (False, None):
+            sched.start_tracking(
+                tracker, log_every=self.log_every, compare_group=self.compare_group, run_name=args.run_name
+            )
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+        if self.scheduler is not None:
+            self.scheduler.close()
