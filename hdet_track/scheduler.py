@@ -670,7 +670,7 @@ class HDETScheduler(OneCycleLR):
         """Rank 0: the tracker run id of each backend (after its first write); elsewhere empty."""
         if self._hub is None:
             return {}
-        return {type(t).name or type(t).__name__: t.run_id for t in self._hub.trackers}
+        return {t.name or type(t).__name__: t.run_id for t in self._hub.trackers}
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         """Log extra metrics (validation loss, accuracy, ...) into the run, on rank 0; a no-op elsewhere."""

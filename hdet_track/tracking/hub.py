@@ -168,6 +168,14 @@ class _Sink:
             time.sleep(min(self.retry_seconds, max(0.0, deadline - time.monotonic())))
 
 
+def _isolated(tracker: Tracker) -> Tracker:
+    if getattr(tracker, "isolate", False):
+        from .isolated import IsolatedTracker
+
+        return IsolatedTracker(tracker)
+    return tracker
+
+
 class TrackingHub:
     """Rank 0's background writer. Create with the trackers, then :meth:`start`."""
 
@@ -191,7 +199,7 @@ class TrackingHub:
         self.shutdown_timeout = shutdown_timeout
         self.spill_dir = Path(spill_dir) if spill_dir is not None else Path(tempfile.mkdtemp(prefix="hdet-spill-"))
         self.spill_dir.mkdir(parents=True, exist_ok=True)
-        self._sinks = [_Sink(t, self.spill_dir, retry_seconds) for t in self.trackers]
+        self._sinks = [_Sink(_isolated(t), self.spill_dir, retry_seconds) for t in self.trackers]
         self._queue: deque[tuple[str, Any]] = deque()
         self._wake = threading.Event()
         self._specs: list[_Spec] = []

@@ -48,6 +48,9 @@ class MLflowTracker(Tracker):
     """
 
     name = "mlflow"
+    # The hub runs it in a child process (IsolatedTracker): its SQLAlchemy work then never holds
+    # the training process's GIL. Set False to keep it in-process (e.g. to inspect `client`).
+    isolate = True
 
     def __init__(
         self,
@@ -80,6 +83,9 @@ class MLflowTracker(Tracker):
     @property
     def client(self) -> Any:
         return self._client
+
+    def _adopt_run_id(self, run_id: str) -> None:
+        self._run_id = run_id
 
     def start(self, run_start: RunStart) -> None:
         if self._run_id is not None:

@@ -1,0 +1,118 @@
+"""Run a tracker in a child process, so that its CPU work (MLflow's SQLAlchemy store, protobuf
+encoding...) never holds the training process's GIL. The hub's writer thread only waits on a pipe.
+
+The child is ``python -m hdet_track.tracking.isolated`` (not a multiprocessing spawn: that would
+re-import the user's training script, which rarely has a ``__main__`` guard); it talks over two
+pipes with pickled messages between our own processes.
+
+A failing call raises here, so the hub treats the backend as down (spill, replay) exactly as for
+an in-process tracker. If the child itself dies, later calls raise and the data stays in the
+spill file.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from multiprocessing.connection import Connection
+from typing import Any
+
+from ..events import RunEnd, RunStart
+from .base import Batch, Tracker
+
+__all__ = ["IsolatedTracker"]
+
+
+def _serve(conn_in: Connection, conn_out: Connection) -> None:
+    try:
+        inner = conn_in.recv()
+    except (EOFError, OSError):
+        return
+    while True:
+        try:
+            method, args = conn_in.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            result = getattr(inner, method)(*args)
+            if method == "start":
+                result = inner.run_id
+            conn_out.send((True, result))
+        except Exception as exc:  # noqa: BLE001 - sent back and raised in the parent
+            conn_out.send((False, f"{type(exc).__name__}: {exc}"))
+        if method == "finish":
+            return
+
+
+class IsolatedTracker(Tracker):
+    """Wraps ``inner`` (which must pickle before it is started) and runs it in a spawned process."""
+
+    def __init__(self, inner: Tracker) -> None:
+        self.inner = inner
+        self.name = inner.name  # type: ignore[misc]
+        self._send: Connection | None = None
+        self._recv: Connection | None = None
+        self._proc: subprocess.Popen | None = None
+        self._run_id: str | None = None
+        self._dead = False
+
+    @property
+    def run_id(self) -> str | None:
+        return self._run_id
+
+    def _call(self, method: str, *args: Any) -> Any:
+        if self._dead:
+            raise ConnectionError(f"the {self.name} tracker process has exited")
+        if self._proc is None:
+            to_child_r, to_child_w = os.pipe()
+            from_child_r, from_child_w = os.pipe()
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "hdet_track.tracking.isolated", str(to_child_r), str(from_child_w)],
+                pass_fds=(to_child_r, from_child_w),
+                stdin=subprocess.DEVNULL,
+            )
+            os.close(to_child_r)
+            os.close(from_child_w)
+            self._send = Connection(to_child_w, readable=False)
+            self._recv = Connection(from_child_r, writable=False)
+            self._send.send(self.inner)
+        assert self._send is not None and self._recv is not None
+        try:
+            self._send.send((method, args))
+            ok, value = self._recv.recv()
+        except (EOFError, OSError) as exc:
+            self._dead = True
+            raise ConnectionError(f"the {self.name} tracker process died: {exc}") from None
+        if not ok:
+            raise RuntimeError(value)
+        return value
+
+    def start(self, run_start: RunStart) -> None:
+        if self._run_id is None:
+            self._run_id = self._call("start", run_start)
+            adopt = getattr(self.inner, "_adopt_run_id", None)
+            if adopt is not None:
+                adopt(self._run_id)  # so that the caller's tracker object knows its run
+
+    def log(self, batch: Batch) -> None:
+        self._call("log", batch)
+
+    def flush(self) -> None:
+        self._call("flush")
+
+    def finish(self, run_end: RunEnd) -> None:
+        self._call("finish", run_end)
+        self._dead = True
+        if self._proc is not None:
+            try:
+                self._proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+            for conn in (self._send, self._recv):
+                if conn is not None:
+                    conn.close()
+
+
+if __name__ == "__main__":
+    _serve(Connection(int(sys.argv[1]), writable=False), Connection(int(sys.argv[2]), readable=False))
