@@ -91,3 +91,34 @@ def test_hf_trainer_callback_form_into_the_mlflow_run_report_to_opened(tmp_path)
     assert sorted(lr0) == list(range(1, 31)) and lr0[1] < lr1[1]
     loss = client.get_metric_history(runs[0].info.run_id, "hdet/replica_01/loss")
     assert len(loss) == 30 and all(m.value > 0 for m in loss)  # the loss came from the model's outputs
+
+
+def test_gradient_accumulation_counts_one_hdet_step_per_optimizer_step(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    import hdet_track
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=1, n_head=2))
+    data = [{"input_ids": torch.randint(0, 32, (8,)), "labels": torch.randint(0, 32, (8,))} for _ in range(64)]
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=6,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=3,
+        learning_rate=1e-3,
+        warmup_steps=2,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+        logging_strategy="no",
+    )
+    trainer = hdet_track.wrap(
+        Trainer(model=model, args=args, train_dataset=data), sync_every=3, auto_lr=True, track=False
+    )
+    trainer.train()
+    sched = trainer.lr_scheduler
+    assert isinstance(sched, hdet_track.HDETScheduler)
+    assert sched.total_steps == 6 and sched.last_epoch == 6  # 18 micro-batches, 6 optimizer steps
+    assert sched.last_sync is not None and sched.last_sync.weights is not None  # fed with losses

@@ -44,3 +44,43 @@ def test_lightning_ddp_example(tmp_path):
     lr1 = {m.step: m.value for m in client.get_metric_history(run_id, "hdet/replica_01/lr")}
     assert sorted(lr0) == list(range(1, 61)) and lr0[1] < lr1[1]  # fanned out from the first step
     assert runs[0].data.tags["hdet.world_size"] == "2"
+
+
+def test_callback_builds_onecycle_from_max_lr_and_steps_once_per_optimizer_step(tmp_path):
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from hdet_track.integrations.lightning import HDETCallback
+
+    class NoScheduler(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(256, 4, generator=g), torch.randn(256, 1, generator=g))
+    callback = HDETCallback(max_lr=0.05, sync_every=5, auto_lr=True, track=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=10,
+        accumulate_grad_batches=2,
+        logger=False,
+        callbacks=[callback],
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(NoScheduler(), DataLoader(data, batch_size=8))
+    sched = callback.scheduler
+    assert sched is not None and sched.total_steps == 10
+    assert sched.last_epoch == 10 and trainer.global_step == 10  # 20 batches, 10 optimizer steps
+    assert sched.last_sync is not None and sched.last_sync.weights is not None  # the controller ran
