@@ -23,10 +23,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.overhead import WIDTH, make_model  # noqa: E402
+from bench.overhead import WIDTH, make_model, run_block  # noqa: E402
 from hdet_track import HDETScheduler  # noqa: E402
 from hdet_track.tracking.hub import TrackingHub  # noqa: E402
 from hdet_track.tracking.mlflow import MLflowTracker  # noqa: E402
@@ -53,16 +52,7 @@ def build(track, steps: int):
 
 def block(job, x, y, n: int) -> float:
     model, opt, sched = job
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(n):
-        loss = F.cross_entropy(model(x), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        sched.step(loss)
-    dist.barrier()
-    return time.perf_counter() - start
+    return run_block(model, opt, sched, x, y, n, True)
 
 
 def interleaved(jobs: dict, steps: int, x, y, on_block=None) -> dict[str, float]:

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import glob
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from .examples_helpers import assert_synced_only_at, run_example
 from .test_tracking_wandb import read_finished
 
 pytest.importorskip("transformers")
@@ -19,29 +16,19 @@ pytest.importorskip("transformers")
 def test_hf_trainer_example_into_a_wandb_offline_run(tmp_path):
     dump = tmp_path / "dump"
     dump.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "HDET_", "WANDB_"))}
-    env.update(
-        HDET_TRACKER="wandb",
-        WANDB_MODE="offline",
-        WANDB_SILENT="true",
-        WANDB_DIR=str(tmp_path),
-        WANDB_PROJECT="hf-test",
+    run_example(
+        "hf_trainer.py",
+        ["--steps", "30", "--output-dir", str(tmp_path / "out"), "--dump", str(dump)],
+        tmp_path,
+        {
+            "HDET_TRACKER": "wandb",
+            "WANDB_MODE": "offline",
+            "WANDB_SILENT": "true",
+            "WANDB_DIR": str(tmp_path),
+            "WANDB_PROJECT": "hf-test",
+        },
     )
-    script = Path(__file__).resolve().parents[1] / "examples" / "hf_trainer.py"
-    proc = subprocess.run(
-        [sys.executable, str(script), "--steps", "30", "--output-dir", str(tmp_path / "out"), "--dump", str(dump)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tmp_path,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    for step in (10, 20, 30):  # equal right after each sync
-        a, b = (torch.load(dump / f"rank{r}-step{step}.pt") for r in (0, 1))
-        assert torch.equal(a, b), step
-    a, b = (torch.load(dump / f"rank{r}-step15.pt") for r in (0, 1))
-    assert not torch.equal(a, b)  # different step sizes between syncs
+    assert_synced_only_at(dump, [10, 20, 30], between=15)
     files = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
     assert len(files) == 1  # Hugging Face's own W&B run holds both replicas
     rows = {r["_step"]: r for r in read_finished(files[0]).history if "hdet/replica_00/lr" in r}
@@ -56,33 +43,13 @@ def test_hf_trainer_callback_form_into_the_mlflow_run_report_to_opened(tmp_path)
     dump = tmp_path / "dump"
     dump.mkdir()
     uri = f"sqlite:///{tmp_path / 'hf.db'}"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "HDET_", "WANDB_"))}
-    env.update(MLFLOW_TRACKING_URI=uri, HDET_TRACKER="mlflow")
-    script = Path(__file__).resolve().parents[1] / "examples" / "hf_trainer.py"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(script),
-            "--steps",
-            "30",
-            "--callback",
-            "--output-dir",
-            str(tmp_path / "out"),
-            "--dump",
-            str(dump),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tmp_path,
-        env=env,
+    run_example(
+        "hf_trainer.py",
+        ["--steps", "30", "--callback", "--output-dir", str(tmp_path / "out"), "--dump", str(dump)],
+        tmp_path,
+        {"MLFLOW_TRACKING_URI": uri, "HDET_TRACKER": "mlflow"},
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    for step in (10, 20, 30):
-        a, b = (torch.load(dump / f"rank{r}-step{step}.pt") for r in (0, 1))
-        assert torch.equal(a, b), step
-    a, b = (torch.load(dump / f"rank{r}-step15.pt") for r in (0, 1))
-    assert not torch.equal(a, b)
+    assert_synced_only_at(dump, [10, 20, 30], between=15)
     client = MlflowClient(uri)
     runs = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
     assert len(runs) == 1 and runs[0].data.tags["hdet.world_size"] == "2"

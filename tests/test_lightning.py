@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
+
+from .examples_helpers import assert_synced_only_at, run_example
 
 pytest.importorskip("lightning")
 
@@ -18,24 +15,8 @@ def test_lightning_ddp_example(tmp_path):
     uri = f"sqlite:///{tmp_path / 'pl.db'}"
     dump = tmp_path / "dump"
     dump.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "HDET_"))}
-    env["MLFLOW_TRACKING_URI"] = uri
-    script = Path(__file__).resolve().parents[1] / "examples" / "lightning_ddp.py"
-    proc = subprocess.run(
-        [sys.executable, str(script), "--steps", "60", "--dump", str(dump)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tmp_path,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    # Parameters are equal right after each sync (every 20 steps) and differ in between.
-    for step in (20, 40, 60):
-        a, b = (torch.load(dump / f"rank{r}-step{step}.pt") for r in (0, 1))
-        assert torch.equal(a, b), step
-    a, b = (torch.load(dump / f"rank{r}-step{30}.pt") for r in (0, 1))
-    assert not torch.equal(a, b)
+    run_example("lightning_ddp.py", ["--steps", "60", "--dump", str(dump)], tmp_path, {"MLFLOW_TRACKING_URI": uri})
+    assert_synced_only_at(dump, [20, 40, 60], between=30)
     client = MlflowClient(uri)
     runs = client.search_runs([client.get_experiment_by_name("hdet").experiment_id])
     assert len(runs) == 1  # Lightning's run holds both replicas

@@ -1,0 +1,31 @@
+"""Shared checks of the example scripts' runs (each example starts its own 2 replicas)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def run_example(name: str, args: list[str], cwd: Path, env_update: dict[str, str]) -> None:
+    """Run examples/``name`` with a clean tracking environment plus ``env_update``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "HDET_", "WANDB_"))}
+    env.update(env_update)
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True, timeout=600, cwd=cwd, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def assert_synced_only_at(dump: Path, synced: list[int], between: int) -> None:
+    """The 2 replicas' parameters are equal right after each sync step and differ at ``between``."""
+    for step in synced:
+        a, b = (torch.load(dump / f"rank{r}-step{step}.pt") for r in (0, 1))
+        assert torch.equal(a, b), step
+    a, b = (torch.load(dump / f"rank{r}-step{between}.pt") for r in (0, 1))
+    assert not torch.equal(a, b), between
