@@ -106,6 +106,7 @@ def test_record_parser_rejects_other_files_and_stops_at_truncation(tmp_path):
         sched.step(1.0)
     sched.close()
     path = glob.glob(os.path.join(run_dir(os.environ["WANDB_DIR"]), "run-*.wandb"))[0]
+    assert read_finished(path).exit_code == 0  # wandb's service has flushed the whole file
     data = open(path, "rb").read()
     full = list(iter_payloads(data))
     cut = list(iter_payloads(data[: len(data) - 50]))  # a file still being written
