@@ -8,34 +8,25 @@ import sys
 from . import __version__
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+def _number(kind: type, what: str, ok) -> object:
+    """An argparse type: ``kind(text)`` that satisfies ``ok``, else a message saying ``what`` is expected."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
+        return value
+
+    return parse
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
-    return value
-
-
-def _spread(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}") from None
-    if not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {value}")
-    return value
+_positive_int = _number(int, "a positive integer", lambda v: v >= 1)
+_positive_float = _number(float, "a positive number", lambda v: v > 0)
+_spread = _number(float, "a number in [0, 1)", lambda v: 0.0 <= v < 1.0)
+_port = _number(int, "a port in 1..65535", lambda v: 1 <= v <= 65535)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,16 +83,6 @@ def build_parser() -> argparse.ArgumentParser:
     dash.add_argument("--port", type=_port, default=8501, help="port (default 8501)")
     dash.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     return parser
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port in 1..65535, got {value}")
-    return value
 
 
 def _fail(message: str) -> int:

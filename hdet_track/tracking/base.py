@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
@@ -109,11 +108,9 @@ def is_secret(key: str) -> bool:
     return bool(_SECRET.search(key))
 
 
-def redact(config: dict[str, Any], secret_values: Callable[[], set[str]] | None = None) -> dict[str, Any]:
+def redact(config: dict[str, Any]) -> dict[str, Any]:
     """Drop secret-looking keys and any value equal to a secret environment variable."""
     secrets = {v for k, v in os.environ.items() if is_secret(k) and len(v) >= 4}
-    if secret_values is not None:
-        secrets |= secret_values()
     out = {}
     for k, v in config.items():
         if is_secret(k) or (isinstance(v, str) and any(s in v for s in secrets)):

@@ -204,7 +204,6 @@ class TrackingHub:
         self._wake = threading.Event()
         self._specs: list[_Spec] = []
         self._labels: dict[str, list[str]] = {}
-        self._closed = False
         self._ended = False
         self._failure: tuple[str, str] | None = None
         self._last_step = 0
@@ -267,7 +266,6 @@ class TrackingHub:
             status, error = self._failure
         self._put("end", RunEnd(status=status, step=self._last_step if step is None else step, error=error))
         self._ended = True
-        self._closed = True
         self._wake.set()
         if wait:
             self._join()
@@ -290,7 +288,7 @@ class TrackingHub:
                 finished = self._drain()
             except Exception:  # noqa: BLE001 - the writer must never take training down
                 logger.warning("hdet-track: the tracking writer failed:\n%s", traceback.format_exc())
-                finished = self._closed and not self._queue
+                finished = self._ended and not self._queue
             if finished:
                 deadline = time.monotonic() + self.shutdown_timeout
                 for sink in self._sinks:
