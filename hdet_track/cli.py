@@ -40,8 +40,15 @@ def build_parser() -> argparse.ArgumentParser:
         "max_lr, HDET without auto-LR and full HDET (--quick: aggressive OneCycle vs full HDET), same data "
         "order, seed and step budget, every run logged to one experiment and compared at the end.",
     )
-    demo.add_argument("--dataset", choices=["digits", "fashion-mnist"], default="digits")
+    demo.add_argument(
+        "--dataset",
+        choices=["digits", "fashion-mnist", "text"],
+        default="digits",
+        help="digits (scikit-learn's bundled 8x8 digits, default), fashion-mnist (idx files) or text "
+        "(character-level language model on --text-file, default the Python standard library's sources)",
+    )
     demo.add_argument("--data-dir", default=None, help="directory with the Fashion-MNIST idx files")
+    demo.add_argument("--text-file", default=None, help="UTF-8 text for --dataset text (default: stdlib sources)")
     demo.add_argument("--replicas", type=_positive_int, default=4, help="gloo processes per run (default 4)")
     demo.add_argument(
         "--steps", type=_positive_int, default=None, help="optimizer steps per run (default 600, --quick 200)"
@@ -55,8 +62,18 @@ def build_parser() -> argparse.ArgumentParser:
         default="shared",
         help="shared: DDP gradients every step (the paper); independent: local-SGD replicas",
     )
-    demo.add_argument("--low-lr", type=_positive_float, default=0.05, help="conservative max_lr (default 0.05)")
-    demo.add_argument("--high-lr", type=_positive_float, default=0.5, help="aggressive max_lr (default 0.5)")
+    demo.add_argument(
+        "--low-lr", type=_positive_float, default=None, help="conservative max_lr (default 0.05; text 0.002)"
+    )
+    demo.add_argument(
+        "--high-lr", type=_positive_float, default=None, help="aggressive max_lr (default 0.5; text 0.02)"
+    )
+    demo.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="auto: nccl on the GPUs when there is one per replica, else gloo on the CPU",
+    )
     demo.add_argument("--spread", type=_spread, default=0.5, help="HDET's LR spread alpha in [0, 1) (default 0.5)")
     demo.add_argument("--group", default=None, help="compare group of the runs (default: a fresh one)")
     demo.add_argument("--seed", type=int, default=0)
@@ -90,30 +107,53 @@ def _fail(message: str) -> int:
     return 2
 
 
+def _unwritable_store(tracker: str, uri: str) -> str | None:
+    """Why the demo could not write its runs (a message naming the place and the fix), or None."""
+    import os
+    from pathlib import Path
+
+    if tracker == "wandb":
+        where = Path(os.environ.get("WANDB_DIR") or os.getcwd())
+        if not os.access(where, os.W_OK):
+            return f"cannot write W&B's run files in {where}: run from a writable directory or set WANDB_DIR"
+        return None
+    if uri and not uri.startswith("sqlite:"):
+        return None  # a server or another store: it reports its own errors
+    db = Path(uri[len("sqlite:///") :] if uri else "mlflow.db").absolute()
+    target = db if db.exists() else db.parent
+    if not os.access(target, os.W_OK):
+        fix = (
+            "use a writable path in MLFLOW_TRACKING_URI"
+            if uri
+            else "run from a writable directory or set MLFLOW_TRACKING_URI"
+        )
+        return f"cannot write the MLflow store {db}: {fix}"
+    return None
+
+
 def run_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     import os
     import uuid
 
-    from .examples.ablation import AblationConfig, DataError, load_dataset, run_ablation
+    from .examples.ablation import AblationConfig, DataError, choose_device, run_ablation
 
     steps = args.steps or (200 if args.quick else 600)
     if steps < args.sync_every:
         parser.error(f"--steps ({steps}) must be at least --sync-every ({args.sync_every})")
     uri = os.environ.get("MLFLOW_TRACKING_URI", "")
-    if args.tracker == "mlflow" and (not uri or uri.startswith("sqlite:///mlflow.db")):
-        if not os.access(os.getcwd(), os.W_OK):
-            return _fail(
-                f"cannot write the MLflow store (mlflow.db) in {os.getcwd()}: run from a writable directory "
-                "or set MLFLOW_TRACKING_URI"
-            )
+    problem = _unwritable_store(args.tracker, uri)
+    if problem:
+        return _fail(problem)
     try:
-        load_dataset(args.dataset, args.data_dir, args.seed)
-    except (DataError, ImportError) as exc:
+        device = choose_device(args.device, args.replicas)
+    except ValueError as exc:
         return _fail(str(exc))
     group = args.group or f"demo-{uuid.uuid4().hex[:8]}"
     cfg = AblationConfig(
         dataset=args.dataset,
         data_dir=args.data_dir,
+        text_file=args.text_file,
+        device=device,
         replicas=args.replicas,
         steps=steps,
         sync_every=args.sync_every,
@@ -125,9 +165,15 @@ def run_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         compare_group=group,
         seed=args.seed,
     )
+    try:
+        cfg.task()  # the data must be readable before any run is created
+    except (DataError, ImportError) as exc:
+        return _fail(str(exc))
     specs = cfg.ablation(args.quick)
+    backend = "nccl" if device == "cuda" else "gloo"
     print(
-        f"hdet-track demo: {args.dataset}, {args.replicas} replicas ({args.grad_mode} gradients), {steps} steps, "
+        f"hdet-track demo: {args.dataset}, {args.replicas} {backend} replicas ({args.grad_mode} gradients), "
+        f"{steps} steps, max_lr {cfg.low_lr:g} / {cfg.high_lr:g}, "
         f"runs: {', '.join(s.name for s in specs)}; compare group {group}",
         flush=True,
     )
@@ -225,6 +271,10 @@ def run_dashboard(source: str | None, host: str, port: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import os
+
+    # MLflow draws a progress bar per downloaded artifact; the readers fetch many small event chunks
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "demo":

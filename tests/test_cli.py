@@ -162,3 +162,84 @@ def test_missing_dataset_is_a_one_line_error_before_any_run(tmp_path, capsys, mo
     err = capsys.readouterr().err
     assert code == 2 and "Fashion-MNIST not found" in err and "--data-dir" in err and "dataset-fashion-mnist" in err
     assert not (tmp_path / "x.db").exists()  # nothing half-written
+
+
+def _demo(argv, cwd, env, timeout=600):
+    return subprocess.run(
+        [sys.executable, "-m", "hdet_track.cli", "demo", *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+        env=env,
+    )
+
+
+def test_text_demo_with_independent_replicas_on_the_stdlib_sources(tmp_path):
+    """`--dataset text`: a character-level transformer on the standard library's sources, local-SGD replicas."""
+    import math
+
+    uri = f"sqlite:///{tmp_path / 'text.db'}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "HDET_"))}
+    env["MLFLOW_TRACKING_URI"] = uri
+    argv = ["--dataset", "text", "--quick", "--replicas", "2", "--steps", "50", "--grad-mode", "independent"]
+    proc = _demo([*argv, "--group", "text-test"], tmp_path, env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "text, 2 gloo replicas (independent gradients), 50 steps, max_lr 0.002 / 0.02" in proc.stdout
+    assert "Downloading artifacts" not in proc.stdout + proc.stderr  # no progress-bar noise in the table
+    client = MlflowClient(uri)
+    runs = {r.info.run_name: r for r in client.search_runs([client.get_experiment_by_name("hdet").experiment_id])}
+    assert set(runs) == {"baseline-high", "hdet"}
+    from hdet_track.examples.tasks import load_task
+
+    vocab = load_task("text").vocab
+    for run in runs.values():
+        assert run.info.status == "FINISHED"
+        assert float(run.data.params["max_lr"]) == 0.02
+        # a character model that learned: well below the uniform guess over the alphabet
+        assert run.data.metrics["val_loss"] < math.log(vocab) - 1.0
+        assert run.data.metrics["val_accuracy"] > 0.2
+
+
+def test_text_file_that_cannot_be_read_is_a_one_line_error(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'x.db'}")
+    code = main(["demo", "--dataset", "text", "--text-file", str(tmp_path / "nope.txt")])
+    err = capsys.readouterr().err
+    assert code == 2 and "cannot read --text-file" in err and "nope.txt" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "x.db").exists()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the error on a machine without GPUs")
+def test_device_cuda_without_gpus_is_a_one_line_error(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'x.db'}")
+    code = main(["demo", "--device", "cuda", "--replicas", "2"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--device cuda needs one GPU per replica: 2 replicas but 0 GPU(s)" in err
+    assert not (tmp_path / "x.db").exists()
+
+
+def _read_only_cwd_run(directory, argv, env):
+    """Run the demo with ``directory`` mounted read-only (a private mount namespace: root can't write either)."""
+    import shutil
+
+    if shutil.which("unshare") is None or os.geteuid() != 0:
+        pytest.skip("needs root and util-linux's unshare for a read-only bind mount")
+    script = 'mount --bind -o ro "$1" "$1" && cd "$1" && shift && exec "$@"'
+    cmd = ["unshare", "--mount", "sh", "-c", script, "sh", str(directory), sys.executable, "-m", "hdet_track.cli"]
+    return subprocess.run([*cmd, "demo", *argv], capture_output=True, text=True, timeout=300, env=env)
+
+
+@pytest.mark.parametrize(
+    ("tracker", "message"),
+    [("mlflow", "cannot write the MLflow store"), ("wandb", "cannot write W&B's run files")],
+)
+def test_read_only_working_directory_is_a_one_line_error(tmp_path, tracker, message):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "HDET_", "WANDB_"))}
+    env["WANDB_MODE"] = "offline"
+    workdir = tmp_path / "read-only"
+    workdir.mkdir()
+    proc = _read_only_cwd_run(workdir, ["--quick", "--tracker", tracker], env)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert message in proc.stderr and "writable directory" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert list(workdir.iterdir()) == []  # nothing half-written

@@ -9,24 +9,23 @@ which ``HDETScheduler`` replaces ``OneCycleLR``.
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from hdet_track import HDETScheduler, NonFiniteReplicasError
 from hdet_track.launch import launch_local
 
-FASHION_DIRS = ("/usr/share/datasets/fashion-mnist",)
+from .tasks import DATASETS, DataError, load_task
 
-
-class DataError(ValueError):
-    """A dataset could not be found or read."""
+# (conservative, aggressive) max_lr per dataset: SGD+Nesterov for the MLPs, AdamW for the transformer
+DEFAULT_LRS = {"digits": (0.05, 0.5), "fashion-mnist": (0.05, 0.5), "text": (2e-3, 2e-2)}
+DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass(frozen=True)
@@ -43,18 +42,29 @@ class RunSpec:
 class AblationConfig:
     dataset: str = "digits"
     data_dir: str | None = None
+    text_file: str | None = None
     replicas: int = 4
     steps: int = 600
     sync_every: int = 25
-    batch_size: int = 64
-    low_lr: float = 0.05
-    high_lr: float = 0.5
+    batch_size: int | None = None  # None: 64 images or 16 text windows
+    low_lr: float | None = None  # None: DEFAULT_LRS[dataset]
+    high_lr: float | None = None
     spread: float = 0.5
+    device: str = "cpu"  # "cpu" (gloo) or "cuda" (nccl, one GPU per replica); see choose_device
     grad_mode: str = "shared"  # "shared" (DDP, the paper's algorithm) or "independent"
     tracker: str = "mlflow"
     compare_group: str = ""
     seed: int = 0
     runs: tuple[RunSpec, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.dataset not in DATASETS:
+            raise DataError(f"unknown dataset {self.dataset!r}: choose one of {', '.join(DATASETS)}")
+        low, high = DEFAULT_LRS[self.dataset]
+        object.__setattr__(self, "low_lr", low if self.low_lr is None else self.low_lr)
+        object.__setattr__(self, "high_lr", high if self.high_lr is None else self.high_lr)
+        if self.batch_size is None:
+            object.__setattr__(self, "batch_size", 16 if self.dataset == "text" else 64)
 
     def ablation(self, quick: bool) -> tuple[RunSpec, ...]:
         full = (
@@ -65,61 +75,28 @@ class AblationConfig:
         )
         return (full[1], full[3]) if quick else full
 
-
-# ---------------------------------------------------------------------- data
-def _read_idx(path: Path) -> torch.Tensor:
-    import gzip
-    import struct
-
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as f:
-        data = f.read()
-    zero, dtype, ndim = struct.unpack_from(">HBB", data, 0)
-    if zero != 0 or dtype != 0x08:
-        raise DataError(f"{path} is not an idx file of unsigned bytes")
-    dims = struct.unpack_from(">" + "I" * ndim, data, 4)
-    return torch.frombuffer(bytearray(data[4 + 4 * ndim :]), dtype=torch.uint8).reshape(dims)
+    def task(self):
+        return load_task(self.dataset, data_dir=self.data_dir, text_file=self.text_file, seed=self.seed)
 
 
-def _find(directory: Path, stem: str) -> Path:
-    for name in (stem, stem + ".gz"):
-        if (directory / name).exists():
-            return directory / name
-    raise DataError(f"missing {stem}[.gz] in {directory}")
+def choose_device(requested: str, replicas: int, gpus: int | None = None) -> str:
+    """``"cuda"`` (nccl, one GPU per replica) or ``"cpu"`` (gloo) for ``requested`` in ``DEVICES``.
 
-
-def load_dataset(name: str, data_dir: str | None, seed: int) -> tuple[torch.Tensor, ...]:
-    """(x_train, y_train, x_val, y_val), standardised with the training set's statistics."""
-    if name == "digits":
-        from .digits import load_digits_split
-
-        return load_digits_split(seed)
-    if name == "fashion-mnist":
-        candidates = [Path(data_dir)] if data_dir else [Path(d) for d in FASHION_DIRS]
-        for directory in candidates:
-            if directory.is_dir():
-                try:
-                    x_train = _read_idx(_find(directory, "train-images-idx3-ubyte")).float().reshape(-1, 784) / 255
-                    y_train = _read_idx(_find(directory, "train-labels-idx1-ubyte")).long()
-                    x_val = _read_idx(_find(directory, "t10k-images-idx3-ubyte")).float().reshape(-1, 784) / 255
-                    y_val = _read_idx(_find(directory, "t10k-labels-idx1-ubyte")).long()
-                except (OSError, DataError) as exc:
-                    raise DataError(f"cannot read Fashion-MNIST from {directory}: {exc}") from None
-                mean, std = x_train.mean(0), x_train.std(0).clamp_min(1e-3)
-                return (x_train - mean) / std, y_train, (x_val - mean) / std, y_val
-        raise DataError(
-            "Fashion-MNIST not found: pass --data-dir DIR with the four idx files, or install Debian's "
-            "package (apt-get install dataset-fashion-mnist) which puts them under /usr/share/datasets/fashion-mnist"
+    ``auto`` takes the GPUs when there is one per replica (nccl cannot put two ranks on one GPU).
+    """
+    if requested not in DEVICES:
+        raise ValueError(f"Expected device to be one of {', '.join(DEVICES)}, but got {requested!r}")
+    gpus = (torch.cuda.device_count() if torch.cuda.is_available() else 0) if gpus is None else gpus
+    if requested == "cpu":
+        return "cpu"
+    if gpus >= replicas:
+        return "cuda"
+    if requested == "cuda":
+        raise ValueError(
+            f"--device cuda needs one GPU per replica: {replicas} replicas but {gpus} GPU(s) visible; "
+            "lower --replicas or use --device cpu"
         )
-    raise DataError(f"unknown dataset {name!r}: choose digits or fashion-mnist")
-
-
-def make_model(inputs: int, classes: int, seed: int) -> nn.Module:
-    state = torch.random.get_rng_state()
-    torch.manual_seed(seed)  # the same initial weights on every replica and in every run
-    model = nn.Sequential(nn.Linear(inputs, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, classes))
-    torch.random.set_rng_state(state)
-    return model
+    return "cpu"
 
 
 # ---------------------------------------------------------------------- one run (one replica)
@@ -136,10 +113,16 @@ def _track(cfg: AblationConfig, spec: RunSpec):
 def train_one(cfg: AblationConfig, spec: RunSpec) -> dict:
     """Train ``spec`` as this process's replica of the initialised process group."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    x_train, y_train, x_val, y_val = load_dataset(cfg.dataset, cfg.data_dir, cfg.seed)
-    model = make_model(x_train.shape[1], int(y_train.max()) + 1, cfg.seed)
-    net = nn.parallel.DistributedDataParallel(model) if cfg.grad_mode == "shared" else model
-    opt = torch.optim.SGD(model.parameters(), lr=spec.max_lr, momentum=0.9, nesterov=True, weight_decay=5e-4)
+    device = torch.device("cpu")
+    if cfg.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    task = cfg.task().to(device)
+    model = task.model(cfg.seed).to(device)  # the same initial weights on every replica and in every run
+    if cfg.grad_mode == "shared":
+        net = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    else:
+        net = model
+    opt = task.optimizer(model.parameters(), spec.max_lr)
     sched = HDETScheduler(
         opt,
         max_lr=spec.max_lr,
@@ -160,15 +143,15 @@ def train_one(cfg: AblationConfig, spec: RunSpec) -> dict:
     diverged_at = None
     try:
         for k in range(1, cfg.steps + 1):
-            idx = torch.randint(len(x_train), (cfg.batch_size,), generator=batches)
-            loss = F.cross_entropy(net(x_train[idx]), y_train[idx])
+            inputs, targets = task.batch(batches, cfg.batch_size)
+            loss = task.loss(net(inputs), targets)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
             sched.step(loss)
             report = sched.last_sync
             if report is not None and report.step == k:
-                val_loss, val_acc = evaluate(model, x_val, y_val)
+                val_loss, val_acc = task.evaluate(model)
                 sched.log_metrics({"val_loss": val_loss, "val_accuracy": val_acc}, step=k)
                 if rank == 0:
                     _progress(spec.name, k, cfg.steps, report.window_losses, val_loss, started)
@@ -178,7 +161,7 @@ def train_one(cfg: AblationConfig, spec: RunSpec) -> dict:
         sched.close("FAILED", f"diverged: every replica non-finite at step {exc.step}")
         if rank == 0:
             print(f"\n[{spec.name}] diverged at step {exc.step}", flush=True)
-    val_loss, val_acc = evaluate(model, x_val, y_val)
+    val_loss, val_acc = task.evaluate(model)
     if diverged_at is None:
         sched.log_metrics({"val_loss": val_loss, "val_accuracy": val_acc}, step=cfg.steps)
         sched.close()
@@ -194,14 +177,6 @@ def train_one(cfg: AblationConfig, spec: RunSpec) -> dict:
     }
 
 
-def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
-    with torch.no_grad():
-        logits = model(x)
-        loss = float(F.cross_entropy(logits, y))
-        acc = float((logits.argmax(1) == y).float().mean())
-    return (loss if math.isfinite(loss) else math.nan), acc
-
-
 def _progress(name: str, k: int, steps: int, losses: list[float], val_loss: float, started: float) -> None:
     width = 24
     done = int(width * k / steps)
@@ -215,7 +190,11 @@ def _progress(name: str, k: int, steps: int, losses: list[float], val_loss: floa
 def worker(cfg: AblationConfig, spec: RunSpec) -> dict:
     """Entry point of one launched replica (RANK, WORLD_SIZE, MASTER_* set by the launcher)."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    if cfg.device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl")
+    else:
+        dist.init_process_group("gloo")
     try:
         result = train_one(cfg, spec)
         dist.barrier()  # no replica tears down while another still finishes the last collective
@@ -225,13 +204,13 @@ def worker(cfg: AblationConfig, spec: RunSpec) -> dict:
 
 
 def launch_run(cfg: AblationConfig, spec: RunSpec) -> dict:
-    """Start ``cfg.replicas`` local gloo processes for one run; rank 0's result."""
+    """Start ``cfg.replicas`` local processes (gloo on CPU, nccl on GPUs) for one run; rank 0's result."""
     return launch_local(worker, cfg.replicas, cfg, spec)[0]
 
 
 def run_ablation(cfg: AblationConfig, quick: bool) -> list[dict]:
     specs = cfg.runs or cfg.ablation(quick)
-    load_dataset(cfg.dataset, cfg.data_dir, cfg.seed)  # fail fast, before any process starts
+    cfg.task()  # fail fast, before any process starts
     return [launch_run(replace(cfg, runs=()), spec) for spec in specs]
 
 
@@ -241,6 +220,7 @@ __all__ = [
     "run_ablation",
     "launch_run",
     "train_one",
-    "load_dataset",
+    "choose_device",
     "DataError",
+    "DEFAULT_LRS",
 ]
