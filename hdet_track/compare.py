@@ -41,8 +41,12 @@ def comparison_rows(runs: Sequence[HDETRun]) -> list[ComparisonRow]:
     """One row per run, in the given order (as in the paper's Table 1)."""
     out = []
     for run, row in zip(runs, compare_table(runs)):
+        # the run's own mark is where it stopped (every replica non-finite at a sync); the loss
+        # usually broke earlier, and the table reports the first step it did
         marked = run.metrics.get("diverged_at_step")
-        step = int(marked[1][-1]) if marked is not None and len(marked[1]) else row.diverged_at
+        stopped = int(marked[1][-1]) if marked is not None and len(marked[1]) else None
+        known = [s for s in (row.diverged_at, stopped) if s is not None]
+        step = min(known) if known else None
         val_steps, val = run.metrics.get("val_loss", (np.zeros(0), np.zeros(0)))
         finite_val = val[np.isfinite(val)] if len(val) else val
         out.append(

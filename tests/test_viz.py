@@ -192,3 +192,40 @@ def test_export_schedule_csv_and_lambdalr_replay():
     steps, lr = run.mean_series("lr")
     replay = [namespace["BASE_LR"] * namespace["hdet_schedule"](s - 1) for s in steps]
     assert np.allclose(replay, lr, rtol=1e-6)
+
+
+def test_one_exploding_replica_is_not_a_divergence_but_half_of_them_is():
+    run = make_run(n=4, steps=100)
+    steps, median = run.median_series("loss")
+    ref_steps, mean = run.mean_series("loss")
+    assert np.array_equal(steps, ref_steps) and len(steps) == 100
+    by_step = {s: sorted(run.steps.loss[run.steps.step == s]) for s in (1, 50)}
+    assert median[0] == pytest.approx((by_step[1][1] + by_step[1][2]) / 2)
+    # replica 3 explodes between syncs (an aggressive multiplier), then is repaired: HDET by design
+    run.steps.loss[(run.steps.replica == 3) & (run.steps.step >= 41) & (run.steps.step < 50)] = 1e30
+    run.steps.loss[(run.steps.replica == 3) & (run.steps.step == 45)] = np.nan
+    assert compare_table([run])[0].diverged_at is None
+    assert diverged_at(*run.mean_series("loss")) == 41  # the mean alone would call it diverged
+    # two of four replicas non-finite: the median is non-finite, the run diverged there
+    run.steps.loss[(run.steps.replica == 2) & (run.steps.step >= 70)] = np.nan
+    run.steps.loss[(run.steps.replica == 1) & (run.steps.step >= 72)] = np.inf
+    assert compare_table([run])[0].diverged_at == 72
+    _, median = run.median_series("loss")
+    assert np.isinf(median[steps == 72][0]) and np.isfinite(median[steps == 71][0])
+
+
+def test_comparison_reports_where_the_loss_broke_not_where_the_run_stopped():
+    from hdet_track.compare import comparison_rows
+
+    run = make_run(n=4, steps=100)
+    assert comparison_rows([run])[0].diverged is False
+    # the loss of three replicas explodes at step 31; the run only stops at the sync at step 40
+    run.steps.loss[(run.steps.replica >= 1) & (run.steps.step >= 31)] = 1e6
+    run.metrics["diverged_at_step"] = (np.array([40]), np.array([40.0]))
+    row = comparison_rows([run])[0]
+    assert row.diverged and row.diverged_at_step == 31
+    # without per-step losses (metric histories cut short), the run's own mark still counts
+    stopped = make_run(n=4, steps=30)
+    stopped.metrics["diverged_at_step"] = (np.array([30]), np.array([30.0]))
+    row = comparison_rows([stopped])[0]
+    assert row.diverged and row.diverged_at_step == 30

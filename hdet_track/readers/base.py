@@ -219,6 +219,21 @@ class HDETRun:
         with np.errstate(invalid="ignore", divide="ignore"):
             return steps, np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
 
+    def median_series(self, key: str) -> tuple[np.ndarray, np.ndarray]:
+        """(steps, median over replicas) of ``loss`` or a series key, a non-finite value counting as the
+        largest: one exploring replica that blows up (and is repaired at the next sync) moves the mean
+        but not the median; the median is non-finite once half the replicas are."""
+        column = self.steps.loss if key == "loss" else self.steps.values.get(key)
+        if column is None or not len(self.steps):
+            return self.metrics.get(key, (np.zeros(0, dtype=np.int64), np.zeros(0)))
+        ranked = np.where(np.isnan(column), np.inf, column)
+        order = np.lexsort((ranked, self.steps.step))
+        steps_sorted, values = self.steps.step[order], ranked[order]
+        steps, starts, counts = np.unique(steps_sorted, return_index=True, return_counts=True)
+        lo, hi = values[starts + (counts - 1) // 2], values[starts + counts // 2]
+        with np.errstate(invalid="ignore", over="ignore"):
+            return steps, (lo + hi) / 2
+
     def controller_series(self, name: str = "lr", target: int = 0) -> dict[str, np.ndarray]:
         """step, base, base_before, velocity, delta, onecycle and drift (= base / onecycle) per sync."""
         rows = [d for d in self.controller if d.name == name and target < len(d.base_after)]

@@ -42,7 +42,8 @@ def diverged_at(steps: np.ndarray, loss: np.ndarray, factor: float = 10.0) -> in
 def _row(run: HDETRun) -> CompareRow:
     steps, loss = run.mean_series("loss")
     lr_steps, lr = run.mean_series("lr")
-    div = diverged_at(steps, loss)
+    # the median over replicas: an exploring replica that blows up and is repaired is not a divergence
+    div = diverged_at(*run.median_series("loss"))
     finite_loss = loss[np.isfinite(loss)] if len(loss) else loss
     stable = lr if div is None else lr[lr_steps < div]
     stable = stable[np.isfinite(stable)] if len(stable) else stable
