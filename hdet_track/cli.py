@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--data-dir", default=None, help="directory with the Fashion-MNIST idx files")
     demo.add_argument("--text-file", default=None, help="UTF-8 text for --dataset text (default: stdlib sources)")
-    demo.add_argument("--replicas", type=_positive_int, default=4, help="gloo processes per run (default 4)")
+    demo.add_argument("--replicas", type=_positive_int, default=4, help="replica processes per run (default 4)")
     demo.add_argument(
         "--steps", type=_positive_int, default=None, help="optimizer steps per run (default 600, --quick 200)"
     )
