@@ -144,6 +144,9 @@ def test_study_report_matches_the_tracking_store(study):
         assert cells[6] == (str(row.diverged_at_step) if row.diverged else "-")
     assert re.search(r"\| independent \| 0\.5 \| \d/1 \| \d/1 \| 0\.(05|5) \|", report)
     assert "![loss curves](loss_curves.png)" in report
+    # the set-up is read from the task and the logged runs, not typed in: digits' MLP, warm-up steps // 4
+    assert "an MLP 64-256-256-10, SGD (momentum 0.9, Nesterov, weight decay 0.0005)" in report
+    assert "auto-LR warm-up 12 steps" in report
     assert (out / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
