@@ -10,19 +10,24 @@ Example:
 from __future__ import annotations
 
 from . import explore
+from ._version import __version__
 from .collectives import average_parameters
-from .controller import ControllerUpdate, controller_update, softmax_weights
+from .controller import Controller, DriftController, PaperController, controller_update, softmax_weights
 from .errors import CheckpointMismatchError, HDETError, NonFiniteReplicasError
 from .integrations.wrap import wrap
 from .noise import warm_noisy_init
+from .record import ControllerUpdate, SchedulerCallback, SyncRecord
 from .schedule import decay_gamma, multipliers
 from .scheduler import HDETScheduler, SyncReport
-
-__version__ = "0.1.0"
 
 __all__ = [
     "HDETScheduler",
     "SyncReport",
+    "SyncRecord",
+    "SchedulerCallback",
+    "Controller",
+    "DriftController",
+    "PaperController",
     "wrap",
     "explore",
     "warm_noisy_init",

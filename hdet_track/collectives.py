@@ -22,6 +22,8 @@ __all__ = [
     "average_buckets",
     "average_parameters",
     "all_gather_rows",
+    "all_gather_objects",
+    "relative_divergence",
 ]
 
 
@@ -143,6 +145,16 @@ def all_gather_rows(row: Sequence[float], group: dist.ProcessGroup | None = None
     out = [torch.empty_like(local) for _ in range(size)]
     dist.all_gather(out, local, group=group)
     return [t.cpu().tolist() for t in out]
+
+
+def all_gather_objects(obj: object, group: dist.ProcessGroup | None = None) -> list[object]:
+    """Gather one picklable object from every rank (``[obj]`` without a process group)."""
+    _, size = world(group)
+    if size == 1:
+        return [obj]
+    out: list[object] = [None] * size
+    dist.all_gather_object(out, obj, group=group)
+    return out
 
 
 def relative_divergence(distance_sq: float, mean_norm_sq: float) -> float:

@@ -1,29 +1,67 @@
-"""The auto-LR controller: softmax weights over replicas and the momentum update of a base value.
+"""What decides the next learning rate: the auto-LR controllers.
 
-Pure math on Python floats; the scheduler calls it with values gathered from all replicas.
+At each sync the scheduler gathers every replica's per-step training losses and hands them, as a
+:class:`WindowStats`, to a controller, which
+
+1. judges the replicas' health (:meth:`Controller.health`): who is left out of the average and
+   reset, and whether the consensus itself blew up (roll back);
+2. updates the shared base of every explored hyperparameter (:meth:`Controller.update`);
+3. gives the base of each target for any step (:meth:`Controller.base`), from a *reference*: plain
+   OneCycleLR's LR for the learning rate, the initial value for other hyperparameters.
+
+Two controllers:
+
+- :class:`PaperController` (``controller="paper"``): the method as published. After
+  ``auto_lr_warmup`` steps the base LR is taken over from OneCycle and held between syncs; at each
+  sync replicas are weighted by ``softmax((mean(L) - L_r) / temperature)`` and the base moves to
+  ``base * (1 - gamma) + meta_lr * velocity`` toward the better replicas' values.
+- :class:`DriftController` (``controller="drift"``): the base is the reference times a drift that
+  moves in log space, ``base = reference * exp(d)``, so the schedule keeps OneCycle's shape and
+  nothing jumps when the controller starts. The drift moves on *evidence*: the slope of the
+  replicas' window losses against their log multipliers, in units of its standard error (from the
+  per-step losses inside the window), accumulated over syncs with forgetting. A guard leaves out
+  replicas whose window loss blew up, cuts the drift when the highest-LR replicas did, and rolls
+  every replica back to the last good consensus when all of them did. See docs/controller.md.
+
+Pure math on numbers: nothing here imports torch.distributed or a tracker.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import NamedTuple
+from dataclasses import dataclass, field
 
-__all__ = ["softmax_weights", "ControllerUpdate", "controller_update"]
+import numpy as np
+
+from ._checks import check_int, check_number
+from .record import ControllerUpdate, GuardAction
+from .schedule import decay_gamma
+
+__all__ = [
+    "softmax_weights",
+    "controller_update",
+    "ControllerUpdate",
+    "ControllerContext",
+    "WindowStats",
+    "Health",
+    "Decision",
+    "Controller",
+    "PaperController",
+    "DriftController",
+    "window_noise",
+    "trend_evidence",
+    "make_controller",
+    "CONTROLLERS",
+]
 
 
+# ---------------------------------------------------------------------- the paper's rule, pure functions
 def softmax_weights(losses: Sequence[float], temperature: float) -> list[float]:
     """Weights of the replicas from their window losses: ``softmax((mean(L) - L_r) / temperature)``.
 
     Lower loss, higher weight. Subtracting the mean (and the max inside the softmax)
     changes nothing mathematically but keeps ``exp`` in range.
-
-    Args:
-        losses: finite window mean losses, one per replica taking part.
-        temperature: > 0; small values approach an argmin, large ones uniform weights.
-
-    Returns:
-        Weights that are positive and sum to 1.
 
     Example:
         >>> softmax_weights([1.0, 1.0], 0.1)
@@ -41,17 +79,6 @@ def softmax_weights(losses: Sequence[float], temperature: float) -> list[float]:
     return [e / total for e in exps]
 
 
-class ControllerUpdate(NamedTuple):
-    """One controller decision for one target (a param group's LR, one module's dropout, ...)."""
-
-    delta: float
-    velocity: float
-    base_before: float
-    base_after: float
-    gamma: float
-    clipped: bool
-
-
 def controller_update(
     values: Sequence[float],
     weights: Sequence[float],
@@ -63,23 +90,10 @@ def controller_update(
     gamma: float,
     bounds: tuple[float, float],
 ) -> ControllerUpdate:
-    """Move ``base`` toward the values of the better replicas.
+    """The paper's update of one target: move ``base`` toward the values of the better replicas.
 
     ``delta = sum_r w_r * v_r - mean(v)``, ``velocity' = beta * velocity + (1 - beta) * delta``,
     ``base' = clip(base * (1 - gamma) + meta_lr * velocity', bounds)``.
-
-    Args:
-        values: the hyperparameter value each replica used (same order as ``weights``).
-        weights: softmax weights of those replicas.
-        base: the current base value.
-        velocity: the current velocity.
-        meta_lr: step size of the base update.
-        meta_momentum: beta in [0, 1).
-        gamma: per-sync decay rate in [0, 1).
-        bounds: (low, high) the base is clipped to.
-
-    Returns:
-        A :class:`ControllerUpdate`.
     """
     if len(values) != len(weights) or not values:
         raise ValueError(f"Expected as many values as weights (at least one), but got {len(values)} and {len(weights)}")
@@ -90,3 +104,438 @@ def controller_update(
     low, high = bounds
     after = min(max(raw, low), high)
     return ControllerUpdate(delta, new_velocity, base, after, gamma, after != raw)
+
+
+# ---------------------------------------------------------------------- what a controller sees
+@dataclass(frozen=True)
+class ControllerContext:
+    """The job's facts a controller needs, given once (and again after ``wrap``/resume)."""
+
+    names: list[str]  # "lr" first
+    num_targets: dict[str, int]
+    multipliers: dict[str, list[float]]  # rho by multiplier index
+    bounds: dict[str, list[tuple[float, float]]]  # per target; for "lr" the resolved lr_bounds
+    lr_bounds_given: bool
+    world_size: int
+    total_steps: int
+    sync_every: int
+    start_step: int
+    div_factor: float
+    final_div_factor: float
+
+
+@dataclass(frozen=True)
+class WindowStats:
+    """One sync's evidence, identical on every rank.
+
+    ``losses[r, i]``: replica r's loss at the window's i-th step (nan where none was given);
+    ``counts[r]``/``sums[r]``: how many losses replica r gave and their float64 sum; ``finite[r]``:
+    whether its parameters are finite; ``perms[name][r]``: its multiplier index during the window;
+    ``values[name][r][t]``: its value of target t at the sync; ``references[name][t]``: the
+    reference of target t at the sync.
+    """
+
+    step: int
+    losses: np.ndarray
+    counts: list[int]
+    sums: list[float]
+    finite: list[bool]
+    perms: dict[str, list[int]]
+    values: dict[str, list[list[float]]]
+    references: dict[str, list[float]]
+
+    @property
+    def window_losses(self) -> list[float]:
+        return [s / c if c > 0 else math.nan for s, c in zip(self.sums, self.counts)]
+
+
+@dataclass(frozen=True)
+class Health:
+    """Who takes part in the average (``healthy``), why the others do not, and whether to roll back."""
+
+    healthy: list[bool]
+    reasons: list[str]  # "" for healthy replicas
+    rollback: bool = False
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A controller's output at one sync."""
+
+    weights: list[float] | None = None
+    updates: dict[str, list[ControllerUpdate]] = field(default_factory=dict)
+    guard: list[GuardAction] = field(default_factory=list)
+
+
+def nonfinite_health(stats: WindowStats) -> Health:
+    """The basic rule: a replica with non-finite parameters or a non-finite window loss is left out."""
+    healthy, reasons = [], []
+    for finite, loss, count in zip(stats.finite, stats.window_losses, stats.counts):
+        ok = finite and (count == 0 or math.isfinite(loss))
+        healthy.append(ok)
+        reasons.append("" if ok else "non-finite")
+    return Health(healthy, reasons)
+
+
+class Controller:
+    """Base class: no updates, the basic health rule, the reference as base."""
+
+    name = ""
+    rollback = False  # whether the scheduler keeps the last good consensus for it
+
+    def bind(self, ctx: ControllerContext) -> None:
+        self.ctx = ctx
+
+    def health(self, stats: WindowStats) -> Health:
+        return nonfinite_health(stats)
+
+    def update(self, stats: WindowStats, health: Health) -> Decision:
+        return Decision()
+
+    def rolled_back(self, stats: WindowStats) -> Decision:
+        """Called instead of :meth:`update` when :meth:`health` asked for a rollback."""
+        return Decision()
+
+    def base(self, name: str, target: int, reference: float) -> float:
+        return reference
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+# ---------------------------------------------------------------------- the paper's controller
+class PaperController(Controller):
+    """The published controller, kept exactly for reproduction (see the module docstring).
+
+    Args:
+        warmup: steps of plain OneCycle before it starts; afterwards the LR is held between syncs.
+        temperature: of the softmax over ``(mean(L) - L_r)``, in loss units.
+        meta_lr: step size of the base update.
+        meta_momentum: beta of the velocity.
+    """
+
+    name = "paper"
+
+    def __init__(self, warmup: int = 0, temperature: float = 0.1, meta_lr: float = 0.5, meta_momentum: float = 0.9):
+        self.warmup = warmup
+        self.temperature = temperature
+        self.meta_lr = meta_lr
+        self.meta_momentum = meta_momentum
+        self._base: dict[str, list[float] | None] = {}
+        self._velocity: dict[str, list[float]] = {}
+        self.gamma: dict[str, float] = {}
+
+    def bind(self, ctx: ControllerContext) -> None:
+        super().bind(ctx)
+        for name in ctx.names:
+            self._base.setdefault(name, None)
+            self._velocity.setdefault(name, [0.0] * ctx.num_targets[name])
+        # The base decays by div_factor / final_div_factor over the syncs left once it takes over.
+        first = max(self.warmup, ctx.start_step)
+        self.gamma = {name: 0.0 for name in ctx.names}
+        self.gamma["lr"] = decay_gamma(ctx.div_factor, ctx.final_div_factor, (ctx.total_steps - first) / ctx.sync_every)
+
+    def update(self, stats: WindowStats, health: Health) -> Decision:
+        ok = [r for r, h in enumerate(health.healthy) if h]
+        losses = stats.window_losses
+        if stats.step < self.warmup or not all(stats.counts[r] > 0 for r in ok):
+            return Decision()
+        w_ok = softmax_weights([losses[r] for r in ok], self.temperature)
+        weights = [0.0] * len(losses)
+        for r, w in zip(ok, w_ok):
+            weights[r] = w
+        updates = {}
+        for name in self.ctx.names:
+            refs = stats.references[name]
+            base = [self.base(name, t, refs[t]) for t in range(len(refs))]
+            results = [
+                controller_update(
+                    [stats.values[name][r][t] for r in ok],
+                    w_ok,
+                    base[t],
+                    self._velocity[name][t],
+                    meta_lr=self.meta_lr,
+                    meta_momentum=self.meta_momentum,
+                    gamma=self.gamma[name],
+                    bounds=self.ctx.bounds[name][t],
+                )._replace(reference=refs[t])
+                for t in range(len(base))
+            ]
+            updates[name] = results
+            self._base[name] = [u.base_after for u in results]
+            self._velocity[name] = [u.velocity for u in results]
+        return Decision(weights, updates)
+
+    def base(self, name: str, target: int, reference: float) -> float:
+        held = self._base.get(name)
+        return reference if held is None else held[target]
+
+    def state_dict(self) -> dict:
+        return {"base": dict(self._base), "velocity": dict(self._velocity)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._base = {k: None if v is None else [float(x) for x in v] for k, v in state["base"].items()}
+        self._velocity = {k: [float(x) for x in v] for k, v in state["velocity"].items()}
+
+
+# ---------------------------------------------------------------------- the drift controller
+def window_noise(losses: np.ndarray) -> float:
+    """The standard error of one replica's window-mean loss, from the per-step losses themselves.
+
+    Each row's losses are detrended by a straight line (training moves the loss within a window);
+    the residual variance is pooled over rows and inflated for lag-1 autocorrelation (AR(1):
+    ``(1 + rho) / (1 - rho)``, rho clipped to [0, 0.8]). nan when the rows have fewer than 3
+    finite losses.
+    """
+    variances, lag1 = [], []
+    for row in np.atleast_2d(losses):
+        y = row[np.isfinite(row)]
+        if len(y) < 3:
+            continue
+        i = np.arange(len(y), dtype=float)
+        resid = y - np.polyval(np.polyfit(i, y, 1), i)
+        var = float(resid @ resid) / (len(y) - 2)
+        variances.append(var)
+        denom = float(resid @ resid)
+        lag1.append(float(resid[1:] @ resid[:-1]) / denom if denom > 0 else 0.0)
+    if not variances:
+        return math.nan
+    rho = min(max(float(np.mean(lag1)), 0.0), 0.8)
+    per_step = float(np.mean(variances))
+    count = int(np.isfinite(np.atleast_2d(losses)).sum(axis=1).max())
+    return math.sqrt(per_step / count * (1 + rho) / (1 - rho))
+
+
+def trend_evidence(log_multipliers: Sequence[float], window_losses: Sequence[float], standard_error: float) -> float:
+    """The slope of the window losses against the log multipliers, in units of its standard error.
+
+    ``z = sum_r x_r m_r / (se * sqrt(sum_r x_r^2))`` with x centred. Positive: higher values did
+    worse. 0 when the multipliers do not differ; clipped to [-10, 10]. Multiplying every loss by a
+    constant leaves z unchanged.
+    """
+    x = np.asarray(log_multipliers, dtype=float)
+    m = np.asarray(window_losses, dtype=float)
+    x = x - x.mean()
+    sxx = float(x @ x)
+    if len(x) < 2 or sxx <= 0:
+        return 0.0
+    num = float(x @ (m - m.mean()))
+    if not math.isfinite(standard_error):
+        return 0.0  # too few losses per window to tell signal from noise
+    if standard_error <= 0:
+        return 0.0 if num == 0 else math.copysign(10.0, num)
+    return max(-10.0, min(10.0, num / (standard_error * math.sqrt(sxx))))
+
+
+class DriftController(Controller):
+    """Shape-keeping, loss-scale-free, guarded: ``base = reference * exp(drift)`` (see docs/controller.md).
+
+    Args:
+        guard: a replica whose window loss exceeds ``guard`` times the smaller of the window's
+            starting loss (median of the replicas' first losses, all taken at the common
+            consensus) and the median window loss is *blown up*: no weight, left out of the
+            average, reset. When every replica is, the consensus blew up and is rolled back.
+            Losses must be positive for this ratio test; otherwise only non-finite values count.
+        forget: how much of the last sync's evidence carries over (lambda in [0, 1)).
+        dead_zone: no move while the accumulated evidence is below this many standard errors.
+        full_step_at: the evidence (standard errors) at which the drift moves a full step.
+        step: a full step of the log drift; default half the log range of the multipliers.
+        max_drift: the drift stays within ``[1 / max_drift, max_drift]``.
+        rollback: keep the last good consensus and roll back to it when the consensus blows up
+            (one copy of the parameters and buffers in memory and in checkpoints).
+        min_backoff: a rollback cuts the LR drift by at least this factor (and by the ratio of the
+            highest to the lowest multiplier when that is larger).
+        max_rollbacks: consecutive rollbacks after which training stops (NonFiniteReplicasError).
+    """
+
+    name = "drift"
+
+    def __init__(
+        self,
+        guard: float = 2.0,
+        forget: float = 0.5,
+        dead_zone: float = 1.5,
+        full_step_at: float = 3.5,
+        step: float | None = None,
+        max_drift: float = 100.0,
+        rollback: bool = True,
+        min_backoff: float = 2.0,
+        max_rollbacks: int = 8,
+    ) -> None:
+        inf = math.inf
+        self.guard = check_number("guard", guard, 1.0, inf, low_open=True, high_open=True)
+        self.forget = check_number("forget", forget, 0.0, 1.0, low_open=False, high_open=True)
+        self.dead_zone = check_number("dead_zone", dead_zone, 0.0, inf, low_open=False, high_open=True)
+        self.full_step_at = check_number(
+            "full_step_at", full_step_at, self.dead_zone, inf, low_open=True, high_open=True
+        )
+        self.step = None if step is None else check_number("step", step, 0.0, inf, low_open=True, high_open=True)
+        self.max_drift = check_number("max_drift", max_drift, 1.0, inf, low_open=True, high_open=True)
+        self.min_backoff = check_number("min_backoff", min_backoff, 1.0, inf, low_open=True, high_open=True)
+        self.max_rollbacks = check_int("max_rollbacks", max_rollbacks, 0)
+        self.rollback = bool(rollback)
+        self._drift: dict[str, list[float]] = {}
+        self._evidence: dict[str, list[float]] = {}  # per name: [accumulated sum S, its variance V]
+        self.rollbacks = 0  # consecutive
+
+    def bind(self, ctx: ControllerContext) -> None:
+        super().bind(ctx)
+        for name in ctx.names:
+            self._drift.setdefault(name, [0.0] * ctx.num_targets[name])
+            self._evidence.setdefault(name, [0.0, 0.0])
+
+    # -- health -------------------------------------------------------------------------------
+    def health(self, stats: WindowStats) -> Health:
+        basic = nonfinite_health(stats)
+        means = stats.window_losses
+        firsts = [row[np.isfinite(row)][0] for row in stats.losses if np.isfinite(row).any()]
+        start = float(np.median(firsts)) if firsts else math.nan
+        finite_means = [m for m, ok in zip(means, basic.healthy) if ok and math.isfinite(m)]
+        typical = float(np.median([m for m in means if math.isfinite(m)])) if finite_means else math.nan
+        ref = min(start, typical) if math.isfinite(start) and math.isfinite(typical) else math.nan
+        healthy, reasons = list(basic.healthy), list(basic.reasons)
+        if math.isfinite(ref) and ref > 0:
+            for r, m in enumerate(means):
+                if healthy[r] and math.isfinite(m) and m > self.guard * ref:
+                    healthy[r] = False
+                    reasons[r] = f"blown up: window loss {m:.4g} > {self.guard:g} x {ref:.4g}"
+        rollback = self.rollback and not any(healthy)
+        return Health(healthy, reasons, rollback)
+
+    # -- the drift ----------------------------------------------------------------------------
+    def _log_mults(self, name: str, stats: WindowStats) -> list[float]:
+        rho = self.ctx.multipliers[name]
+        return [math.log(rho[i]) for i in stats.perms[name]]
+
+    def _full_step(self, name: str) -> float:
+        if self.step is not None:
+            return float(self.step)
+        logs = [math.log(m) for m in self.ctx.multipliers[name]]
+        return (max(logs) - min(logs)) / 2
+
+    def _move(self, name: str, change: float, refs: list[float]) -> list[tuple[float, float, bool]]:
+        """Add ``change`` to the drift of every target, within max_drift and the bounds; returns
+        ``(before, after, clipped)`` per target."""
+        out = []
+        cap = math.log(self.max_drift)
+        for t, d in enumerate(self._drift[name]):
+            low, high = -cap, cap
+            if name != "lr" or self.ctx.lr_bounds_given:
+                ref = refs[t]
+                lo_b, hi_b = self.ctx.bounds[name][t]
+                if ref > 0:
+                    low = max(low, math.log(lo_b / ref) if lo_b > 0 else -math.inf)
+                    high = min(high, math.log(hi_b / ref) if math.isfinite(hi_b) else math.inf)
+            raw = d + change
+            new = min(max(raw, low), high) if low <= high else d
+            out.append((d, new, new != raw))
+            self._drift[name][t] = new
+        return out
+
+    def update(self, stats: WindowStats, health: Health) -> Decision:
+        self.rollbacks = 0
+        ok = [r for r, h in enumerate(health.healthy) if h]
+        means = stats.window_losses
+        se = window_noise(stats.losses[ok]) if ok else math.nan
+        z_ok = [(means[r] - float(np.mean([means[q] for q in ok]))) / se if se > 0 else 0.0 for r in ok]
+        weights = [0.0] * len(means)
+        if ok:
+            for r, w in zip(ok, softmax_weights([-z for z in z_ok], 1.0) if z_ok else []):
+                weights[r] = w
+        guard: list[GuardAction] = []
+        left = [r for r, h in enumerate(health.healthy) if not h]
+        if left:
+            guard.append(GuardAction("left_out", left, "; ".join(health.reasons[r] for r in left)))
+        updates = {}
+        for name in self.ctx.names:
+            x = self._log_mults(name, stats)
+            z = trend_evidence([x[r] for r in ok], [means[r] for r in ok], se) if len(ok) > 1 else 0.0
+            s, v = self._evidence[name]
+            s, v = self.forget * s + z, self.forget**2 * v + 1.0
+            evidence = s / math.sqrt(v)
+            excess = (abs(evidence) - self.dead_zone) / (self.full_step_at - self.dead_zone)
+            change = -math.copysign(self._full_step(name) * min(max(excess, 0.0), 1.0), evidence)
+            blown = [r for r in left if health.reasons[r].startswith("blown")]
+            if name == "lr" and blown and ok and max(x[r] for r in blown) > max(x[r] for r in ok):
+                # The highest-LR replicas blew up: the base goes down one notch at least.
+                cut = max(x[r] for r in blown) - max(x[r] for r in ok)
+                change = min(change, -cut)
+                s = min(s, 0.0)
+                guard.append(GuardAction("backoff", blown, f"replicas {blown} with the highest LR blew up", change))
+            self._evidence[name] = [s, v]
+            refs = stats.references[name]
+            moved = self._move(name, change, refs)
+            updates[name] = [
+                ControllerUpdate(
+                    delta=after - before,
+                    velocity=evidence,
+                    base_before=self._base_from(name, t, refs[t], before),
+                    base_after=self._base_from(name, t, refs[t], after),
+                    gamma=0.0,
+                    clipped=clipped,
+                    reference=refs[t],
+                )
+                for t, (before, after, clipped) in enumerate(moved)
+            ]
+        return Decision(weights, updates, guard)
+
+    def rolled_back(self, stats: WindowStats) -> Decision:
+        self.rollbacks += 1
+        x = self._log_mults("lr", stats)
+        cut = max(max(x) - min(x), math.log(self.min_backoff))
+        refs = stats.references["lr"]
+        moved = self._move("lr", -cut, refs)
+        for name in self.ctx.names:
+            self._evidence[name] = [0.0, 0.0]
+        updates = {
+            "lr": [
+                ControllerUpdate(
+                    after - before, 0.0, refs[t] * math.exp(before), refs[t] * math.exp(after), 0.0, clipped, refs[t]
+                )
+                for t, (before, after, clipped) in enumerate(moved)
+            ]
+        }
+        n = len(stats.counts)
+        reason = f"every replica blown up or non-finite (rollback {self.rollbacks} in a row)"
+        return Decision(None, updates, [GuardAction("rollback", list(range(n)), reason, -cut)])
+
+    def _base_from(self, name: str, target: int, reference: float, drift: float) -> float:
+        value = reference * math.exp(drift)
+        if name != "lr":
+            lo, hi = self.ctx.bounds[name][target]
+            value = min(max(value, lo), hi)
+        return value
+
+    def base(self, name: str, target: int, reference: float) -> float:
+        d = self._drift[name][target] if name in self._drift else 0.0  # 0 until bound
+        return reference if d == 0.0 else self._base_from(name, target, reference, d)
+
+    @property
+    def drift(self) -> dict[str, list[float]]:
+        """The current log drift per hyperparameter and target."""
+        return {k: list(v) for k, v in self._drift.items()}
+
+    def state_dict(self) -> dict:
+        return {"drift": dict(self._drift), "evidence": dict(self._evidence), "rollbacks": self.rollbacks}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._drift = {k: [float(x) for x in v] for k, v in state["drift"].items()}
+        self._evidence = {k: [float(x) for x in v] for k, v in state["evidence"].items()}
+        self.rollbacks = int(state.get("rollbacks", 0))
+
+
+CONTROLLERS = {"paper": PaperController, "drift": DriftController}
+
+
+def make_controller(spec: str | Controller, **paper_kwargs: float) -> Controller:
+    """A controller from ``controller=``: a name in :data:`CONTROLLERS` or an instance."""
+    if isinstance(spec, Controller):
+        return spec
+    if spec == "paper":
+        return PaperController(**paper_kwargs)  # type: ignore[arg-type]
+    if spec == "drift":
+        return DriftController()
+    raise ValueError(f"Expected controller to be one of {sorted(CONTROLLERS)} or a Controller, but got {spec!r}")

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from .errors import HDETError
+from .record import ExploredSpec
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -25,33 +25,16 @@ __all__ = [
     "Event",
     "event_from_dict",
     "UnknownSchemaError",
-    "series_key",
-    "series_name",
+    "Guard",
 ]
 
-SCHEMA_VERSION = 1
+# 2: series keys "lr/pg1" (was "lr_pg1"), RunStart.controller/total_steps/start_step, Converge.reasons,
+#    ControllerDecision.controller/reference, Guard events.
+SCHEMA_VERSION = 2
 
 
 class UnknownSchemaError(HDETError):
     """An event dict of an unknown kind or a newer schema version."""
-
-
-def series_key(name: str, target: int, label: str) -> str:
-    """The metric-name stem of target ``target`` of hyperparameter ``name``.
-
-    Target 0 keeps the bare name (``lr``, ``weight_decay``); param group g > 0 gets ``_pg{g}``
-    (``lr_pg1``); other targets (modules, ...) get ``_t{t}``.
-    """
-    if target == 0:
-        return name
-    if label.startswith("pg") and label[2:].isdigit():
-        return f"{name}_{label}"
-    return f"{name}_t{target}"
-
-
-def series_name(key: str) -> str:
-    """The hyperparameter a series key belongs to (``lr_pg1`` -> ``lr``, ``dropout_t2`` -> ``dropout``)."""
-    return re.sub(r"_(pg|t)\d+$", "", key)
 
 
 def _clean(value: Any) -> Any:
@@ -95,10 +78,10 @@ class _Event:
 
 @dataclass(frozen=True)
 class RunStart(_Event):
-    """The start of a run: full configuration and environment.
+    """The start of a run (or of its resumed part, ``start_step > 0``): configuration and environment.
 
-    ``explored`` holds one dict per hyperparameter (``"lr"`` first): name, spread, bounds per
-    target, target labels and multipliers.
+    ``explored`` holds one :class:`~hdet_track.record.ExploredSpec` per hyperparameter (``"lr"``
+    first): spread, multipliers, target labels, series keys and bounds.
     """
 
     kind: ClassVar[str] = "run_start"
@@ -106,11 +89,28 @@ class RunStart(_Event):
     world_size: int
     schedule: str  # "hdet" or "onecycle"
     param_groups: list[str]
-    explored: list[dict[str, Any]]
+    explored: list[ExploredSpec]
     versions: dict[str, str]
     hostnames: list[str]
     compare_group: str | None = None
     time: float = 0.0
+    controller: str = ""
+    total_steps: int = 0
+    start_step: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {"kind": self.kind, "schema": SCHEMA_VERSION}
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "explored"}
+        out.update(_clean(fields))
+        out["explored"] = [_clean(e.to_dict()) for e in self.explored]
+        return out
+
+    @classmethod
+    def _from_fields(cls, data: dict[str, Any]) -> RunStart:
+        data = dict(data)
+        legacy = data.get("schema", SCHEMA_VERSION) < 2
+        data["explored"] = [_spec(e, legacy) for e in data.get("explored", [])]
+        return super()._from_fields(data)  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -138,7 +138,8 @@ class StepRecord(_Event):
 
 @dataclass(frozen=True)
 class Converge(_Event):
-    """One sync: window mean losses, each replica's divergence before averaging, left-out ranks."""
+    """One sync: window mean losses, each replica's divergence before averaging, the replicas left
+    out (and why: ``reasons[i]`` for ``left_out[i]``)."""
 
     kind: ClassVar[str] = "converge"
     _float_lists: ClassVar[tuple[str, ...]] = ("window_losses", "divergence")
@@ -146,6 +147,7 @@ class Converge(_Event):
     window_losses: list[float]
     divergence: list[float]
     left_out: list[int] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -160,6 +162,7 @@ class ControllerDecision(_Event):
         "base_before",
         "base_after",
         "onecycle",
+        "reference",
     )
     step: int
     name: str
@@ -171,6 +174,22 @@ class ControllerDecision(_Event):
     gamma: float
     permutation: list[int]
     onecycle: list[float] | None = None  # plain OneCycleLR's value (LR only): drift = base / onecycle
+    controller: str = "paper"
+    reference: list[float] | None = None  # what the base is measured against (OneCycle's LR, initial values)
+
+
+@dataclass(frozen=True)
+class Guard(_Event):
+    """A guard action at a sync: ``backoff`` (the LR drift cut because the highest-LR replicas blew
+    up) or ``rollback`` (every replica restored to the last good consensus, the LR drift cut).
+    ``drift_change`` is the change of the LR's log drift."""
+
+    kind: ClassVar[str] = "guard"
+    step: int
+    action: str
+    replicas: list[int]
+    reason: str
+    drift_change: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -181,12 +200,23 @@ class RunEnd(_Event):
     status: str
     step: int
     error: str | None = None
+    time: float = 0.0  # when the job ended (the backend may write it later)
 
 
-Event = RunStart | StepRecord | Converge | ControllerDecision | RunEnd
+Event = RunStart | StepRecord | Converge | ControllerDecision | Guard | RunEnd
 _KINDS: dict[str, type[_Event]] = {
-    cls.kind: cls for cls in (RunStart, StepRecord, Converge, ControllerDecision, RunEnd)
+    cls.kind: cls for cls in (RunStart, StepRecord, Converge, ControllerDecision, Guard, RunEnd)
 }
+
+
+def _spec(data: dict[str, Any], legacy: bool) -> ExploredSpec:
+    from .names import legacy_series_key
+
+    spec = ExploredSpec.from_dict(data)
+    if legacy:  # schema 1 wrote "lr_pg1"; read its columns and metrics under those keys
+        keys = [legacy_series_key(spec.name, t, label) for t, label in enumerate(spec.targets)]
+        spec = dataclasses.replace(spec, series_keys=keys)
+    return spec
 
 
 def event_from_dict(data: dict[str, Any]) -> Event:

@@ -19,13 +19,13 @@ A mapping works too: ``explore={"weight_decay": 0.5, "momentum": {"spread": 0.1,
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from .names import check_name
 from .schedule import _check_spread
 
 __all__ = [
@@ -40,7 +40,6 @@ __all__ = [
     "resolve_explore",
 ]
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
 DROPOUT_TYPES: tuple[type[nn.Module], ...] = (
     nn.Dropout,
     nn.Dropout1d,
@@ -60,11 +59,7 @@ class Hyperparam:
     """
 
     def __init__(self, name: str, spread: float, bounds: tuple[float, float] | None = None) -> None:
-        if not isinstance(name, str) or not _NAME_RE.match(name) or name == "lr":
-            raise ValueError(
-                f"Expected an explored hyperparameter name of letters, digits, '_', '.', '-' "
-                f"other than 'lr', but got {name!r}"
-            )
+        check_name(name)
         _check_spread(f"explore[{name!r}] spread", spread)
         self.name = name
         self.spread = float(spread)

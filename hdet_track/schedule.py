@@ -5,9 +5,19 @@ Nothing here imports torch.distributed or a tracker; values in, values out.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
 import torch
 
-__all__ = ["multipliers", "decay_gamma", "permutation_generator", "draw_permutation", "replica_values"]
+__all__ = [
+    "multipliers",
+    "decay_gamma",
+    "permutation_generator",
+    "draw_permutation",
+    "replica_values",
+    "replica_value_table",
+]
 
 
 def multipliers(num_replicas: int, spread: float) -> list[float]:
@@ -94,3 +104,24 @@ def replica_values(
     if bounds is None:
         return [b * m for b in base]
     return [min(max(b * m, lo), hi) for b, (lo, hi) in zip(base, bounds)]
+
+
+def replica_value_table(
+    bases: np.ndarray, rho: Sequence[float], perm: Sequence[int], bounds: Sequence[tuple[float, float]] | None
+) -> np.ndarray:
+    """:func:`replica_values` for every replica and every step at once.
+
+    Args:
+        bases: ``bases[i, t]``, the base of target t at step i.
+        rho, perm, bounds: as for :func:`replica_values`.
+
+    Returns:
+        ``values[r, i, t]``, equal (bit for bit) to ``replica_values(bases[i], rho, perm, r, bounds)[t]``.
+    """
+    mults = np.array([rho[p] for p in perm], dtype=np.float64)
+    values = mults[:, None, None] * np.asarray(bases, dtype=np.float64)[None, :, :]
+    if bounds is not None:
+        low = np.array([lo for lo, _ in bounds], dtype=np.float64)
+        high = np.array([hi for _, hi in bounds], dtype=np.float64)
+        values = np.minimum(np.maximum(values, low), high)
+    return values

@@ -1,88 +1,49 @@
-"""``HDETScheduler``: OneCycleLR with fan-out, converge and the auto-LR controller.
+"""``HDETScheduler``: OneCycleLR with fan-out, converge and an auto-LR controller.
 
-This module wires the pure math (:mod:`hdet_track.schedule`, :mod:`hdet_track.controller`),
-the explored hyperparameters (:mod:`hdet_track.explore`) and the collective layer
-(:mod:`hdet_track.collectives`), and hands events to the tracking hub on rank 0 when
-``track`` is set (the backends are imported only then).
+The scheduler wires the parts and keeps the window between two syncs:
+
+- the schedule math (:mod:`hdet_track.schedule`: multipliers, permutations, replica values),
+- the controller that decides the next base (:mod:`hdet_track.controller`),
+- the averager that converges the replicas (:mod:`hdet_track.averager` over :mod:`hdet_track.collectives`),
+- its callbacks, which receive one :class:`~hdet_track.record.SyncRecord` per sync
+  (tracking is one: :class:`hdet_track.tracking.recorder.Recorder`, built when ``track`` is set).
 """
 
 from __future__ import annotations
 
-import logging
 import math
+import socket
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.optim.lr_scheduler import OneCycleLR, _enable_get_lr_call
 
 from . import collectives
-from .controller import ControllerUpdate, controller_update, softmax_weights
+from ._checks import check_int, check_number
+from .averager import ReplicaAverager
+from .controller import Controller, ControllerContext, Decision, PaperController, WindowStats, make_controller
 from .errors import CheckpointMismatchError, NonFiniteReplicasError
 from .explore import Hyperparam, resolve_explore
+from .names import series_key
+from .record import ExploredSpec, RunInfo, SchedulerCallback, SyncRecord
 from .schedule import (
     _check_spread,
-    decay_gamma,
     draw_permutation,
     multipliers,
     permutation_generator,
+    replica_value_table,
     replica_values,
 )
 
 __all__ = ["HDETScheduler", "SyncReport"]
 
-logger = logging.getLogger(__name__)
-
-# Attributes that are rebuilt from the constructor's arguments instead of being saved.
-_NOT_SAVED = frozenset(
-    {"optimizer", "_explore", "_gens", "_group", "_model", "_window", "last_sync", "_hub", "_trace", "_config"}
-)
-# Per-rank facts that a checkpoint from another rank must not overwrite.
-_PER_RANK = frozenset({"_rank"})
-
-
-@dataclass(frozen=True)
-class SyncReport:
-    """What happened at one sync (converge step), as seen from this rank.
-
-    Attributes:
-        step: optimizer steps taken when the sync ran (a multiple of ``sync_every``, or the last step).
-        window_losses: mean training loss of each replica over the window (nan where none was given).
-        left_out: ranks left out as non-finite (reset to the average of the others).
-        divergence: this rank's L2 distance to the average before averaging, relative to the
-            average's norm (nan unless ``measure_divergence`` is set; tracking sets it).
-        weights: the controller's softmax weight per rank (0 for left-out ranks), or ``None``
-            when the controller did not run at this sync.
-        updates: per hyperparameter name (``"lr"`` first), one :class:`ControllerUpdate` per
-            target (param group, module, ...); empty when the controller did not run.
-        permutations: the permutation drawn for each hyperparameter for the next window
-            (``perm[r]`` is the multiplier index of rank r).
-        onecycle_lr: the LR plain OneCycleLR gives each param group for the next step.
-    """
-
-    step: int
-    window_losses: list[float]
-    left_out: list[int]
-    divergence: float
-    weights: list[float] | None
-    updates: dict[str, list[ControllerUpdate]] = field(default_factory=dict)
-    permutations: dict[str, list[int]] = field(default_factory=dict)
-    onecycle_lr: list[float] = field(default_factory=list)
-
-
-def _check_number(name: str, value: Any, low: float, high: float, *, low_open: bool, high_open: bool) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if ok:
-        ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
-    if not ok:
-        lb = "(" if low_open else "["
-        rb = ")" if high_open else "]"
-        raise ValueError(f"Expected {name} in {lb}{low}, {high}{rb}, but got {value!r}")
-    return float(value)
+SyncReport = SyncRecord  # the name of hdet-track 0.1
+_FORMAT = 2  # of state_dict()
 
 
 class HDETScheduler(OneCycleLR):
@@ -92,11 +53,8 @@ class HDETScheduler(OneCycleLR):
     OneCycle base (fan-out); every ``sync_every`` steps the parameters are averaged across
     ranks (converge), and, with ``auto_lr=True``, a controller moves the base toward the
     replicas with lower recent loss. Any other scalar hyperparameter can be explored the
-    same way with ``explore=``.
-
-    All of :class:`~torch.optim.lr_scheduler.OneCycleLR`'s arguments keep their meaning;
-    with ``spread=0, auto_lr=False`` the learning rates and momenta are bit-identical to
-    OneCycleLR's.
+    same way with ``explore=``. With ``spread=0, auto_lr=False`` the learning rates and momenta
+    are bit-identical to OneCycleLR's.
 
     Args:
         optimizer, max_lr, total_steps, epochs, steps_per_epoch, pct_start, anneal_strategy,
@@ -105,41 +63,36 @@ class HDETScheduler(OneCycleLR):
         spread: alpha in [0, 1): replica r's LR multiplier is
             ``1 + alpha * (r - (N-1)/2) / max((N-1)/2, 0.5)``.
         sync_every: T >= 1: average parameters every T steps (and after the last step).
-        auto_lr: run the controller at each sync once ``auto_lr_warmup`` steps are done.
-        auto_lr_warmup: steps of plain OneCycle (with spread) before the controller starts,
-            in [0, total_steps]. Afterwards the LR is held between syncs.
-        temperature: > 0, of the softmax over ``(mean(L) - L_r)``.
-        meta_lr: >= 0, step size of the base update.
-        meta_momentum: beta in [0, 1) of the velocity.
-        lr_bounds: ``(low, high)`` for every param group, or one pair per group; the
-            controller keeps the base LR inside. Default per group:
-            ``(max_lr / div_factor / final_div_factor, 10 * max_lr)``.
-        explore: other hyperparameters to explore: a dict ``{"weight_decay": 0.5}`` of
-            param-group keys and spreads, or a list of :mod:`hdet_track.explore` objects
-            (dropout of a model, module attributes, setters).
-        process_group: the replicas; default the default group, or a world of one when
-            torch.distributed is not initialised.
+        auto_lr: run the controller at each sync.
+        controller: ``"drift"`` (shape-keeping, scale-free, guarded; the default), ``"paper"``
+            (the published controller) or a :class:`hdet_track.controller.Controller`.
+        auto_lr_warmup, temperature, meta_lr, meta_momentum: the paper controller's settings:
+            steps of plain OneCycle before it takes over (then the LR is held between syncs), the
+            softmax temperature in loss units, the step size and momentum of its base update.
+        lr_bounds: ``(low, high)`` for every param group, or one pair per group, that the
+            controller keeps the base LR in. Default for the paper controller
+            ``(max_lr / div_factor / final_div_factor, 10 * max_lr)``; the drift controller bounds
+            its drift instead unless ``lr_bounds`` is given.
+        explore: other hyperparameters: ``{"weight_decay": 0.5}`` (param-group keys and spreads),
+            or a list of :mod:`hdet_track.explore` objects (dropout, module attributes, setters).
+        process_group: the replicas; default the default group, or a world of one.
         seed: seeds the private permutation generators (the same on every rank).
-        track: log the run: ``True`` (the backend named by ``$HDET_TRACKER``, MLflow when unset),
-            ``"mlflow"``, ``"wandb"``, a :class:`hdet_track.tracking.Tracker`, or a list of them.
-            Rank 0 owns the one run of the job; the other ranks' losses reach it at syncs.
-        log_every: keep every k-th step's per-replica metrics (sync and controller series and
-            the event archive are never thinned).
-        compare_group: the ``hdet.compare_group`` tag (W&B run group) shared by runs to compare.
-        run_name: the tracker run's name.
-        close_at_end: end the tracked run when ``total_steps`` is reached (default). With
-            ``False`` it stays open for final metrics (``log_metrics``) until :meth:`close`, the
-            context manager's exit or the process's exit.
-        model: the module whose parameters *and buffers* are averaged (e.g. BatchNorm
-            running statistics). Without it, the optimizer's parameters are averaged.
-        average_buffers: with ``model``, average its floating and integer buffers too.
+        track: log the run: ``True`` (``$HDET_TRACKER``, MLflow when unset), ``"mlflow"``,
+            ``"wandb"``, a :class:`hdet_track.tracking.Tracker`, or a list. Pass the same on every
+            rank; rank 0 owns the one run of the job.
+        log_every, compare_group, run_name, close_at_end: tracking settings (see
+            :class:`hdet_track.tracking.recorder.Recorder`).
+        callbacks: :class:`hdet_track.record.SchedulerCallback` objects (see :meth:`add_callback`).
+        model: the module whose parameters *and buffers* are averaged. Without it, the
+            optimizer's parameters are averaged.
+        average_buffers: with ``model``, average its buffers too.
 
     Raises:
         ValueError: an argument is out of range (the message names it and the range).
 
     Example:
         >>> sched = HDETScheduler(opt, max_lr=0.1, total_steps=2000, spread=0.3,
-        ...                       sync_every=100, auto_lr=True, auto_lr_warmup=500)
+        ...                       sync_every=100, auto_lr=True)
         >>> for x, y in loader:
         ...     loss = F.cross_entropy(model(x), y)
         ...     opt.zero_grad(); loss.backward(); opt.step()
@@ -166,6 +119,7 @@ class HDETScheduler(OneCycleLR):
         spread: float = 0.0,
         sync_every: int = 1000,
         auto_lr: bool = False,
+        controller: str | Controller = "drift",
         auto_lr_warmup: int = 0,
         temperature: float = 0.1,
         meta_lr: float = 0.5,
@@ -175,57 +129,40 @@ class HDETScheduler(OneCycleLR):
         process_group: dist.ProcessGroup | None = None,
         seed: int = 0,
         track: Any = False,
-        model: nn.Module | None = None,
-        average_buffers: bool = True,
         log_every: int = 1,
         compare_group: str | None = None,
         run_name: str | None = None,
         close_at_end: bool = True,
+        callbacks: Iterable[SchedulerCallback] = (),
+        model: nn.Module | None = None,
+        average_buffers: bool = True,
     ) -> None:
-        config = {
-            k: v
-            for k, v in locals().items()
-            if k not in ("self", "optimizer", "explore", "process_group", "track", "model", "__class__")
-        }
-        self.close_at_end = bool(close_at_end)
         self._hdet_ready = False
+        config = {k: v for k, v in locals().items() if k not in ("self", "last_epoch", "track") and _plain(v)}
+        config["controller"] = getattr(controller, "name", controller)
         _check_spread("spread", spread)
-        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
-            raise ValueError(f"Expected sync_every to be an integer >= 1, but got {sync_every!r}")
-        _check_number("temperature", temperature, 0.0, math.inf, low_open=True, high_open=True)
-        _check_number("meta_lr", meta_lr, 0.0, math.inf, low_open=False, high_open=True)
-        _check_number("meta_momentum", meta_momentum, 0.0, 1.0, low_open=False, high_open=True)
-        _check_number("div_factor", div_factor, 0.0, math.inf, low_open=True, high_open=True)
-        _check_number("final_div_factor", final_div_factor, 0.0, math.inf, low_open=True, high_open=True)
+        check_int("sync_every", sync_every, 1)
+        check_number("temperature", temperature, 0.0, math.inf, low_open=True, high_open=True)
+        check_number("meta_lr", meta_lr, 0.0, math.inf, low_open=False, high_open=True)
+        check_number("meta_momentum", meta_momentum, 0.0, 1.0, low_open=False, high_open=True)
+        check_number("div_factor", div_factor, 0.0, math.inf, low_open=True, high_open=True)
+        check_number("final_div_factor", final_div_factor, 0.0, math.inf, low_open=True, high_open=True)
+        check_int("log_every", log_every, 1)
         if not isinstance(auto_lr, bool):
             raise ValueError(f"Expected auto_lr to be a bool, but got {auto_lr!r}")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"Expected seed to be an int, but got {seed!r}")
-        if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1:
-            raise ValueError(f"Expected log_every to be an integer >= 1, but got {log_every!r}")
-        trackers: list = []
-        if track not in (False, None):
-            from .tracking.base import resolve_trackers
-
-            trackers = resolve_trackers(track)
         if model is not None and not isinstance(model, nn.Module):
             raise TypeError(f"Expected model to be a torch.nn.Module, but got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"{type(optimizer).__name__} is not an Optimizer")
-
         steps = total_steps
         if steps is None and isinstance(epochs, int) and isinstance(steps_per_epoch, int):
             steps = epochs * steps_per_epoch
-        if (
-            isinstance(auto_lr_warmup, bool)
-            or not isinstance(auto_lr_warmup, int)
-            or auto_lr_warmup < 0
-            or (isinstance(steps, int) and auto_lr_warmup > steps)
-        ):
+        if check_int("auto_lr_warmup", auto_lr_warmup, 0) > (steps if isinstance(steps, int) else math.inf):
             raise ValueError(
                 f"Expected auto_lr_warmup to be an integer in [0, total_steps={steps}], but got {auto_lr_warmup!r}"
             )
-
         n_groups = len(optimizer.param_groups)
         max_lrs = list(max_lr) if isinstance(max_lr, (list, tuple)) else [max_lr] * n_groups
         if len(max_lrs) != n_groups:
@@ -233,53 +170,50 @@ class HDETScheduler(OneCycleLR):
                 f"max_lr must have the same length as optimizer.param_groups. "
                 f"max_lr has {len(max_lrs)} values, param_groups has {n_groups}."
             )
-        self._lr_bounds = self._resolve_lr_bounds(lr_bounds, [float(m) for m in max_lrs], div_factor, final_div_factor)
-
+        self._lr_bounds = _resolve_lr_bounds(lr_bounds, [float(m) for m in max_lrs], div_factor, final_div_factor)
         self._group = process_group
         self._rank, self._world_size = collectives.world(process_group)
+        recorder = None
+        if track not in (False, None):
+            from .tracking.recorder import Recorder
+
+            tracking = {"log_every": log_every, "compare_group": compare_group, "run_name": run_name}
+            recorder = Recorder(track, rank=self._rank, close_at_end=bool(close_at_end), **tracking)
         self._model = model
         self.average_buffers = bool(average_buffers)
         self.spread = float(spread)
         self.sync_every = sync_every
         self.auto_lr = auto_lr
-        self.auto_lr_warmup = auto_lr_warmup
-        self.temperature = float(temperature)
-        self.meta_lr = float(meta_lr)
-        self.meta_momentum = float(meta_momentum)
         self.seed = seed
-
-        use_beta1 = "betas" in optimizer.defaults
-        self._explore = resolve_explore(explore, optimizer, cycle_momentum=cycle_momentum, use_beta1=use_beta1)
+        self._explore = resolve_explore(
+            explore, optimizer, cycle_momentum=cycle_momentum, use_beta1="betas" in optimizer.defaults
+        )
         self._explore_names = ["lr"] + [hp.name for hp in self._explore]
+        self._hps = {hp.name: hp for hp in self._explore}
         n = self._world_size
-        self._rho = {"lr": multipliers(n, self.spread)}
-        self._bounds: dict[str, list[tuple[float, float]]] = {"lr": self._lr_bounds}
-        self._base: dict[str, list[float] | None] = {"lr": None}
-        self._velocity: dict[str, list[float]] = {"lr": [0.0] * n_groups}
-        for hp in self._explore:
-            base = hp.read()
-            self._rho[hp.name] = multipliers(n, hp.spread)
-            self._bounds[hp.name] = [hp.bounds] * len(base)
-            self._base[hp.name] = base
-            self._velocity[hp.name] = [0.0] * len(base)
-        # Rank r starts on multiplier r; each sync draws fresh permutations.
-        self._perm = {name: list(range(n)) for name in self._explore_names}
+        self._rho = {"lr": multipliers(n, self.spread)} | {hp.name: multipliers(n, hp.spread) for hp in self._explore}
+        self._reference = {hp.name: hp.read() for hp in self._explore}  # explored values' starting bases
+        self._perm = {name: list(range(n)) for name in self._explore_names}  # rank r starts on multiplier r
         self._gens = {name: permutation_generator(seed, i) for i, name in enumerate(self._explore_names)}
-        remaining_syncs = ((steps if isinstance(steps, int) else 0) - auto_lr_warmup) / sync_every
-        self._gamma = {"lr": decay_gamma(div_factor, final_div_factor, remaining_syncs)}
-        for hp in self._explore:
-            self._gamma[hp.name] = 0.0
-        self._onecycle: list[float] = []
-        # This replica's losses since the last sync (detached tensors or floats), summed at the sync.
-        self._window: list[float | torch.Tensor | None] = []
-        self.measure_divergence = bool(trackers)
-        self._tracking = bool(trackers)
-        self._hub: Any = None
-        self._trace: list[list[float]] = []
+        paper = {
+            "warmup": auto_lr_warmup,
+            "temperature": temperature,
+            "meta_lr": meta_lr,
+            "meta_momentum": meta_momentum,
+        }
+        self._controller: Controller | None = make_controller(controller, **paper) if auto_lr else None
+        self._lr_bounds_given = lr_bounds is not None
+        self._callbacks: list[SchedulerCallback] = list(callbacks) + ([recorder] if recorder is not None else [])
+        self._recorder = recorder
         self._config = config
-        self._num_syncs = 0
-        self.last_sync: SyncReport | None = None
-
+        self._onecycle: list[float] = []
+        self._window: list[float | torch.Tensor | None] = []  # this replica's losses since the last sync
+        self._trace: list[list[float]] = []  # OneCycle's LR per group at each step of the window
+        self._started = False
+        self._resumed_runs: dict[str, str] = {}
+        self.measure_divergence = False
+        self.last_sync: SyncRecord | None = None
+        before = set(self.__dict__)
         super().__init__(
             optimizer,
             max_lr,
@@ -296,10 +230,13 @@ class HDETScheduler(OneCycleLR):
             three_phase=three_phase,
             last_epoch=last_epoch,
         )
+        self._onecycle_keys = frozenset(set(self.__dict__) - before - {"optimizer"})  # what OneCycleLR keeps
+        self._div = (float(div_factor), float(final_div_factor))
+        keep = self._controller is not None and self._controller.rollback
+        self._averager = ReplicaAverager(self._sync_tensors, optimizer, process_group, keep_consensus=keep)
+        self._bind_controller()
         self._hdet_ready = True
         self._apply_explored()
-        if trackers:
-            self._start_tracking(trackers, log_every, compare_group, run_name)
         if n == 1 and (self.spread > 0 or any(hp.spread > 0 for hp in self._explore)):
             warnings.warn(
                 "HDETScheduler runs on a single replica (no initialised process group, or a group "
@@ -307,6 +244,23 @@ class HDETScheduler(OneCycleLR):
                 UserWarning,
                 stacklevel=2,
             )
+
+    @classmethod
+    def from_onecycle(cls, scheduler: OneCycleLR, **hdet_kwargs: Any) -> HDETScheduler:
+        """An HDETScheduler continuing ``scheduler`` (a OneCycleLR) at its current step, with its
+        arguments; HDET's own arguments as keywords. With ``spread=0, auto_lr=False`` the LRs
+        continue unchanged; the paper controller's decay spans the syncs that remain."""
+        args = _onecycle_arguments(scheduler)
+        clash = sorted(set(hdet_kwargs) & set(args))
+        if clash:
+            raise TypeError(f"from_onecycle() takes OneCycleLR's arguments from the scheduler; do not pass {clash}")
+        sched = cls(scheduler.optimizer, **args, **hdet_kwargs)
+        if scheduler.last_epoch > 0:
+            sched.last_epoch = scheduler.last_epoch
+            sched._step_count = scheduler._step_count
+            sched._bind_controller()
+            sched._refresh()
+        return sched
 
     # ------------------------------------------------------------------ public views
     @property
@@ -325,13 +279,18 @@ class HDETScheduler(OneCycleLR):
         return list(self._explore_names)
 
     @property
+    def controller(self) -> Controller | None:
+        """The auto-LR controller (None with ``auto_lr=False``)."""
+        return self._controller
+
+    @property
     def gamma(self) -> float:
-        """The per-sync decay rate of the controller's base LR."""
-        return self._gamma["lr"]
+        """The paper controller's per-sync decay rate of the base LR (0 for other controllers)."""
+        return self._controller.gamma["lr"] if isinstance(self._controller, PaperController) else 0.0
 
     @property
     def lr_bounds(self) -> list[tuple[float, float]]:
-        """The bounds the controller keeps each param group's base LR in."""
+        """The bounds the paper controller keeps each param group's base LR in."""
         return list(self._lr_bounds)
 
     def multiplier(self, name: str = "lr") -> float:
@@ -339,10 +298,11 @@ class HDETScheduler(OneCycleLR):
         return self._rho[name][self._perm[name][self._rank]]
 
     def base_values(self, name: str = "lr") -> list[float]:
-        """The shared base of ``name`` per target: for ``"lr"`` the OneCycle value until the
-        controller takes over, then the controller's base."""
-        base = self._base[name]
-        return list(self._onecycle) if base is None else list(base)
+        """The shared base of ``name`` per target at the current step."""
+        refs = self._onecycle if name == "lr" else self._reference[name]
+        if self._controller is None:
+            return list(refs)
+        return [self._controller.base(name, t, ref) for t, ref in enumerate(refs)]
 
     def replica_values(self, name: str = "lr") -> list[list[float]]:
         """``values[r][t]``: the value of ``name`` replica r uses on target t right now."""
@@ -352,30 +312,30 @@ class HDETScheduler(OneCycleLR):
         """What plain OneCycleLR gives each param group at the current step."""
         return list(self._onecycle)
 
+    def add_callback(self, callback: SchedulerCallback) -> None:
+        """Receive :meth:`~hdet_track.record.SchedulerCallback.on_sync` etc. (add on every rank,
+        before the first step, if it sets ``needs_divergence``)."""
+        self._callbacks.append(callback)
+
     # ------------------------------------------------------------------ scheduling
     def get_lr(self) -> list[float | torch.Tensor]:
         onecycle = super().get_lr()
         self._onecycle = [float(x) for x in onecycle]
-        base = self._base["lr"]
-        m = self.multiplier("lr")
-        if base is None:
-            if m == 1.0:
-                return onecycle
-            return [x * m for x in onecycle]
-        return [b * m for b in base]
+        if self._controller is None and self.multiplier("lr") == 1.0:
+            return onecycle
+        return replica_values(self.base_values("lr"), self._rho["lr"], self._perm["lr"], self._rank, None)
 
     def step(self, loss: float | torch.Tensor | None = None, epoch: int | None = None) -> None:  # type: ignore[override]
         """Advance one optimizer step; call after ``optimizer.step()``.
 
         Args:
-            loss: this replica's training loss for the step just taken (a float or a
-                one-element tensor; it is detached and not synchronised). Required with
-                ``auto_lr=True``.
+            loss: this replica's training loss for the step just taken (a float or a one-element
+                tensor; detached, not synchronised). Required with ``auto_lr=True``.
             epoch: not supported (deprecated in PyTorch); must be ``None``.
 
         Raises:
             ValueError: a non-scalar loss, or no loss while auto-LR is on.
-            NonFiniteReplicasError: every replica is non-finite at a sync.
+            NonFiniteReplicasError: every replica is non-finite at a sync and no rollback is possible.
         """
         if not self._hdet_ready:  # the initial step inside LRScheduler.__init__
             super().step()
@@ -384,65 +344,60 @@ class HDETScheduler(OneCycleLR):
             raise ValueError(
                 f"Expected epoch=None (HDETScheduler steps one optimizer step at a time), but got {epoch!r}"
             )
-        self._accumulate(loss)
+        if not self._started:
+            self._start()
+        self._window.append(self._checked_loss(loss))
+        self._trace.append(self._onecycle)
         k = self.last_epoch + 1
-        if self._hub is not None:
-            self._trace.append(self._onecycle)
-        report = None
         if k % self.sync_every == 0 or k == self.total_steps:
-            report = self._sync(k)
-        super().step()
-        if report is not None:
-            self.last_sync = replace(report, onecycle_lr=list(self._onecycle))
-        if self._hub is not None:
-            self._hub.note_step(k)
-            if k == self.total_steps and self.close_at_end and not self._hub.ended:
-                # Ends the run without waiting for the writer; flush(), close() or exit wait.
-                self._hub.close("FINISHED", None, step=k, wait=False)
+            record = self._sync(k)
+            super().step()
+            self._apply_explored()
+            self.last_sync = record
+            for cb in self._callbacks:
+                cb.on_sync(record)
+        else:
+            super().step()
+        for cb in self._callbacks:
+            cb.on_step(k)
 
-    def _accumulate(self, loss: float | torch.Tensor | None) -> None:
+    def _checked_loss(self, loss: float | torch.Tensor | None) -> float | torch.Tensor | None:
         if loss is None:
             if self.auto_lr:
                 raise ValueError(
                     "Expected step(loss) with this replica's training loss while auto_lr=True, but got no loss"
                 )
-            self._window.append(None)
-            return
+            return None
         if isinstance(loss, torch.Tensor):
             if loss.numel() != 1:
                 raise ValueError(
                     f"Expected loss to be a scalar (a float or a one-element tensor), but got a tensor of shape {tuple(loss.shape)}"
                 )
-            self._window.append(loss.detach())
-        elif isinstance(loss, (int, float)) and not isinstance(loss, bool):
-            self._window.append(float(loss))
-        else:
-            raise ValueError(f"Expected loss to be a float or a one-element tensor, but got {type(loss).__name__}")
+            return loss.detach()
+        if isinstance(loss, (int, float)) and not isinstance(loss, bool):
+            return float(loss)
+        raise ValueError(f"Expected loss to be a float or a one-element tensor, but got {type(loss).__name__}")
 
-    def _window_stats(self, per_step: bool) -> tuple[float, int, list[float]]:
-        """The window's loss sum (float64, summed in the same order after a resume), the number of
-        losses given, and (with ``per_step``) every step's loss, nan where none was given."""
+    def _window_row(self) -> list[float]:
+        """``[loss sum (float64), losses given, every step's loss (nan where none)]``: one device sync."""
         given = [x for x in self._window if x is not None]
         if not given:
-            return math.nan, 0, [math.nan] * len(self._window) if per_step else []
+            return [math.nan, 0.0] + [math.nan] * len(self._window)
         device = next((x.device for x in given if isinstance(x, torch.Tensor)), torch.device("cpu"))
         stacked = torch.stack(
-            [
-                x.reshape(()).to(device=device, dtype=torch.float64)
-                if isinstance(x, torch.Tensor)
-                else torch.tensor(x, dtype=torch.float64, device=device)
-                for x in given
-            ]
+            [torch.as_tensor(x, dtype=torch.float64).reshape(()).to(device=device, dtype=torch.float64) for x in given]
         )
-        total = float(stacked.sum())
-        if not per_step:
-            return total, len(given), []
         values = iter(stacked.cpu().tolist())
-        return total, len(given), [math.nan if x is None else next(values) for x in self._window]
+        return [float(stacked.sum()), float(len(given))] + [
+            math.nan if x is None else next(values) for x in self._window
+        ]
+
+    def _bounds(self, name: str) -> list[tuple[float, float]] | None:
+        """What replica values of ``name`` are clipped to (the LR is not clipped, only its base)."""
+        return None if name == "lr" else [self._hps[name].bounds] * len(self._reference[name])
 
     def _values_for(self, name: str, rank: int) -> list[float]:
-        bounds = None if name == "lr" else self._bounds[name]
-        return replica_values(self.base_values(name), self._rho[name], self._perm[name], rank, bounds)
+        return replica_values(self.base_values(name), self._rho[name], self._perm[name], rank, self._bounds(name))
 
     def _apply_explored(self) -> None:
         for hp in self._explore:
@@ -456,241 +411,182 @@ class HDETScheduler(OneCycleLR):
             return tensors
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
-    def _sync(self, step: int) -> SyncReport:
+    # ------------------------------------------------------------------ the sync
+    def _sync(self, step: int) -> SyncRecord:
         n = self._world_size
-        buckets = collectives.make_buckets(self._sync_tensors())
-        finite = collectives.buckets_finite(buckets)
-        wsum, wcount, per_step = self._window_stats(per_step=self._tracking)
-        rows = collectives.all_gather_rows([wsum, float(wcount), 1.0 if finite else 0.0, *per_step], self._group)
-        losses = [r[0] / r[1] if r[1] > 0 else math.nan for r in rows]
-        healthy = [r[2] == 1.0 and (r[1] == 0 or math.isfinite(loss)) for r, loss in zip(rows, losses)]
-        if not any(healthy):
-            if self._hub is not None:  # the diverged window is part of the run's record
-                self._emit_window(rows, [math.nan] * n, list(range(n)), step)
-            raise NonFiniteReplicasError(step, n, losses)
-        ok = [r for r in range(n) if healthy[r]]
-        left_out = [r for r in range(n) if not healthy[r]]
-        divergence = 0.0 if n == 1 else math.nan
-        if n > 1:
-            d_sq, norm_sq = collectives.average_buckets(
-                buckets,
-                self._group,
-                contribute=healthy[self._rank],
-                num_contributors=len(ok),
-                measure=self.measure_divergence,
-            )
-            if self.measure_divergence:
-                divergence = collectives.relative_divergence(d_sq, norm_sq)
-            if left_out:
-                logger.warning(
-                    "HDET sync at step %d: replicas %s were non-finite and were reset to the average of the others",
-                    step,
-                    left_out,
-                )
-            if not healthy[self._rank]:
-                self._clear_nonfinite_optimizer_state()
-
-        divergences = [divergence]
-        if self._tracking and n > 1:
-            divergences = [row[0] for row in collectives.all_gather_rows([divergence], self._group)]
-        if self._hub is not None:
-            self._emit_window(rows, divergences, left_out, step)
-
-        weights = None
-        updates: dict[str, list[ControllerUpdate]] = {}
-        if self.auto_lr and step >= self.auto_lr_warmup and all(rows[r][1] > 0 for r in ok):
-            w_ok = softmax_weights([losses[r] for r in ok], self.temperature)
-            weights = [0.0] * n
-            for r, w in zip(ok, w_ok):
-                weights[r] = w
-            for name in self._explore_names:
-                per_rank = [self._values_for(name, r) for r in ok]
-                base = self.base_values(name)
-                results = [
-                    controller_update(
-                        [v[t] for v in per_rank],
-                        w_ok,
-                        base[t],
-                        self._velocity[name][t],
-                        meta_lr=self.meta_lr,
-                        meta_momentum=self.meta_momentum,
-                        gamma=self._gamma[name],
-                        bounds=self._bounds[name][t],
-                    )
-                    for t in range(len(base))
-                ]
-                updates[name] = results
-                self._base[name] = [u.base_after for u in results]
-                self._velocity[name] = [u.velocity for u in results]
-
+        finite = self._averager.local_finite()
+        row = self._window_row()
+        rows = collectives.all_gather_rows([1.0 if finite else 0.0, *row], self._group)
+        stats = WindowStats(
+            step=step,
+            losses=np.array([r[3:] for r in rows], dtype=np.float64).reshape(n, len(self._window)),
+            counts=[int(r[2]) for r in rows],
+            sums=[r[1] for r in rows],
+            finite=[r[0] == 1.0 for r in rows],
+            perms={k: list(v) for k, v in self._perm.items()},
+            values={name: self.replica_values(name) for name in self._explore_names},
+            references={"lr": list(self._onecycle)} | {k: list(v) for k, v in self._reference.items()},
+        )
+        window = self._window_tables()  # as training used them, before anything changes
+        ctrl = self._controller or Controller()
+        health = ctrl.health(stats)
+        measure = self.measure_divergence or any(cb.needs_divergence for cb in self._callbacks)
+        divergences = [math.nan] * n
+        if health.rollback and self._averager.has_consensus and ctrl.rollbacks < ctrl.max_rollbacks:
+            self._averager.restore()
+            decision = ctrl.rolled_back(stats)
+        elif not any(health.healthy):
+            record = self._record(stats, window, health, divergences, Decision(), self._perm)
+            for cb in self._callbacks:  # the diverged window is part of the run's record
+                cb.on_sync(record)
+            raise NonFiniteReplicasError(step, n, stats.window_losses)
+        else:
+            divergence = self._averager.average(health.healthy, measure=measure)
+            if measure:
+                divergences = [r[0] for r in collectives.all_gather_rows([divergence], self._group)]
+            decision = ctrl.update(stats, health)
         for name in self._explore_names:
             self._perm[name] = draw_permutation(n, self._gens[name])
-        self._apply_explored()
-        if self._hub is not None and weights is not None:
-            self._emit_controller(step, weights, updates)
-        self._window = []
-        self._num_syncs += 1
-        return SyncReport(
-            step=step,
-            window_losses=losses,
-            left_out=left_out,
-            divergence=divergence,
-            weights=weights,
-            updates=updates,
-            permutations={k: list(v) for k, v in self._perm.items()},
+        self._window, self._trace = [], []
+        return self._record(stats, window, health, divergences, decision, self._perm)
+
+    def _window_tables(self) -> dict[str, dict[str, np.ndarray]]:
+        """Per series key: the base at every step of the window and every replica's value."""
+        onecycle = np.array(self._trace, dtype=np.float64).reshape(len(self._trace), -1)
+        bases, values, mults = {}, {}, {}
+        for name in self._explore_names:
+            if name == "lr":
+                base = np.array([self._bases_at("lr", refs) for refs in self._trace]).reshape(onecycle.shape)
+            else:
+                base = np.tile(self.base_values(name), (len(self._trace), 1))
+            table = replica_value_table(base, self._rho[name], self._perm[name], self._bounds(name))
+            for t, key in enumerate(self._series_keys(name)):
+                bases[key] = base[:, t]
+                values[key] = table[:, :, t]
+            mults[name] = np.array([self._rho[name][p] for p in self._perm[name]], dtype=np.float64)
+        return {"onecycle": {"": onecycle}, "bases": bases, "values": values, "multipliers": mults}
+
+    def _bases_at(self, name: str, refs: list[float]) -> list[float]:
+        if self._controller is None:
+            return list(refs)
+        return [self._controller.base(name, t, ref) for t, ref in enumerate(refs)]
+
+    def _series_keys(self, name: str) -> list[str]:
+        if name == "lr":
+            return [series_key("lr", g, f"pg{g}") for g in range(len(self.optimizer.param_groups))]
+        return [series_key(name, t, label) for t, label in enumerate(self._hps[name].labels())]
+
+    def _record(self, stats, window, health, divergences, decision, next_perms) -> SyncRecord:  # noqa: ANN001
+        steps = np.arange(stats.step - stats.losses.shape[1] + 1, stats.step + 1, dtype=np.int64)
+        return SyncRecord(
+            step=stats.step,
+            steps=steps,
+            losses=stats.losses,
+            values=window["values"],
+            multipliers=window["multipliers"],
+            onecycle=window["onecycle"][""],
+            bases=window["bases"],
+            permutations=stats.perms,
+            next_permutations={k: list(v) for k, v in next_perms.items()},
+            window_losses=stats.window_losses,
+            divergences=divergences,
+            left_out=[r for r, h in enumerate(health.healthy) if not h],
+            reasons=[health.reasons[r] for r, h in enumerate(health.healthy) if not h],
+            weights=decision.weights,
+            updates=decision.updates,
+            guard=decision.guard,
+            controller=self._controller.name if self._controller is not None else "",
+            rank=self._rank,
         )
 
-    # ------------------------------------------------------------------ tracking
+    # ------------------------------------------------------------------ callbacks and tracking
+    def run_info(self) -> RunInfo:
+        """What callbacks receive at the start: configuration, replicas, explored hyperparameters."""
+        explored = [
+            ExploredSpec(
+                name=name,
+                spread=self.spread if name == "lr" else self._hps[name].spread,
+                multipliers=list(self._rho[name]),
+                targets=[f"pg{g}" for g in range(len(self._lr_bounds))] if name == "lr" else self._hps[name].labels(),
+                series_keys=self._series_keys(name),
+                bounds=list(self._lr_bounds) if name == "lr" else self._bounds(name),
+                clipped=name != "lr",
+            )
+            for name in self._explore_names
+        ]
+        hdet = self.spread > 0 or self.auto_lr or any(hp.spread > 0 for hp in self._explore)
+        config = dict(self._config, total_steps=self.total_steps, optimizer=type(self.optimizer).__name__)
+        if isinstance(self._controller, PaperController):
+            config["gamma"] = self.gamma
+        return RunInfo(
+            config=config,
+            world_size=self._world_size,
+            rank=self._rank,
+            schedule="hdet" if hdet else "onecycle",
+            controller=self._controller.name if self._controller is not None else "",
+            param_groups=[str(g.get("name", f"pg{i}")) for i, g in enumerate(self.optimizer.param_groups)],
+            explored=explored,
+            total_steps=self.total_steps,
+            start_step=max(self.last_epoch, 0),
+            hostnames=[str(h) for h in collectives.all_gather_objects(socket.gethostname(), self._group)],
+            resumed_runs=dict(self._resumed_runs),
+        )
+
+    def _start(self) -> None:
+        self._started = True
+        if self._callbacks:
+            info = self.run_info()
+            for cb in self._callbacks:
+                cb.on_start(info)
+
     def start_tracking(
         self, track: Any, *, log_every: int = 1, compare_group: str | None = None, run_name: str | None = None
     ) -> None:
-        """Start tracking a scheduler built with ``track=False`` (call on every rank, before the
-        first ``step``): for integrations whose tracker run exists only once training begins."""
-        from .tracking.base import resolve_trackers
+        """Start tracking a scheduler built with ``track=False`` (on every rank, before the first
+        ``step``): for integrations whose tracker run exists only once training begins."""
+        from .tracking.recorder import Recorder
 
-        if self._hub is not None or self._tracking:
+        if self._recorder is not None:
             raise ValueError("Expected a scheduler that is not tracked yet, but it already is")
-        if self.last_epoch > 0:
+        if self._started:
             raise ValueError(f"Expected start_tracking() before the first step, but {self.last_epoch} steps were taken")
-        if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1:
-            raise ValueError(f"Expected log_every to be an integer >= 1, but got {log_every!r}")
-        trackers = resolve_trackers(track)
-        if trackers:
-            self._tracking = True
-            self.measure_divergence = True
-            self._config.update(log_every=log_every, compare_group=compare_group, run_name=run_name)
-            self._start_tracking(trackers, log_every, compare_group, run_name)
-
-    def _start_tracking(self, trackers: list, log_every: int, compare_group: str | None, run_name: str | None) -> None:
-        import platform
-        import socket
-        import time
-
-        from . import __version__
-        from .events import RunStart
-        from .tracking.hub import TrackingHub
-
-        hostnames = [socket.gethostname()]
-        if self._world_size > 1:
-            gathered: list[Any] = [None] * self._world_size
-            dist.all_gather_object(gathered, hostnames[0], group=self._group)
-            hostnames = [str(h) for h in gathered]
-        if self._rank != 0:
-            return
-        for t in trackers:
-            if run_name and hasattr(t, "run_name") and not t.run_name:
-                t.run_name = run_name
-        explored = []
-        n_groups = len(self.optimizer.param_groups)
-        explored.append(
-            {
-                "name": "lr",
-                "spread": self.spread,
-                "bounds": [list(b) for b in self._lr_bounds],
-                "targets": [f"pg{g}" for g in range(n_groups)],
-                "multipliers": self._rho["lr"],
-            }
-        )
-        for hp in self._explore:
-            explored.append(
-                {
-                    "name": hp.name,
-                    "spread": hp.spread,
-                    "bounds": [list(b) for b in self._bounds[hp.name]],
-                    "targets": hp.labels(),
-                    "multipliers": self._rho[hp.name],
-                }
-            )
-        hdet = self.spread > 0 or self.auto_lr or any(hp.spread > 0 for hp in self._explore)
-        config = dict(self._config)
-        config["total_steps"] = self.total_steps
-        config["optimizer"] = type(self.optimizer).__name__
-        config["gamma"] = self._gamma["lr"]
-        start = RunStart(
-            config=config,
-            world_size=self._world_size,
-            schedule="hdet" if hdet else "onecycle",
-            param_groups=[str(g.get("name", f"pg{i}")) for i, g in enumerate(self.optimizer.param_groups)],
-            explored=explored,
-            versions={"hdet_track": __version__, "torch": torch.__version__, "python": platform.python_version()},
-            hostnames=hostnames,
+        check_int("log_every", log_every, 1)
+        self._recorder = Recorder(
+            track,
+            rank=self._rank,
+            log_every=log_every,
             compare_group=compare_group,
-            time=time.time(),
+            run_name=run_name,
+            close_at_end=False,
         )
-        self._hub = TrackingHub(trackers, log_every=log_every)
-        self._hub.start(start)
-
-    def _emit_window(self, rows: list[list[float]], divergences: list[float], left_out: list[int], step: int) -> None:
-        from .events import Converge
-        from .tracking.hub import WindowPayload
-
-        count = len(self._trace)
-        losses = [list(row[3 : 3 + count]) for row in rows]
-        base = self._base["lr"]
-        self._hub.window(
-            WindowPayload(
-                steps=list(range(step - count + 1, step + 1)),
-                onecycle=self._trace,
-                lr_base=None if base is None else list(base),
-                bases={hp.name: list(self._base[hp.name] or []) for hp in self._explore},
-                perms={k: list(v) for k, v in self._perm.items()},
-                losses=losses,
-            )
-        )
-        self._trace = []
-        window_losses = [r[0] / r[1] if r[1] > 0 else math.nan for r in rows]
-        self._hub.event(Converge(step=step, window_losses=window_losses, divergence=divergences, left_out=left_out))
-
-    def _emit_controller(self, step: int, weights: list[float], updates: dict[str, list[ControllerUpdate]]) -> None:
-        from .events import ControllerDecision
-
-        for name, results in updates.items():
-            self._hub.event(
-                ControllerDecision(
-                    step=step,
-                    name=name,
-                    weights=list(weights),
-                    delta=[u.delta for u in results],
-                    velocity=[u.velocity for u in results],
-                    base_before=[u.base_before for u in results],
-                    base_after=[u.base_after for u in results],
-                    gamma=self._gamma[name],
-                    permutation=list(self._perm[name]),
-                    onecycle=list(self._onecycle) if name == "lr" else None,
-                )
-            )
+        self._config.update(log_every=log_every, compare_group=compare_group, run_name=run_name)
+        self._callbacks.append(self._recorder)
 
     @property
     def tracking(self) -> bool:
         """Whether this job logs to a tracker (on every rank; rank 0 owns the run)."""
-        return self._tracking
+        return self._recorder is not None
 
     @property
     def run_ids(self) -> dict[str, str | None]:
-        """Rank 0: the tracker run id of each backend (after its first write); elsewhere empty."""
-        if self._hub is None:
-            return {}
-        return {t.name or type(t).__name__: t.run_id for t in self._hub.trackers}
+        """Rank 0: the tracker run id of each backend (once created); elsewhere empty."""
+        return {} if self._recorder is None else self._recorder.run_ids()
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         """Log extra metrics (validation loss, accuracy, ...) into the run, on rank 0; a no-op elsewhere."""
-        if self._hub is not None:
-            self._hub.metrics(dict(metrics), self.last_epoch if step is None else step)
+        if self._recorder is not None:
+            self._recorder.log_metrics(metrics, max(self.last_epoch, 0) if step is None else step)
 
     def flush(self, timeout: float | None = 60.0) -> bool:
         """Block until what was logged so far reached the trackers (rank 0). True when it did."""
-        return True if self._hub is None else self._hub.flush(timeout)
+        return True if self._recorder is None else self._recorder.flush(timeout)
 
     def close(self, status: str = "FINISHED", error: str | None = None) -> None:
-        """End the tracked run (FINISHED, FAILED or KILLED) and stop the writer; idempotent.
-
-        Runs also end by themselves at ``total_steps``, at process exit, or when the scheduler is
-        used as a context manager (an exception makes the run FAILED, Ctrl-C KILLED).
-        """
+        """End the job: the tracked run ends with ``status`` (FINISHED, FAILED or KILLED); idempotent."""
         if status not in ("FINISHED", "FAILED", "KILLED"):
             raise ValueError(f"Expected status in ('FINISHED', 'FAILED', 'KILLED'), but got {status!r}")
-        if self._hub is not None:
-            self._hub.close(status, error, step=self.last_epoch)
+        for cb in self._callbacks:
+            cb.on_close(status, error, max(self.last_epoch, 0))
 
     def __enter__(self) -> HDETScheduler:
         return self
@@ -701,100 +597,94 @@ class HDETScheduler(OneCycleLR):
         else:
             import traceback
 
-            killed = issubclass(exc_type, KeyboardInterrupt)
             text = "".join(traceback.format_exception(exc_type, exc, tb))[-4000:]
-            self.close("KILLED" if killed else "FAILED", text)
-
-    def _clear_nonfinite_optimizer_state(self) -> None:
-        state = self.optimizer.state
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                st = state.get(p)
-                if not st:
-                    continue
-                bad = any(
-                    isinstance(v, torch.Tensor) and v.is_floating_point() and not bool(torch.isfinite(v).all())
-                    for v in st.values()
-                )
-                if bad:
-                    del state[p]
-
-    @staticmethod
-    def _resolve_lr_bounds(
-        lr_bounds: Any, max_lrs: list[float], div_factor: float, final_div_factor: float
-    ) -> list[tuple[float, float]]:
-        n = len(max_lrs)
-        if lr_bounds is None:
-            return [(m / div_factor / final_div_factor, 10.0 * m) for m in max_lrs]
-        pairs: list[Any]
-        if (
-            isinstance(lr_bounds, (tuple, list))
-            and len(lr_bounds) == 2
-            and all(isinstance(b, (int, float)) for b in lr_bounds)
-        ):
-            pairs = [lr_bounds] * n
-        elif isinstance(lr_bounds, (tuple, list)) and len(lr_bounds) == n:
-            pairs = list(lr_bounds)
-        else:
-            raise ValueError(
-                f"Expected lr_bounds as (low, high) or one (low, high) per param group ({n}), but got {lr_bounds!r}"
-            )
-        out = []
-        for g, (pair, m) in enumerate(zip(pairs, max_lrs)):
-            try:
-                low, high = (float(x) for x in pair)
-            except (TypeError, ValueError):
-                raise ValueError(f"Expected lr_bounds[{g}] as (low, high), but got {pair!r}") from None
-            if not 0.0 <= low < high:
-                raise ValueError(f"Expected lr_bounds[{g}] with 0 <= low < high, but got {pair!r}")
-            if not low <= m <= high:
-                raise ValueError(
-                    f"Expected lr_bounds[{g}] = {pair!r} to contain the base max_lr {m} of param group {g}, but it excludes it"
-                )
-            out.append((low, high))
-        return out
+            self.close("KILLED" if issubclass(exc_type, KeyboardInterrupt) else "FAILED", text)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume: OneCycle's state, bases, velocities, permutations,
-        the permutation generators' states, the loss window and the step.
+        """Everything needed to resume exactly: OneCycle's state, the permutations and their
+        generators, the controller's state, the partial window, the kept consensus (with the drift
+        controller's rollback: one copy of the parameters), and the tracked runs' ids (so a resumed
+        job continues the same run). Tracking flags are never saved.
 
         Only plain Python values and tensors, so ``torch.load(weights_only=True)`` reads it.
         """
-        state = {k: v for k, v in self.__dict__.items() if k not in _NOT_SAVED}
-        state["_gen_states"] = {name: g.get_state() for name, g in self._gens.items()}
-        state["_window"] = [None if x is None else float(x) for x in self._window]
-        return state
+        return {
+            "format": _FORMAT,
+            "onecycle": {k: self.__dict__[k] for k in sorted(self._onecycle_keys)},
+            "world_size": self._world_size,
+            "explored": list(self._explore_names),
+            "permutations": {k: list(v) for k, v in self._perm.items()},
+            "generators": {k: g.get_state() for k, g in self._gens.items()},
+            "controller": None
+            if self._controller is None
+            else {"name": self._controller.name, "state": self._controller.state_dict()},
+            "window": {
+                "losses": [None if x is None else float(x) for x in self._window],
+                "onecycle": list(self._trace),
+            },
+            "averager": self._averager.state_dict(),
+            "runs": {k: v for k, v in (self._recorder.run_ids(wait=30.0) if self._recorder else {}).items() if v},
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output and re-apply this rank's hyperparameters.
+        """Restore :meth:`state_dict`'s output (or hdet-track 0.1's) and re-apply this rank's values.
 
-        A checkpoint of any rank can be loaded on any rank of a job with the same number of
-        replicas and the same explored hyperparameters (each rank keeps its own identity; the
-        partial loss window is exact only when every rank loads its own checkpoint).
+        A checkpoint of any rank loads on any rank of a job with the same replicas and explored
+        hyperparameters (each rank keeps its identity; the partial window is exact when every rank
+        loads its own). Call before the first ``step`` so that a tracked job continues its run.
 
         Raises:
-            CheckpointMismatchError: the replica count or explored names differ.
+            CheckpointMismatchError: the replica count, explored names or controller differ.
         """
-        state = dict(state_dict)
-        if "_world_size" in state and state["_world_size"] != self._world_size:
+        state = state_dict if state_dict.get("format") == _FORMAT else _upgrade_v1(state_dict, self)
+        if state["world_size"] != self._world_size:
             raise CheckpointMismatchError(
-                f"Expected a checkpoint of {self._world_size} replicas, but it holds {state['_world_size']}; "
+                f"Expected a checkpoint of {self._world_size} replicas, but it holds {state['world_size']}; "
                 "resume with the same number of replicas"
             )
-        if "_explore_names" in state and list(state["_explore_names"]) != self._explore_names:
+        if list(state["explored"]) != self._explore_names:
             raise CheckpointMismatchError(
-                f"Expected a checkpoint exploring {self._explore_names}, but it explores {state['_explore_names']}"
+                f"Expected a checkpoint exploring {self._explore_names}, but it explores {state['explored']}"
             )
-        gen_states = state.pop("_gen_states", {})
-        window = list(state.pop("_window", []))
-        for key in _PER_RANK | _NOT_SAVED:
-            state.pop(key, None)
-        self.__dict__.update(state)
-        for name, gen_state in gen_states.items():
+        saved = state["controller"]
+        mine = None if self._controller is None else self._controller.name
+        if (saved or {}).get("name") != mine:
+            raise CheckpointMismatchError(
+                f"Expected a checkpoint of controller {mine!r}, but it holds {(saved or {}).get('name')!r}"
+            )
+        self.__dict__.update({k: v for k, v in state["onecycle"].items() if k in self._onecycle_keys})
+        self._perm = {k: list(v) for k, v in state["permutations"].items()}
+        for name, gen_state in state["generators"].items():
             self._gens[name].set_state(gen_state)
-        self._window = window
+        if self._controller is not None:
+            self._controller.load_state_dict(saved["state"])
+        self._window = list(state["window"]["losses"])
+        self._trace = [list(x) for x in state["window"]["onecycle"]]
+        self._averager.load_state_dict(state.get("averager", {}))
+        self._resumed_runs = dict(state.get("runs", {}))
         self._refresh()
+
+    def _bind_controller(self) -> None:
+        if self._controller is None:
+            return
+        self._controller.bind(
+            ControllerContext(
+                names=list(self._explore_names),
+                num_targets={"lr": len(self._lr_bounds)} | {k: len(v) for k, v in self._reference.items()},
+                multipliers={k: list(v) for k, v in self._rho.items()},
+                bounds={
+                    name: list(self._lr_bounds) if name == "lr" else self._bounds(name) for name in self._explore_names
+                },
+                lr_bounds_given=self._lr_bounds_given,
+                world_size=self._world_size,
+                total_steps=self.total_steps,
+                sync_every=self.sync_every,
+                start_step=max(self.last_epoch, 0),
+                div_factor=self._div[0],
+                final_div_factor=self._div[1],
+            )
+        )
 
     def _refresh(self) -> None:
         """Re-apply this rank's LRs (and momenta) for the current step, and its explored values."""
@@ -809,3 +699,90 @@ class HDETScheduler(OneCycleLR):
             g["lr"].clone() if isinstance(g["lr"], torch.Tensor) else g["lr"] for g in self.optimizer.param_groups
         ]
         self._apply_explored()
+
+
+def _resolve_lr_bounds(
+    lr_bounds: Any, max_lrs: list[float], div_factor: float, final_div_factor: float
+) -> list[tuple[float, float]]:
+    n = len(max_lrs)
+    if lr_bounds is None:
+        return [(m / div_factor / final_div_factor, 10.0 * m) for m in max_lrs]
+    pairs: list[Any]
+    if (
+        isinstance(lr_bounds, (tuple, list))
+        and len(lr_bounds) == 2
+        and all(isinstance(b, (int, float)) for b in lr_bounds)
+    ):
+        pairs = [lr_bounds] * n
+    elif isinstance(lr_bounds, (tuple, list)) and len(lr_bounds) == n:
+        pairs = list(lr_bounds)
+    else:
+        raise ValueError(
+            f"Expected lr_bounds as (low, high) or one (low, high) per param group ({n}), but got {lr_bounds!r}"
+        )
+    out = []
+    for g, (pair, m) in enumerate(zip(pairs, max_lrs)):
+        try:
+            low, high = (float(x) for x in pair)
+        except (TypeError, ValueError):
+            raise ValueError(f"Expected lr_bounds[{g}] as (low, high), but got {pair!r}") from None
+        if not 0.0 <= low < high:
+            raise ValueError(f"Expected lr_bounds[{g}] with 0 <= low < high, but got {pair!r}")
+        if not low <= m <= high:
+            raise ValueError(
+                f"Expected lr_bounds[{g}] = {pair!r} to contain the base max_lr {m} of param group {g}, but it excludes it"
+            )
+        out.append((low, high))
+    return out
+
+
+def _onecycle_arguments(scheduler: OneCycleLR) -> dict[str, Any]:
+    """The constructor arguments a ``OneCycleLR`` was built with, read back from its state."""
+    groups = scheduler.optimizer.param_groups
+    phases = scheduler._schedule_phases
+    total = scheduler.total_steps
+    first = groups[0]
+    anneal = getattr(scheduler, "_anneal_func_type", None)
+    if anneal is None:  # schedulers pickled by old PyTorch versions
+        anneal = "cos" if getattr(scheduler, "anneal_func", None) == scheduler._annealing_cos else "linear"
+    args: dict[str, Any] = {
+        "max_lr": [g["max_lr"] for g in groups],
+        "total_steps": total,
+        "pct_start": (phases[0]["end_step"] + 1) / total,
+        "anneal_strategy": anneal,
+        "cycle_momentum": scheduler.cycle_momentum,
+        "div_factor": first["max_lr"] / first["initial_lr"],
+        "final_div_factor": first["initial_lr"] / first["min_lr"],
+        "three_phase": len(phases) == 3,
+    }
+    if scheduler.cycle_momentum:
+        args["base_momentum"] = [g["base_momentum"] for g in groups]
+        args["max_momentum"] = [g["max_momentum"] for g in groups]
+    return args
+
+
+def _upgrade_v1(state: dict[str, Any], sched: HDETScheduler) -> dict[str, Any]:
+    """hdet-track 0.1's flat checkpoint in this version's shape (the paper controller's state; the
+    partial window's OneCycle values, which 0.1 did not save, are recomputed as nan)."""
+    if "_world_size" not in state:
+        raise CheckpointMismatchError(f"Expected an HDETScheduler checkpoint, but got keys {sorted(state)[:8]}")
+    window = list(state.get("_window", []))
+    controller = None
+    if state.get("auto_lr"):
+        controller = {"name": "paper", "state": {"base": state["_base"], "velocity": state["_velocity"]}}
+    return {
+        "world_size": state["_world_size"],
+        "explored": state.get("_explore_names", ["lr"]),
+        "onecycle": {k: v for k, v in state.items() if k in sched._onecycle_keys},
+        "permutations": state["_perm"],
+        "generators": state.get("_gen_states", {}),
+        "controller": controller,
+        "window": {"losses": window, "onecycle": [[math.nan] * len(sched.optimizer.param_groups)] * len(window)},
+    }
+
+
+def _plain(value: Any) -> bool:
+    """Whether ``value`` is a number, string, bool, None, or a list/tuple of them (a loggable setting)."""
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v) for v in value)
+    return isinstance(value, (int, float, str, bool, type(None)))

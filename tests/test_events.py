@@ -11,13 +11,14 @@ from hdet_track.events import (
     SCHEMA_VERSION,
     ControllerDecision,
     Converge,
+    Guard,
     RunEnd,
     RunStart,
     StepRecord,
     UnknownSchemaError,
     event_from_dict,
-    series_key,
 )
+from hdet_track.record import ExploredSpec
 
 EVENTS = [
     RunStart(
@@ -26,22 +27,26 @@ EVENTS = [
         schedule="hdet",
         param_groups=["pg0"],
         explored=[
-            {
-                "name": "lr",
-                "spread": 0.3,
-                "bounds": [[1e-7, 1.0]],
-                "targets": ["pg0"],
-                "multipliers": [0.7, 0.9, 1.1, 1.3],
-            }
+            ExploredSpec("lr", 0.3, [0.7, 0.9, 1.1, 1.3], ["pg0", "pg1"], ["lr", "lr/pg1"], [(1e-7, 1.0)] * 2, False),
+            ExploredSpec("wd_pg1", 0.5, [0.5, 1.5], ["pg0"], ["wd_pg1"], [(0.0, math.inf)], True),
         ],
         versions={"torch": "2.13.0"},
         hostnames=["a", "a", "b", "b"],
         compare_group="g",
         time=1.5,
+        controller="drift",
+        total_steps=100,
+        start_step=40,
     ),
     StepRecord(step=7, replica=2, values={"lr": 0.01, "weight_decay": 1e-4}, multipliers={"lr": 1.1}, loss=0.5),
     StepRecord(step=8, replica=3, values={"lr": 0.01}, multipliers={"lr": 1.3}, loss=math.nan),
-    Converge(step=10, window_losses=[1.0, math.nan, 0.5, 0.7], divergence=[0.1, math.inf, 0.2, 0.3], left_out=[1]),
+    Converge(
+        step=10,
+        window_losses=[1.0, math.nan, 0.5, 0.7],
+        divergence=[0.1, math.inf, 0.2, 0.3],
+        left_out=[1],
+        reasons=["non-finite"],
+    ),
     ControllerDecision(
         step=10,
         name="lr",
@@ -53,8 +58,11 @@ EVENTS = [
         gamma=0.1,
         permutation=[3, 1, 0, 2],
         onecycle=[0.08],
+        controller="drift",
+        reference=[0.08],
     ),
-    RunEnd(status="FAILED", step=12, error="ValueError: boom"),
+    Guard(step=10, action="rollback", replicas=[0, 1, 2, 3], reason="every replica blown up", drift_change=-1.1),
+    RunEnd(status="FAILED", step=12, error="ValueError: boom", time=3.5),
 ]
 
 
@@ -88,7 +96,32 @@ def test_unknown_kind_or_newer_schema_is_a_typed_error():
         event_from_dict(data)
 
 
-def test_series_keys():
-    assert series_key("lr", 0, "pg0") == "lr"
-    assert series_key("lr", 2, "pg2") == "lr_pg2"
-    assert series_key("dropout", 1, "encoder.drop") == "dropout_t1"
+def test_schema_1_run_start_reads_with_the_keys_it_was_written_with():
+    data = {
+        "kind": "run_start",
+        "schema": 1,
+        "config": {},
+        "world_size": 2,
+        "schedule": "hdet",
+        "param_groups": ["pg0", "pg1"],
+        "explored": [
+            {"name": "lr", "spread": 0.3, "bounds": [[0, 1]] * 2, "targets": ["pg0", "pg1"], "multipliers": [0.7, 1.3]},
+            {
+                "name": "dropout",
+                "spread": 0.2,
+                "bounds": [[0, 1]] * 3,
+                "targets": ["a", "b", "c"],
+                "multipliers": [1, 1],
+            },
+        ],
+        "versions": {},
+        "hostnames": [],
+    }
+    start = event_from_dict(data)
+    assert [e.series_keys for e in start.explored] == [["lr", "lr_pg1"], ["dropout", "dropout_t1", "dropout_t2"]]
+    assert start.controller == "" and start.start_step == 0
+    data["schema"] = 2
+    assert [e.series_keys for e in event_from_dict(data).explored] == [
+        ["lr", "lr/pg1"],
+        ["dropout", "dropout/t1", "dropout/t2"],
+    ]

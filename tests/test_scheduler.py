@@ -101,7 +101,14 @@ def test_equal_losses_shrink_base_by_div_over_final_div():
     _, opt = make(groups=1)
     total, warm, T = 1000, 200, 50
     s = HDETScheduler(
-        opt, 0.1, total_steps=total, sync_every=T, auto_lr=True, auto_lr_warmup=warm, lr_bounds=(1e-9, 1.0)
+        opt,
+        0.1,
+        total_steps=total,
+        sync_every=T,
+        auto_lr=True,
+        controller="paper",
+        auto_lr_warmup=warm,
+        lr_bounds=(1e-9, 1.0),
     )
     first_base = None
     bases = []
@@ -122,7 +129,7 @@ def test_equal_losses_shrink_base_by_div_over_final_div():
 
 def test_lr_held_between_syncs_after_warmup():
     _, opt = make(groups=1)
-    s = HDETScheduler(opt, 0.1, total_steps=100, sync_every=10, auto_lr=True, auto_lr_warmup=20)
+    s = HDETScheduler(opt, 0.1, total_steps=100, sync_every=10, auto_lr=True, controller="paper", auto_lr_warmup=20)
     lrs = []
     for _ in range(60):
         opt.step()
@@ -132,7 +139,8 @@ def test_lr_held_between_syncs_after_warmup():
     assert len(set(lrs[:19])) > 10  # OneCycle moves every step before warmup
 
 
-def test_state_dict_round_trip_resumes_exactly():
+@pytest.mark.parametrize("controller", ["paper", "drift"])
+def test_state_dict_round_trip_resumes_exactly(controller):
     def run(stop_at=None, state=None):
         model, opt = make(groups=2)
         s = quiet(
@@ -142,6 +150,7 @@ def test_state_dict_round_trip_resumes_exactly():
             spread=0.2,
             sync_every=7,
             auto_lr=True,
+            controller=controller,
             auto_lr_warmup=10,
             explore={"weight_decay": 0.3},
             model=model,
@@ -174,7 +183,7 @@ def test_load_state_dict_rejects_other_world_or_explore():
     _, opt = make()
     s = HDETScheduler(opt, 0.1, total_steps=10)
     state = s.state_dict()
-    bad = dict(state, _world_size=4)
+    bad = dict(state, world_size=4)
     with pytest.raises(CheckpointMismatchError, match="4"):
         HDETScheduler(make()[1], 0.1, total_steps=10).load_state_dict(bad)
     with pytest.raises(CheckpointMismatchError, match="weight_decay"):

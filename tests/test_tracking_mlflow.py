@@ -16,12 +16,13 @@ from mlflow.tracking import MlflowClient
 from torch import nn
 
 from hdet_track import HDETScheduler
+from hdet_track.readers.mlflow import MLflowReader
 from hdet_track.tracking import Batch, Tracker
 from hdet_track.tracking.base import is_secret, redact
 from hdet_track.tracking.mlflow import MLflowTracker
 
 
-def train(tracker, steps=40, sync_every=10, log_every=1, spread=0.3, auto_lr=True, **kw):
+def train(tracker, steps=40, sync_every=10, log_every=1, spread=0.3, auto_lr=True, controller="paper", **kw):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.1), nn.Linear(8, 2))
     opt = torch.optim.SGD(
@@ -39,6 +40,7 @@ def train(tracker, steps=40, sync_every=10, log_every=1, spread=0.3, auto_lr=Tru
             spread=spread,
             sync_every=sync_every,
             auto_lr=auto_lr,
+            controller=controller,
             auto_lr_warmup=sync_every if auto_lr else 0,
             explore={"weight_decay": 0.5} if spread else None,
             track=tracker,
@@ -78,13 +80,13 @@ def test_one_run_with_metric_contract_params_tags_and_archive(sqlite_uri, tmp_pa
     assert run.info.status == "FINISHED"  # ended by itself at total_steps
     tags = run.data.tags
     assert tags["hdet.schedule"] == "hdet" and tags["hdet.world_size"] == "1"
-    assert tags["hdet.schema_version"] == "1" and tags["hdet.compare_group"] == "cg-1"
+    assert tags["hdet.schema_version"] == "2" and tags["hdet.compare_group"] == "cg-1"
     params = run.data.params
     assert params["spread"] == "0.3" and params["sync_every"] == "10" and params["auto_lr"] == "true"
     assert params["explore.weight_decay.spread"] == "0.5" and params["world_size"] == "1"
     # Per replica series hold exactly what the optimizer used at each step.
     lr0 = history(client, tracker.run_id, "hdet/replica_00/lr")
-    lr1 = history(client, tracker.run_id, "hdet/replica_00/lr_pg1")
+    lr1 = history(client, tracker.run_id, "hdet/replica_00/lr/pg1")
     wd = history(client, tracker.run_id, "hdet/replica_00/weight_decay")
     loss = history(client, tracker.run_id, "hdet/replica_00/loss")
     assert sorted(lr0) == list(range(1, 41))
@@ -97,7 +99,7 @@ def test_one_run_with_metric_contract_params_tags_and_archive(sqlite_uri, tmp_pa
     assert sorted(history(client, tracker.run_id, "hdet/sync/divergence")) == [10, 20, 30, 40]
     base = history(client, tracker.run_id, "hdet/controller/lr/base")
     assert sorted(base) == [10, 20, 30, 40]
-    assert sorted(history(client, tracker.run_id, "hdet/controller/lr_pg1/base")) == [10, 20, 30, 40]
+    assert sorted(history(client, tracker.run_id, "hdet/controller/lr/pg1/base")) == [10, 20, 30, 40]
     assert sorted(history(client, tracker.run_id, "hdet/onecycle/lr")) == [10, 20, 30, 40]
     assert sorted(history(client, tracker.run_id, "hdet/controller/weight_decay/weight/replica_00")) == [10, 20, 30, 40]
     # The controller's held base is what the (single, multiplier 1) replica used after the sync.
@@ -241,7 +243,10 @@ def test_crashing_or_killed_job_ends_failed_or_killed(sqlite_uri, tmp_path, mode
     assert run.info.status == status, err[-2000:]
     if mode == "raise":
         assert "diverged at step 12" in run.data.tags["hdet.error"]
-    assert sorted(history(client, run_id, "hdet/replica_00/lr")) == list(range(1, 11))  # synced windows kept
+    # Synced windows are kept: every step in the event archive, the metric history thinned to a stride.
+    steps, _ = MLflowReader(sqlite_uri).read(run_id).replica_series("lr", 0)
+    assert list(steps) == list(range(1, 11))
+    assert set(history(client, run_id, "hdet/replica_00/lr")) <= set(range(1, 11))
 
 
 class FlakyTracker(Tracker):
@@ -275,7 +280,7 @@ def test_backend_outage_is_spilled_and_replayed_in_order(caplog):
     model = nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = HDETScheduler(opt, 0.1, total_steps=60, sync_every=5, track=flaky)
-    sched._hub._sinks[0].retry_seconds = 0.05
+    sched._recorder.hub._sinks[0].retry_seconds = 0.05
     for k in range(60):
         opt.step()
         sched.step(float(k))
@@ -302,13 +307,13 @@ def test_backend_that_never_works_does_not_stop_training(caplog):
     model = nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = HDETScheduler(opt, 0.1, total_steps=30, sync_every=5, track=BrokenTracker())
-    sched._hub.shutdown_timeout = 0.5
+    sched._recorder.hub.shutdown_timeout = 0.5
     for _ in range(30):
         opt.step()
         sched.step(1.0)
     sched.close()
     assert math.isfinite(opt.param_groups[0]["lr"])
-    spill = sched._hub._sinks[0].spill_path
+    spill = sched._recorder.hub._sinks[0].spill_path
     assert spill.exists() and spill.read_text().count("\n") >= 1  # unsent data is kept, not lost
     assert "still unavailable at shutdown" in caplog.text
 
@@ -338,7 +343,7 @@ def test_several_trackers_each_get_everything():
     model = nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = HDETScheduler(opt, 0.1, total_steps=20, sync_every=5, track=[a, b])
-    sched._hub._sinks[1].retry_seconds = 0.0
+    sched._recorder.hub._sinks[1].retry_seconds = 0.0
     for _ in range(20):
         opt.step()
         sched.step(1.0)

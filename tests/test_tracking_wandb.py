@@ -46,6 +46,7 @@ def test_offline_run_read_back(tmp_path, monkeypatch):
             spread=0.2,
             sync_every=10,
             auto_lr=True,
+            controller="paper",
             auto_lr_warmup=10,
             explore={"weight_decay": 0.5},
             track=True,
@@ -56,6 +57,8 @@ def test_offline_run_read_back(tmp_path, monkeypatch):
         opt.step()
         seen[k] = (opt.param_groups[0]["lr"], opt.param_groups[0]["weight_decay"])
         sched.step(1.0 / k)
+        if k == 15:  # mid-window: logged before the window's own points reach W&B
+            sched.log_metrics({"val_loss": 0.5})
     sched.close()
     root = os.environ["WANDB_DIR"]
     directory = run_dir(root)
@@ -65,17 +68,22 @@ def test_offline_run_read_back(tmp_path, monkeypatch):
     assert contents.exit_code == 0 and contents.summary["hdet/status"] == "FINISHED"
     assert contents.config["spread"] == "0.2" and contents.config["explore.weight_decay.spread"] == "0.5"
     assert contents.summary["hdet.schedule"] == "hdet"
-    rows = {row["_step"]: row for row in contents.history}
-    assert sorted(rows) == list(range(1, 31))  # steps never go backwards, none dropped
+    # Every row carries its own step, so points keep their steps whatever order they arrive in.
+    rows = {row["hdet/step"]: row for row in contents.history if "hdet/replica_00/lr" in row}
+    assert sorted(rows) == list(range(1, 31))  # none dropped, none piled onto another step
     for k, (lr, wd) in seen.items():
         assert rows[k]["hdet/replica_00/lr"] == pytest.approx(lr, rel=1e-12)
         assert rows[k]["hdet/replica_00/weight_decay"] == pytest.approx(wd, rel=1e-12)
         assert rows[k]["hdet/replica_00/loss"] == pytest.approx(1.0 / k)
+    assert [row["hdet/step"] for row in contents.history if "val_loss" in row] == [15]
+    assert contents.step_metrics["val_loss"] == "hdet/step"
     # Sync and controller series sit on the sync axis.
     assert contents.step_metrics["hdet/sync/*"] == "hdet/sync/step"
     assert contents.step_metrics["hdet/controller/*"] == "hdet/sync/step"
-    assert [k for k in rows if "hdet/sync/step" in rows[k]] == [10, 20, 30]
-    assert rows[20]["hdet/controller/weight_decay/base"] > 0
+    assert contents.step_metrics["hdet/replica_*"] == "hdet/step"
+    sync = {row["hdet/sync/step"]: row for row in contents.history if "hdet/sync/step" in row}
+    assert sorted(sync) == [10, 20, 30]
+    assert sync[20]["hdet/controller/weight_decay/base"] > 0
     # The full-resolution event archive is among the run's files.
     steps = sorted(glob.glob(os.path.join(directory, "files", "hdet_events", "steps-*.parquet")))
     assert [r["step"] for r in pq.read_table(steps).to_pylist()] == list(range(1, 31))

@@ -9,6 +9,7 @@ import pytest
 
 from hdet_track.events import ControllerDecision, Converge, RunStart
 from hdet_track.readers.base import HDETRun, StepTable
+from hdet_track.record import ExploredSpec
 from hdet_track.schedule import multipliers
 from hdet_track.viz import (
     compare_table,
@@ -49,7 +50,7 @@ def make_run(n=4, steps=100, T=10, spread=0.3, nan_replica=None, name="run", sch
         world_size=n,
         schedule=schedule,
         param_groups=["pg0"],
-        explored=[{"name": "lr", "spread": spread, "bounds": [[0, 1]], "targets": ["pg0"], "multipliers": rho}],
+        explored=[ExploredSpec("lr", spread, rho, ["pg0"], ["lr"], [(0.0, 1.0)], False)],
         versions={},
         hostnames=["h"] * n,
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import streamlit as st
 from hdet_track.dashboard.state import live_every, load_run, selected_run
 
-from hdet_track.events import series_name
+from hdet_track.names import parse_series_key
 from hdet_track.viz import plot_fanout, plot_permutations, plot_replica_loss
 
 st.header("Fan-out")
@@ -22,7 +22,7 @@ if run is not None:
         if fresh.live:
             st.caption(f"LIVE: step {fresh.last_step}")
         st.plotly_chart(plot_fanout(fresh, key, log_y=log_y), key="fanout")
-        st.plotly_chart(plot_permutations(fresh, series_name(key)), key="perms")
+        st.plotly_chart(plot_permutations(fresh, parse_series_key(key)[0]), key="perms")
         st.plotly_chart(plot_replica_loss(fresh), key="replica_loss")
 
     charts()

@@ -9,7 +9,7 @@ from torch.optim.lr_scheduler import OneCycleLR
 
 from ..scheduler import HDETScheduler
 
-__all__ = ["wrap", "onecycle_arguments"]
+__all__ = ["wrap"]
 
 SUPPORTED = (
     "a torch.optim.lr_scheduler.OneCycleLR, a torch.optim.Optimizer (with max_lr and total_steps), "
@@ -26,31 +26,6 @@ def _is_lightning_trainer(obj: Any) -> bool:
         c.__name__ == "Trainer" and c.__module__.startswith(("lightning.pytorch", "pytorch_lightning"))
         for c in type(obj).__mro__
     )
-
-
-def onecycle_arguments(scheduler: OneCycleLR) -> dict[str, Any]:
-    """The constructor arguments a ``OneCycleLR`` was built with, read back from its state."""
-    groups = scheduler.optimizer.param_groups
-    phases = scheduler._schedule_phases
-    total = scheduler.total_steps
-    first = groups[0]
-    anneal = getattr(scheduler, "_anneal_func_type", None)
-    if anneal is None:  # schedulers pickled by old PyTorch versions
-        anneal = "cos" if getattr(scheduler, "anneal_func", None) == scheduler._annealing_cos else "linear"
-    args: dict[str, Any] = {
-        "max_lr": [g["max_lr"] for g in groups],
-        "total_steps": total,
-        "pct_start": (phases[0]["end_step"] + 1) / total,
-        "anneal_strategy": anneal,
-        "cycle_momentum": scheduler.cycle_momentum,
-        "div_factor": first["max_lr"] / first["initial_lr"],
-        "final_div_factor": first["initial_lr"] / first["min_lr"],
-        "three_phase": len(phases) == 3,
-    }
-    if scheduler.cycle_momentum:
-        args["base_momentum"] = [g["base_momentum"] for g in groups]
-        args["max_momentum"] = [g["max_momentum"] for g in groups]
-    return args
 
 
 def wrap(obj: Any, **hdet_kwargs: Any) -> Any:
@@ -77,15 +52,7 @@ def wrap(obj: Any, **hdet_kwargs: Any) -> Any:
     if isinstance(obj, HDETScheduler):
         raise TypeError("Expected a scheduler to wrap, but got an HDETScheduler already")
     if isinstance(obj, OneCycleLR):
-        clash = sorted(set(hdet_kwargs) & set(onecycle_arguments(obj)))
-        if clash:
-            raise TypeError(f"wrap() takes OneCycleLR's arguments from the scheduler; do not pass {clash}")
-        sched = HDETScheduler(obj.optimizer, **onecycle_arguments(obj), **hdet_kwargs)
-        if obj.last_epoch > 0:
-            sched.last_epoch = obj.last_epoch
-            sched._step_count = obj._step_count
-            sched._refresh()
-        return sched
+        return HDETScheduler.from_onecycle(obj, **hdet_kwargs)
     if _is_hf_trainer(obj):
         from .transformers import wrap_trainer as wrap_hf
 

@@ -16,8 +16,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from .. import names
 from ..errors import HDETError
-from ..events import ControllerDecision, Converge, RunEnd, RunStart, UnknownSchemaError, event_from_dict, series_key
+from ..events import ControllerDecision, Converge, Guard, RunEnd, RunStart, UnknownSchemaError, event_from_dict
+from ..record import ExploredSpec
 
 __all__ = [
     "HDETRun",
@@ -135,6 +137,7 @@ class HDETRun:
     steps: StepTable = field(default_factory=StepTable)
     converge: list[Converge] = field(default_factory=list)
     controller: list[ControllerDecision] = field(default_factory=list)
+    guard: list[Guard] = field(default_factory=list)
     metrics: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     tags: dict[str, str] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
@@ -176,21 +179,26 @@ class HDETRun:
         return dict(self.start.config) if self.start is not None else {}
 
     @property
-    def explored(self) -> list[dict[str, Any]]:
+    def explored(self) -> list[ExploredSpec]:
         return list(self.start.explored) if self.start is not None else []
 
     def explored_names(self) -> list[str]:
-        names = [e["name"] for e in self.explored]
-        if not names and len(self.steps):
-            names = sorted({k.split("_pg")[0].split("_t")[0] for k in self.steps.values}, key=lambda n: n != "lr")
-        return names
+        """``"lr"`` and the other explored hyperparameters (from the run's start, else its series)."""
+        found = [e.name for e in self.explored]
+        if not found and len(self.steps):
+            found = sorted({names.parse_series_key(k)[0] for k in self.steps.values}, key=lambda n: (n != "lr", n))
+        return found
 
     def series_keys(self, name: str) -> list[str]:
-        """The series keys of hyperparameter ``name`` (one per target: ``lr``, ``lr_pg1``, ...)."""
+        """The series keys of hyperparameter ``name`` (one per target: ``lr``, ``lr/pg1``, ...)."""
         for e in self.explored:
-            if e["name"] == name:
-                return [series_key(name, t, label) for t, label in enumerate(e["targets"])]
-        return [k for k in self.steps.values if k == name or k.startswith((f"{name}_pg", f"{name}_t"))]
+            if e.name == name:
+                return list(e.series_keys)
+        return [k for k in self.steps.values if names.parse_series_key(k)[0] == name]
+
+    def spread(self, name: str) -> float:
+        """The spread hyperparameter ``name`` was explored with (0 when unknown)."""
+        return next((e.spread for e in self.explored if e.name == name), 0.0)
 
     @property
     def last_step(self) -> int:
@@ -247,9 +255,10 @@ class HDETRun:
                 [d.onecycle[target] if d.onecycle is not None and target < len(d.onecycle) else np.nan for d in rows],
                 dtype=float,
             ),
+            "reference": np.array([_reference(d, target) for d in rows], dtype=float),
         }
         with np.errstate(invalid="ignore", divide="ignore"):
-            out["drift"] = out["base"] / out["onecycle"]
+            out["drift"] = out["base"] / out["reference"]
         return out
 
     def final_loss(self) -> float:
@@ -269,6 +278,14 @@ class HDETRun:
             final_loss=self.final_loss(),
             start_time=self.start_time,
         )
+
+
+def _reference(decision: ControllerDecision, target: int) -> float:
+    """What the decision's base is measured against: its reference, else (schema 1) OneCycle's LR."""
+    for values in (decision.reference, decision.onecycle):
+        if values is not None and target < len(values):
+            return float(values[target])
+    return math.nan
 
 
 class RunReader(Protocol):
@@ -344,6 +361,7 @@ def read_archive(
         tables = [previous.steps, *tables]
         run.start, run.end = previous.start, previous.end
         run.converge, run.controller = list(previous.converge), list(previous.controller)
+        run.guard = list(previous.guard)
     run.steps = StepTable.concat(tables)
     apply_events(run, events)
     run.chunks = tuple(sorted(known | fetched))
@@ -358,7 +376,10 @@ def apply_events(run: HDETRun, events: Iterable[Any]) -> None:
             run.converge.append(ev)
         elif isinstance(ev, ControllerDecision):
             run.controller.append(ev)
+        elif isinstance(ev, Guard):
+            run.guard.append(ev)
         elif isinstance(ev, RunEnd):
             run.end = ev
     run.converge.sort(key=lambda e: e.step)
     run.controller.sort(key=lambda e: e.step)
+    run.guard.sort(key=lambda e: e.step)

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import tempfile
 from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 
+from .. import names
 from ..events import ControllerDecision, Converge
 from ..tracking.archive import ARTIFACT_DIR
 from .base import HDETRun, ReaderError, RunNotFoundError, RunSummary, StepTable, read_archive
@@ -23,10 +23,6 @@ from .base import HDETRun, ReaderError, RunNotFoundError, RunSummary, StepTable,
 __all__ = ["MLflowReader"]
 
 logger = logging.getLogger(__name__)
-_REPLICA = re.compile(r"^hdet/replica_(\d+)/(.+)$")
-_WEIGHT = re.compile(r"^hdet/controller/([^/]+)/weight/replica_(\d+)$")
-_CTRL = re.compile(r"^hdet/controller/([^/]+)/(base|velocity|delta)$")
-_TARGET = re.compile(r"^(.*?)(?:_pg(\d+)|_t(\d+))?$")
 
 
 def _probe(uri: str, timeout: float = 5.0) -> None:
@@ -165,9 +161,9 @@ class MLflowReader:
     def _read_histories(self, run: HDETRun, latest: dict[str, float]) -> None:
         per_replica: dict[int, dict[str, tuple[np.ndarray, np.ndarray]]] = defaultdict(dict)
         for key in latest:
-            m = _REPLICA.match(key)
-            if m:
-                per_replica[int(m.group(1))][m.group(2)] = self._history(run.run_id, key)
+            parsed = names.parse_replica_metric(key)
+            if parsed:
+                per_replica[parsed[0]][parsed[1]] = self._history(run.run_id, key)
         tables = []
         for r, series in sorted(per_replica.items()):
             steps = np.unique(np.concatenate([s for s, _ in series.values()]))
@@ -185,11 +181,11 @@ class MLflowReader:
         self._rebuild_sync_events(run, latest)
 
     def _rebuild_sync_events(self, run: HDETRun, latest: dict[str, float]) -> None:
-        windows = {int(k.rsplit("_", 1)[1]): k for k in latest if k.startswith("hdet/sync/window_loss/replica_")}
+        windows = {r: k for k in latest if (r := names.parse_window_loss_metric(k)) is not None}
         if windows:
             hist = {r: dict(zip(*self._history(run.run_id, k))) for r, k in windows.items()}
             n = max(hist) + 1
-            left = dict(zip(*self._history(run.run_id, "hdet/sync/left_out"))) if "hdet/sync/left_out" in latest else {}
+            left = dict(zip(*self._history(run.run_id, names.SYNC_LEFT_OUT))) if names.SYNC_LEFT_OUT in latest else {}
             for step in sorted({s for h in hist.values() for s in h}):
                 losses = [float(hist.get(r, {}).get(step, np.nan)) for r in range(n)]
                 left_out = [r for r, v in enumerate(losses) if not np.isfinite(v)] if left.get(step) else []
@@ -199,28 +195,28 @@ class MLflowReader:
         controller: dict[str, dict[str, dict[int, float]]] = defaultdict(dict)
         weights: dict[str, dict[int, dict[int, float]]] = defaultdict(dict)
         for key in latest:
-            m = _CTRL.match(key)
-            if m:
-                controller[m.group(1)][m.group(2)] = dict(zip(*self._history(run.run_id, key)))
-            m = _WEIGHT.match(key)
-            if m:
-                weights[m.group(1)][int(m.group(2))] = dict(zip(*self._history(run.run_id, key)))
+            ctrl = names.parse_controller_metric(key)
+            if ctrl:
+                controller[ctrl[0]][ctrl[1]] = dict(zip(*self._history(run.run_id, key)))
+            weight = names.parse_weight_metric(key)
+            if weight:
+                weights[weight[0]][weight[1]] = dict(zip(*self._history(run.run_id, key)))
         by_name: dict[str, dict[int, dict[int, dict[str, float]]]] = defaultdict(lambda: defaultdict(dict))
         for key, parts in controller.items():
-            tm = _TARGET.match(key)
-            name = tm.group(1) if tm else key
-            target = int(tm.group(2) or tm.group(3) or 0) if tm else 0
-            onecycle = (
-                dict(zip(*self._history(run.run_id, f"hdet/onecycle/{key}")))
-                if f"hdet/onecycle/{key}" in latest
-                else {}
-            )
+            try:
+                name, target = names.parse_series_key(key)
+            except ValueError:
+                continue
+            onecycle_key = names.onecycle_metric(key)
+            onecycle = dict(zip(*self._history(run.run_id, onecycle_key))) if onecycle_key in latest else {}
             for step in parts.get("base", {}):
+                drift = parts.get("drift", {}).get(step, np.nan)
                 by_name[name][int(step)][target] = {
                     "base": parts["base"][step],
                     "velocity": parts.get("velocity", {}).get(step, np.nan),
                     "delta": parts.get("delta", {}).get(step, np.nan),
                     "onecycle": onecycle.get(step, np.nan),
+                    "reference": parts["base"][step] / drift if drift else onecycle.get(step, np.nan),
                 }
         for name, steps in by_name.items():
             w = weights.get(name, {})
@@ -239,6 +235,7 @@ class MLflowReader:
                         gamma=np.nan,
                         permutation=[],
                         onecycle=[t["onecycle"] for t in ts] if name == "lr" else None,
+                        reference=[t["reference"] for t in ts],
                     )
                 )
         run.controller.sort(key=lambda d: d.step)

@@ -7,17 +7,24 @@ its last complete record.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import numpy as np
 
+from .. import names
 from .base import HDETRun, RunNotFoundError, RunSummary, StepTable, read_archive
 from .wandb_records import WandbFormatError, read_wandb_file
 
 __all__ = ["WandbReader", "find_run_dirs"]
 
-_REPLICA = re.compile(r"^hdet/replica_(\d+)/(.+)$")
+_SYNC_PREFIXES = ("hdet/sync/", "hdet/controller/", "hdet/onecycle/")
+
+
+def _row_step(row: dict, key: str) -> int | None:
+    """A row's own step for ``key`` (hdet-track 0.2 rows carry it; older ones used W&B's ``_step``)."""
+    axis = names.SYNC_STEP if key.startswith(_SYNC_PREFIXES) else names.STEP
+    step = row.get(axis, row.get("_step"))
+    return int(step) if isinstance(step, (int, float)) else None
 
 
 def find_run_dirs(root: str | Path) -> list[Path]:
@@ -50,8 +57,12 @@ class WandbReader:
             raise RunNotFoundError(f"Expected a W&B directory at {self.root}, but it does not exist")
         self.uri = str(self.root)
 
-    def _dirs(self) -> dict[str, Path]:
-        return {_run_id(d): d for d in find_run_dirs(self.root)}
+    def _dirs(self) -> dict[str, list[Path]]:
+        """Run id -> its directories, oldest first (offline W&B writes one per resumed session)."""
+        out: dict[str, list[Path]] = {}
+        for d in sorted(find_run_dirs(self.root), key=lambda p: p.name):
+            out.setdefault(_run_id(d), []).append(d)
+        return out
 
     def list_runs(self, experiment: str | None = None, compare_group: str | None = None) -> list[RunSummary]:
         out = []
@@ -70,16 +81,19 @@ class WandbReader:
         dirs = self._dirs()
         if run_id not in dirs:
             raise RunNotFoundError(f"Expected a W&B run {run_id!r} under {self.root}, but found {sorted(dirs)}")
-        directory = dirs[run_id]
-        run = HDETRun(run_id=run_id, source=str(directory), backend=self.backend)
-        wandb_file = sorted(directory.glob("run-*.wandb"))[0]
-        try:
-            contents = read_wandb_file(wandb_file)
-        except WandbFormatError as exc:
-            run.warnings.append(str(exc))
-            contents = None
+        run = HDETRun(run_id=run_id, source=str(dirs[run_id][-1]), backend=self.backend)
         history: list[dict] = []
-        if contents is not None:
+        for directory in dirs[run_id]:
+            wandb_file = sorted(directory.glob("run-*.wandb"))[0]
+            try:
+                contents = read_wandb_file(wandb_file)
+            except WandbFormatError as exc:
+                run.warnings.append(str(exc))
+                continue
+            if not history:
+                times = [row.get("_timestamp") for row in contents.history[:1] if row.get("_timestamp")]
+                run.start_time = float(times[0]) if times else wandb_file.stat().st_mtime
+            history += contents.history
             run.name = contents.name or run_id
             run.tags = {k: str(v) for k, v in contents.summary.items() if k.startswith("hdet.")}
             run.tags["project"] = contents.project
@@ -91,19 +105,22 @@ class WandbReader:
                 run.status = str(
                     contents.summary.get("hdet/status") or ("FINISHED" if contents.exit_code == 0 else "FAILED")
                 )
-            history = contents.history
-            times = [row.get("_timestamp") for row in history[:1] if row.get("_timestamp")]
-            run.start_time = float(times[0]) if times else wandb_file.stat().st_mtime
-            if history:
-                loss = [row["loss"] for row in history if isinstance(row.get("loss"), (int, float))]
-                if loss and summary_only:
-                    run.metrics["loss"] = (np.arange(len(loss)), np.array(loss, dtype=float))
         if summary_only:
+            loss = [
+                (_row_step(r, names.LOSS), r[names.LOSS])
+                for r in history
+                if isinstance(r.get(names.LOSS), (int, float))
+            ]
+            if loss:
+                run.metrics[names.LOSS] = (np.array([s for s, _ in loss]), np.array([v for _, v in loss], dtype=float))
             return run
-        archive = sorted((directory / "files" / "hdet_events").glob("*.parquet"))
-        if archive:
-            by_name = {f.name: f for f in archive}
-            read_archive(run, list(by_name), lambda name: by_name[name].read_bytes(), previous)
+        chunks = {
+            f"{d.name}/{f.name}": f
+            for d in dirs[run_id]
+            for f in sorted((d / "files" / "hdet_events").glob("*.parquet"))
+        }
+        if chunks:
+            read_archive(run, list(chunks), lambda name: chunks[name].read_bytes(), previous)
         else:
             run.warnings.append("no event archive: rebuilt from the run's history")
             self._read_history(run, history)
@@ -112,11 +129,11 @@ class WandbReader:
     def _read_history(self, run: HDETRun, history: list[dict]) -> None:
         rows: dict[int, dict[int, dict[str, float]]] = {}
         for row in history:
-            step = row.get("_step")
             for key, value in row.items():
-                m = _REPLICA.match(key)
-                if m and isinstance(value, (int, float)) and step is not None:
-                    rows.setdefault(int(m.group(1)), {}).setdefault(int(step), {})[m.group(2)] = float(value)
+                step = _row_step(row, key)
+                parsed = names.parse_replica_metric(key)
+                if parsed and isinstance(value, (int, float)) and step is not None:
+                    rows.setdefault(parsed[0], {}).setdefault(step, {})[parsed[1]] = float(value)
                 elif not key.startswith(("hdet/", "_")) and isinstance(value, (int, float)) and step is not None:
                     s, v = run.metrics.get(key, (np.zeros(0, dtype=np.int64), np.zeros(0)))
                     run.metrics[key] = (np.append(s, int(step)), np.append(v, float(value)))

@@ -24,11 +24,12 @@ def run_params(run_start: RunStart) -> dict[str, str]:
     """Every config value (flattened with '.'), explored hyperparameters, world size and hosts."""
     flat: dict[str, Any] = {}
     flatten("", run_start.config, flat)
-    for info in run_start.explored:
-        name = info["name"]
-        flat[f"explore.{name}.spread"] = info["spread"]
-        flat[f"explore.{name}.bounds"] = info["bounds"]
-        flat[f"explore.{name}.targets"] = info["targets"]
+    for spec in run_start.explored:
+        flat[f"explore.{spec.name}.spread"] = spec.spread
+        flat[f"explore.{spec.name}.bounds"] = [list(b) for b in spec.bounds]
+        flat[f"explore.{spec.name}.targets"] = spec.targets
+        flat[f"explore.{spec.name}.series_keys"] = spec.series_keys
+    flat["controller"] = run_start.controller
     flat["world_size"] = run_start.world_size
     flat["param_groups"] = run_start.param_groups
     flat["hostnames"] = run_start.hostnames
@@ -47,6 +48,7 @@ def run_tags(run_start: RunStart) -> dict[str, str]:
 
     tags = {
         "hdet.schedule": run_start.schedule,
+        "hdet.controller": run_start.controller,
         "hdet.schema_version": str(SCHEMA_VERSION),
         "hdet.world_size": str(run_start.world_size),
     }

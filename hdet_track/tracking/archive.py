@@ -14,36 +14,107 @@ import json
 import os
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 from ..events import Event, StepRecord
 
-__all__ = ["EventArchive", "ARTIFACT_DIR"]
+__all__ = ["EventArchive", "StepBlock", "ARTIFACT_DIR"]
 
 ARTIFACT_DIR = "hdet_events"
+
+
+@dataclass
+class StepBlock:
+    """Rows of the steps table, columnar, ordered by (step, replica)."""
+
+    step: np.ndarray  # int64
+    replica: np.ndarray  # int32
+    loss: np.ndarray  # float64
+    values: dict[str, np.ndarray] = field(default_factory=dict)  # series key -> float64
+    multipliers: dict[str, np.ndarray] = field(default_factory=dict)  # hyperparameter name -> float64
+
+    def __len__(self) -> int:
+        return len(self.step)
+
+    def select(self, mask: np.ndarray) -> StepBlock:
+        return StepBlock(
+            self.step[mask],
+            self.replica[mask],
+            self.loss[mask],
+            {k: v[mask] for k, v in self.values.items()},
+            {k: v[mask] for k, v in self.multipliers.items()},
+        )
+
+    @staticmethod
+    def from_records(records: list[StepRecord]) -> StepBlock:
+        keys = list(records[0].values) if records else []
+        mkeys = list(records[0].multipliers) if records else []
+        return StepBlock(
+            step=np.array([r.step for r in records], dtype=np.int64),
+            replica=np.array([r.replica for r in records], dtype=np.int32),
+            loss=np.array([r.loss for r in records], dtype=np.float64),
+            values={k: np.array([r.values.get(k, np.nan) for r in records], dtype=np.float64) for k in keys},
+            multipliers={k: np.array([r.multipliers.get(k, np.nan) for r in records], dtype=np.float64) for k in mkeys},
+        )
+
+    def to_json(self) -> dict:
+        return {
+            "step": self.step.tolist(),
+            "replica": self.replica.tolist(),
+            "loss": [None if not np.isfinite(x) else float(x) for x in self.loss],
+            "values": {k: [None if not np.isfinite(x) else float(x) for x in v] for k, v in self.values.items()},
+            "multipliers": {k: v.tolist() for k, v in self.multipliers.items()},
+        }
+
+    @staticmethod
+    def from_json(data: dict) -> StepBlock:
+        def floats(xs: list) -> np.ndarray:
+            return np.array([np.nan if x is None else x for x in xs], dtype=np.float64)
+
+        return StepBlock(
+            step=np.array(data["step"], dtype=np.int64),
+            replica=np.array(data["replica"], dtype=np.int32),
+            loss=floats(data["loss"]),
+            values={k: floats(v) for k, v in data["values"].items()},
+            multipliers={k: floats(v) for k, v in data["multipliers"].items()},
+        )
 
 
 class EventArchive:
     """Buffers events and writes them as numbered Parquet chunks under ``directory``."""
 
-    def __init__(self, directory: str | os.PathLike, chunk_rows: int = 200_000, chunk_seconds: float = 15.0) -> None:
+    def __init__(
+        self, directory: str | os.PathLike, chunk_rows: int = 200_000, chunk_seconds: float = 15.0, start_index: int = 0
+    ) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.chunk_rows = chunk_rows
         self.chunk_seconds = chunk_seconds
-        self._steps: list[StepRecord] = []
+        self._blocks: list[StepBlock] = []
+        self._rows = 0
         self._other: list[Event] = []
-        self._index = 0
+        self._index = start_index
         self._last_write = time.monotonic()
 
     def add(self, events: Iterable[Event]) -> None:
-        for ev in events:
-            (self._steps if isinstance(ev, StepRecord) else self._other).append(ev)
+        events = list(events)
+        steps = [ev for ev in events if isinstance(ev, StepRecord)]
+        if steps:
+            self.add_steps(StepBlock.from_records(steps))
+        self._other.extend(ev for ev in events if not isinstance(ev, StepRecord))
+
+    def add_steps(self, block: StepBlock) -> None:
+        if len(block):
+            self._blocks.append(block)
+            self._rows += len(block)
 
     def due(self) -> bool:
-        pending = len(self._steps) + len(self._other)
+        pending = self._rows + len(self._other)
         return pending > 0 and (
-            len(self._steps) >= self.chunk_rows or time.monotonic() - self._last_write >= self.chunk_seconds
+            self._rows >= self.chunk_rows or time.monotonic() - self._last_write >= self.chunk_seconds
         )
 
     def write(self) -> list[Path]:
@@ -52,24 +123,23 @@ class EventArchive:
         import pyarrow.parquet as pq
 
         written: list[Path] = []
-        if self._steps:
+        if self._blocks:
             self._index += 1
-            recs = self._steps
-            columns: dict[str, list] = {
-                "step": [r.step for r in recs],
-                "replica": [r.replica for r in recs],
-                "loss": [r.loss for r in recs],
+            blocks = self._blocks
+            keys = list(dict.fromkeys(k for b in blocks for k in b.values))
+            mkeys = list(dict.fromkeys(k for b in blocks for k in b.multipliers))
+
+            def col(get, key: str) -> np.ndarray:  # noqa: ANN001
+                return np.concatenate([get(b).get(key, np.full(len(b), np.nan)) for b in blocks])
+
+            columns = {
+                "step": pa.array(np.concatenate([b.step for b in blocks]), type=pa.int64()),
+                "replica": pa.array(np.concatenate([b.replica for b in blocks]), type=pa.int32()),
+                "loss": pa.array(np.concatenate([b.loss for b in blocks]), type=pa.float64()),
             }
-            for key in recs[0].values:
-                columns[f"v:{key}"] = [r.values.get(key, float("nan")) for r in recs]
-            for key in recs[0].multipliers:
-                columns[f"m:{key}"] = [r.multipliers.get(key, float("nan")) for r in recs]
-            table = pa.table(
-                {
-                    k: pa.array(v, type=pa.int64() if k == "step" else pa.int32() if k == "replica" else pa.float64())
-                    for k, v in columns.items()
-                }
-            )
+            columns |= {f"v:{k}": pa.array(col(lambda b: b.values, k), type=pa.float64()) for k in keys}
+            columns |= {f"m:{k}": pa.array(col(lambda b: b.multipliers, k), type=pa.float64()) for k in mkeys}
+            table = pa.table(columns)
             path = self.directory / f"steps-{self._index:06d}.parquet"
             pq.write_table(table, path)
             written.append(path)
@@ -86,6 +156,6 @@ class EventArchive:
             path = self.directory / f"events-{self._index:06d}.parquet"
             pq.write_table(table, path)
             written.append(path)
-        self._steps, self._other = [], []
+        self._blocks, self._rows, self._other = [], 0, []
         self._last_write = time.monotonic()
         return written

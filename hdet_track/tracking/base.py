@@ -1,15 +1,17 @@
-"""The Tracker protocol, the batch it receives, and the name-to-class registry."""
+"""The Tracker protocol, the batch it receives, and the static name -> class map of the backends."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
 from ..events import Event, RunEnd, RunStart
+from .archive import StepBlock
 
-__all__ = ["Point", "Batch", "Tracker", "register", "get_tracker_class", "resolve_trackers", "is_secret", "TRACKERS"]
+__all__ = ["Point", "Batch", "Tracker", "get_tracker_class", "resolve_trackers", "is_secret", "TRACKERS"]
 
 
 class Point(NamedTuple):
@@ -23,10 +25,26 @@ class Point(NamedTuple):
 
 @dataclass
 class Batch:
-    """What the hub hands a tracker at once: metric points and the events they came from."""
+    """What the hub hands a tracker at once: metric points, events and the steps table's rows."""
 
     points: list[Point] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
+    steps: list[StepBlock] = field(default_factory=list)
+    records: list[Any] = field(default_factory=list)  # expand.RecordItem, not yet expanded
+
+    def __bool__(self) -> bool:
+        return bool(self.points or self.events or self.steps or self.records)
+
+    def after(self, step: int) -> Batch:
+        """Only what belongs to steps after ``step`` (a resumed job does not write a step twice)."""
+        return Batch(
+            points=[p for p in self.points if p.step > step],
+            events=[
+                e for e in self.events if getattr(e, "step", step + 1) > step or e.kind in ("run_start", "run_end")
+            ],
+            steps=[b.select(b.step > step) for b in self.steps if (b.step > step).any()],
+            records=[r for r in self.records if r.record.step > step],
+        )
 
 
 class Tracker:
@@ -57,23 +75,25 @@ class Tracker:
         """The backend's id of the run, once started."""
         return None
 
+    def resume(self, run_id: str) -> None:
+        """Continue run ``run_id`` (a resumed job) instead of creating one, where the backend can.
 
-TRACKERS: dict[str, type[Tracker]] = {}
+        Called before :meth:`start`. A tracker that was given a run explicitly ignores it."""
 
 
-def register(cls: type[Tracker]) -> type[Tracker]:
-    """Class decorator: make ``cls`` available as ``track=cls.name``."""
-    TRACKERS[cls.name] = cls
-    return cls
+# Built-in backends by name, imported only when asked for (no registration by import side effect).
+TRACKERS: dict[str, str] = {
+    "mlflow": "hdet_track.tracking.mlflow:MLflowTracker",
+    "wandb": "hdet_track.tracking.wandb:WandbTracker",
+}
 
 
 def get_tracker_class(name: str) -> type[Tracker]:
-    from . import mlflow as _mlflow  # noqa: F401 - registers the built-in backends
-    from . import wandb as _wandb  # noqa: F401
-
+    """The class behind ``track=name`` (a key of :data:`TRACKERS`)."""
     if name not in TRACKERS:
         raise ValueError(f"Expected a tracker name in {sorted(TRACKERS)}, but got {name!r}")
-    return TRACKERS[name]
+    module, _, cls = TRACKERS[name].partition(":")
+    return getattr(importlib.import_module(module), cls)
 
 
 def resolve_trackers(track: Any) -> list[Tracker]:
@@ -82,8 +102,8 @@ def resolve_trackers(track: Any) -> list[Tracker]:
         return []
     if track is True:
         name = os.environ.get("HDET_TRACKER", "mlflow").strip().lower() or "mlflow"
-        if name not in ("mlflow", "wandb"):
-            raise ValueError(f"Expected HDET_TRACKER to be 'mlflow' or 'wandb', but got {name!r}")
+        if name not in TRACKERS:
+            raise ValueError(f"Expected HDET_TRACKER to be one of {sorted(TRACKERS)}, but got {name!r}")
         return [get_tracker_class(name)()]
     if isinstance(track, str):
         return [get_tracker_class(track)()]

@@ -1,9 +1,11 @@
 """The tracking hub: rank 0's queue and background writer between the scheduler and the trackers.
 
-The training thread only appends compact items to a deque (one per sync, plus a few per run).
-A writer thread expands them into events and metric points and hands batches to each tracker.
-A tracker that raises is considered down: its batches go to a spill file (JSON lines) in order
-and are replayed, oldest first, once a retry succeeds. Nothing raises into the training loop.
+The training thread only appends to a deque: the run's start, one :class:`~hdet_track.record.SyncRecord`
+per sync (compact numpy arrays), user metrics, the end. A writer thread hands them to each tracker:
+expanded into metric points, events and archive rows (:mod:`hdet_track.tracking.expand`), or as they
+are to a tracker that runs in its own process (it expands them there, off the training process's GIL).
+A tracker that raises is considered down: its batches go to a spill file (JSON lines) in order and
+are replayed, oldest first, once a retry succeeds. Nothing raises into the training loop.
 """
 
 from __future__ import annotations
@@ -21,61 +23,30 @@ import traceback
 import weakref
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..events import ControllerDecision, Converge, Event, RunEnd, RunStart, StepRecord, event_from_dict, series_key
-from ..schedule import replica_values
+from ..events import RunEnd, RunStart, event_from_dict
+from ..record import SyncRecord
+from .archive import StepBlock
 from .base import Batch, Point, Tracker
-from .naming import controller_points, converge_points, step_points
+from .expand import PointBudget, RecordItem, expand, metric_points
 
-__all__ = ["TrackingHub", "WindowPayload"]
+__all__ = ["TrackingHub", "materialize"]
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class WindowPayload:
-    """The steps between two syncs, as compact as the scheduler can hand them over.
-
-    Every replica's values are derived from the shared bases, multipliers and permutations
-    (identical on all ranks); only the losses had to travel (gathered at the sync).
-    """
-
-    steps: list[int]
-    onecycle: list[list[float]]  # per step: plain OneCycle LR per param group
-    lr_base: list[float] | None  # the controller's held base, or None while following OneCycle
-    bases: dict[str, list[float]]  # other explored hyperparameters: base per target
-    perms: dict[str, list[int]]
-    losses: list[list[float]]  # [replica][i]
-
-
-class _Spec:
-    def __init__(self, info: dict[str, Any]) -> None:
-        self.name: str = info["name"]
-        self.rho: list[float] = info["multipliers"]
-        self.labels: list[str] = info["targets"]
-        self.bounds = None if self.name == "lr" else [tuple(b) for b in info["bounds"]]
-        self.keys = [series_key(self.name, t, label) for t, label in enumerate(self.labels)]
-
-
-def expand_window(payload: WindowPayload, specs: Sequence[_Spec]) -> list[StepRecord]:
-    """Every replica's :class:`StepRecord` for every step of the window."""
-    n = len(payload.losses)
-    out: list[StepRecord] = []
-    for i, step in enumerate(payload.steps):
-        lr_base = payload.lr_base if payload.lr_base is not None else payload.onecycle[i]
-        for r in range(n):
-            values: dict[str, float] = {}
-            mults: dict[str, float] = {}
-            for spec in specs:
-                base = lr_base if spec.name == "lr" else payload.bases[spec.name]
-                perm = payload.perms[spec.name]
-                for key, v in zip(spec.keys, replica_values(base, spec.rho, perm, r, spec.bounds)):
-                    values[key] = v
-                mults[spec.name] = spec.rho[perm[r]]
-            out.append(StepRecord(step=step, replica=r, values=values, multipliers=mults, loss=payload.losses[r][i]))
+def materialize(batch: Batch) -> Batch:
+    """``batch`` with its records expanded into points, events and archive rows."""
+    if not batch.records:
+        return batch
+    out = Batch(points=list(batch.points), events=list(batch.events), steps=list(batch.steps))
+    for item in batch.records:
+        expanded = expand(item)
+        out.points += expanded.points
+        out.events += expanded.events
+        out.steps += expanded.steps
     return out
 
 
@@ -91,6 +62,8 @@ class _Sink:
         self.spilled = 0
 
     def deliver(self, batch: Batch) -> None:
+        if not getattr(self.tracker, "expands_records", False):
+            batch = materialize(batch)
         if self.down_since is not None:
             if time.monotonic() < self.next_retry or not self._replay():
                 self._spill(batch)
@@ -106,7 +79,7 @@ class _Sink:
             if isinstance(ev, RunStart):
                 self.tracker.start(ev)
         ends = [ev for ev in batch.events if isinstance(ev, RunEnd)]
-        if batch.points or len(ends) < len(batch.events):
+        if batch.points or batch.steps or batch.records or len(ends) < len(batch.events):
             self.tracker.log(batch)
         for ev in ends:
             self.tracker.finish(ev)
@@ -124,7 +97,12 @@ class _Sink:
         self.next_retry = time.monotonic() + self.retry_seconds
 
     def _spill(self, batch: Batch) -> None:
-        record = {"events": [e.to_dict() for e in batch.events], "points": [list(p) for p in batch.points]}
+        batch = materialize(batch)
+        record = {
+            "events": [e.to_dict() for e in batch.events],
+            "points": [list(p) for p in batch.points],
+            "steps": [b.to_json() for b in batch.steps],
+        }
         with open(self.spill_path, "a") as f:
             f.write(json.dumps(record) + "\n")
         self.spilled += 1
@@ -140,6 +118,7 @@ class _Sink:
             batch = Batch(
                 points=[Point(str(k), float(v), int(s), int(t)) for k, v, s, t in data["points"]],
                 events=[event_from_dict(e) for e in data["events"]],
+                steps=[StepBlock.from_json(b) for b in data.get("steps", [])],
             )
             try:
                 self._send(batch)
@@ -202,11 +181,12 @@ class TrackingHub:
         self._sinks = [_Sink(_isolated(t), self.spill_dir, retry_seconds) for t in self.trackers]
         self._queue: deque[tuple[str, Any]] = deque()
         self._wake = threading.Event()
-        self._specs: list[_Spec] = []
-        self._labels: dict[str, list[str]] = {}
+        self._budget: PointBudget | None = None
+        self._window_start = time.time()
         self._ended = False
         self._failure: tuple[str, str] | None = None
         self._last_step = 0
+        self.started = threading.Event()  # set once every tracker's start() returned (or failed)
         self._thread = threading.Thread(target=self._run, name="hdet-tracking-writer", daemon=True)
         self._thread.start()
         TrackingHub._instances.add(self)
@@ -214,17 +194,16 @@ class TrackingHub:
 
     # ------------------------------------------------------------------ training thread
     def start(self, run_start: RunStart) -> None:
+        self._window_start = run_start.time or time.time()
         self._put("start", run_start)
 
-    def window(self, payload: WindowPayload) -> None:
-        self._put("window", payload)
-
-    def event(self, event: Event) -> None:
-        self._put("event", event)
+    def record(self, record: SyncRecord, when: float | None = None) -> None:
+        """One sync's record (``when``: its wall time, default now)."""
+        self._put("record", (record, time.time() if when is None else when))
 
     def metrics(self, values: dict[str, float], step: int) -> None:
         """User metrics (e.g. validation loss) into the same run."""
-        self._put("metrics", (dict(values), int(step)))
+        self._put("metrics", (dict(values), int(step), time.time()))
 
     def note_step(self, step: int) -> None:
         self._last_step = step
@@ -234,7 +213,7 @@ class TrackingHub:
             logger.warning("hdet-track: the run has ended; dropping a late %s", kind)
             return
         self._queue.append((kind, item))
-        if kind != "window" or len(self._queue) > 64:
+        if kind != "record" or len(self._queue) > 64:
             self._wake.set()
 
     def flush(self, timeout: float | None = 60.0) -> bool:
@@ -264,7 +243,8 @@ class TrackingHub:
             return
         if self._failure is not None and status == "FINISHED":
             status, error = self._failure
-        self._put("end", RunEnd(status=status, step=self._last_step if step is None else step, error=error))
+        end = RunEnd(status=status, step=self._last_step if step is None else step, error=error, time=time.time())
+        self._put("end", end)
         self._ended = True
         self._wake.set()
         if wait:
@@ -290,6 +270,7 @@ class TrackingHub:
                 logger.warning("hdet-track: the tracking writer failed:\n%s", traceback.format_exc())
                 finished = self._ended and not self._queue
             if finished:
+                self.started.set()
                 deadline = time.monotonic() + self.shutdown_timeout
                 for sink in self._sinks:
                     sink.drain(deadline)
@@ -305,37 +286,30 @@ class TrackingHub:
         batch = Batch()
         flushes: list[threading.Event] = []
         end: RunEnd | None = None
-        ts = int(time.time() * 1000)
         while self._queue:
             kind, item = self._queue.popleft()
             if kind == "start":
-                self._specs = [_Spec(info) for info in item.explored]
-                self._labels = {s.name: s.labels for s in self._specs}
+                self._budget = PointBudget(item.total_steps or 1, log_every=self.log_every)
                 batch.events.append(item)
-            elif kind == "window":
-                records = expand_window(item, self._specs)
-                batch.events.extend(records)
-                n = len(item.losses)
-                for i in range(0, len(records), n):
-                    group = records[i : i + n]
-                    if group and group[0].step % self.log_every == 0:
-                        batch.points.extend(step_points(group, ts))
-            elif kind == "event":
-                batch.events.append(item)
-                if isinstance(item, Converge):
-                    batch.points.extend(converge_points(item, ts))
-                elif isinstance(item, ControllerDecision):
-                    batch.points.extend(controller_points(item, self._labels.get(item.name, []), ts))
+            elif kind == "record":
+                record, when = item
+                budget = self._budget or PointBudget(record.step, log_every=self.log_every)
+                mean_stride, replica_stride = budget.strides(record, when - self._window_start)
+                item = RecordItem(record, self._window_start, when, mean_stride, replica_stride, budget.total_steps)
+                batch.records.append(item)
+                self._window_start = when
             elif kind == "metrics":
-                values, step = item
-                batch.points.extend(Point(k, float(v), step, ts) for k, v in values.items())
+                values, step, when = item
+                batch.points.extend(metric_points(values, step, when))
             elif kind == "flush":
                 flushes.append(item)
             elif kind == "end":
                 end = item
-        if batch.events or batch.points:
+        if batch:
             for sink in self._sinks:
                 sink.deliver(batch)
+        if not self.started.is_set() and self._sinks and all(s.tracker.run_id or s.down_since for s in self._sinks):
+            self.started.set()
         if end is not None:
             for sink in self._sinks:
                 sink.deliver(Batch(events=[end]))

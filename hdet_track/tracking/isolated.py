@@ -35,6 +35,10 @@ def _serve(conn_in: Connection, conn_out: Connection) -> None:
         except (EOFError, OSError):
             return
         try:
+            if method == "log":
+                from .hub import materialize
+
+                args = (materialize(args[0]),)
             result = getattr(inner, method)(*args)
             if method == "start":
                 result = inner.run_id
@@ -46,7 +50,11 @@ def _serve(conn_in: Connection, conn_out: Connection) -> None:
 
 
 class IsolatedTracker(Tracker):
-    """Wraps ``inner`` (which must pickle before it is started) and runs it in a spawned process."""
+    """Wraps ``inner`` (which must pickle before it is started) and runs it in a spawned process.
+
+    Records reach the child as they are (compact arrays) and are expanded there."""
+
+    expands_records = True
 
     def __init__(self, inner: Tracker) -> None:
         self.inner = inner
@@ -87,6 +95,9 @@ class IsolatedTracker(Tracker):
         if not ok:
             raise RuntimeError(value)
         return value
+
+    def resume(self, run_id: str) -> None:
+        self.inner.resume(run_id)
 
     def start(self, run_start: RunStart) -> None:
         if self._run_id is None:

@@ -10,10 +10,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .. import names
 from ..events import RunEnd, RunStart
 from ._common import run_params, run_tags
 from .archive import ARTIFACT_DIR, EventArchive
-from .base import Batch, Tracker, register
+from .base import Batch, Tracker
 
 __all__ = ["MLflowTracker", "DEFAULT_EXPERIMENT"]
 
@@ -32,7 +33,6 @@ def _import_mlflow():
     return mlflow, MlflowClient
 
 
-@register
 class MLflowTracker(Tracker):
     """Log an HDET run to MLflow.
 
@@ -73,6 +73,8 @@ class MLflowTracker(Tracker):
         self._client: Any = None
         self._run_id: str | None = None
         self._attached = False
+        self._resume_id: str | None = None
+        self._skip_until = -1  # a resumed run: steps up to here are in the store already
         self._archive: EventArchive | None = None
         self._pending: list[Path] = []
 
@@ -86,6 +88,10 @@ class MLflowTracker(Tracker):
 
     def _adopt_run_id(self, run_id: str) -> None:
         self._run_id = run_id
+
+    def resume(self, run_id: str) -> None:
+        if not self._attach_id:
+            self._resume_id = run_id
 
     def start(self, run_start: RunStart) -> None:
         if self._run_id is not None:
@@ -103,30 +109,50 @@ class MLflowTracker(Tracker):
         if self.parent_run_id:
             tags["mlflow.parentRunId"] = self.parent_run_id
         attach = self._attach_id or os.environ.get("MLFLOW_RUN_ID")
+        resumed = None if attach else self._resume_id
         self._attached = bool(attach)
-        if attach:
-            run_id = client.get_run(attach).info.run_id
-        else:
-            run = client.create_run(exp_id, run_name=self.run_name, tags=tags)
+        existing: dict[str, str] = {}
+        start_index = 0
+        if attach or resumed:
+            run = client.get_run(attach or resumed)
             run_id = run.info.run_id
-        params = [Param(k, v) for k, v in run_params(run_start).items()]
+            existing = dict(run.data.params)
+            if resumed:
+                history = client.get_metric_history(run_id, names.SYNC_LEFT_OUT)
+                self._skip_until = max((m.step for m in history), default=-1)
+                chunks = [f.path for f in client.list_artifacts(run_id, ARTIFACT_DIR)]
+                start_index = max(
+                    (int(p.rsplit("-", 1)[1].split(".")[0]) for p in chunks if p.endswith(".parquet")), default=0
+                )
+                client.update_run(run_id, status="RUNNING")
+        else:
+            start_ms = int((run_start.time or time.time()) * 1000)
+            run = client.create_run(exp_id, start_time=start_ms, run_name=self.run_name, tags=tags)
+            run_id = run.info.run_id
+        params = [Param(k, v) for k, v in run_params(run_start).items() if k not in existing]
         run_tags_list = [RunTag(k, v) for k, v in tags.items()]
         for i in range(0, max(len(params), 1), _MAX_PARAMS):
             client.log_batch(run_id, params=params[i : i + _MAX_PARAMS], tags=run_tags_list if i == 0 else [])
         self._client = client
         self._run_id = run_id
         self._archive = EventArchive(
-            Path(tempfile.mkdtemp(prefix=f"hdet-{run_id[:8]}-")) / ARTIFACT_DIR, chunk_seconds=self.chunk_seconds
+            Path(tempfile.mkdtemp(prefix=f"hdet-{run_id[:8]}-")) / ARTIFACT_DIR,
+            chunk_seconds=self.chunk_seconds,
+            start_index=start_index,
         )
 
     def log(self, batch: Batch) -> None:
         from mlflow.entities import Metric
 
+        if self._skip_until >= 0:
+            batch = batch.after(self._skip_until)
         metrics = [Metric(p.key, p.value, p.timestamp_ms, p.step) for p in batch.points]
         for i in range(0, len(metrics), _MAX_METRICS):
             self._client.log_batch(self._run_id, metrics=metrics[i : i + _MAX_METRICS], synchronous=True)
         assert self._archive is not None
         self._archive.add(batch.events)
+        for block in batch.steps:
+            self._archive.add_steps(block)
         if self._archive.due():
             self._pending += self._archive.write()
         self._upload(strict=False)
@@ -158,4 +184,5 @@ class MLflowTracker(Tracker):
             self._client.set_tag(self._run_id, "hdet.error", run_end.error[-4900:])
         if self._attached and run_end.status == "FINISHED":
             return  # the run's owner (a Lightning logger, a parent script) ends it
-        self._client.set_terminated(self._run_id, status=run_end.status, end_time=int(time.time() * 1000))
+        end_ms = int((run_end.time or time.time()) * 1000)
+        self._client.set_terminated(self._run_id, status=run_end.status, end_time=end_ms)

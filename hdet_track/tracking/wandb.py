@@ -8,16 +8,19 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from .. import names
 from ..events import RunEnd, RunStart
 from ._common import run_params, run_tags
 from .archive import ARTIFACT_DIR, EventArchive
-from .base import Batch, Tracker, register
+from .base import Batch, Tracker
 
-__all__ = ["WandbTracker", "DEFAULT_PROJECT", "SYNC_STEP"]
+__all__ = ["WandbTracker", "DEFAULT_PROJECT", "SYNC_STEP", "STEP"]
 
 DEFAULT_PROJECT = "hdet"
-SYNC_STEP = "hdet/sync/step"
+STEP = names.STEP
+SYNC_STEP = names.SYNC_STEP
 _SYNC_PREFIXES = ("hdet/sync/", "hdet/controller/", "hdet/onecycle/")
+_STEP_GLOBS = (names.LOSS, names.LR, "hdet/replica_*")
 
 
 def _import_wandb():
@@ -28,10 +31,14 @@ def _import_wandb():
     return wandb
 
 
-@register
 class WandbTracker(Tracker):
     """Log an HDET run to W&B. ``WANDB_PROJECT``, ``WANDB_ENTITY``, ``WANDB_MODE`` (``offline`` works
     without a network) and ``WANDB_RUN_GROUP`` are honoured; the compare group becomes the run group.
+
+    Every row carries its own step (``hdet/step``, or ``hdet/sync/step`` for the per-sync series),
+    and every metric is plotted against it, so rows may reach W&B in any order. A resumed job
+    continues the run (``resume="allow"``; offline, W&B writes a second directory for the same run
+    id, which the reader merges).
     """
 
     name = "wandb"
@@ -58,7 +65,8 @@ class WandbTracker(Tracker):
         self.chunk_seconds = chunk_seconds
         self._run: Any = None
         self._archive: EventArchive | None = None
-        self._last_step = -1
+        self._resume_id: str | None = None
+        self._defined: set[str] = set()
 
     @property
     def run_id(self) -> str | None:
@@ -67,6 +75,10 @@ class WandbTracker(Tracker):
     @property
     def run(self) -> Any:
         return self._run
+
+    def resume(self, run_id: str) -> None:
+        if self._existing is None:
+            self._resume_id = run_id
 
     def start(self, run_start: RunStart) -> None:
         if self._run is not None:
@@ -87,31 +99,39 @@ class WandbTracker(Tracker):
             config=run_params(run_start),
             tags=[f"{k}={v}" for k, v in tags.items()][:20],
             reinit="create_new",
+            id=self._resume_id,
+            resume="allow" if self._resume_id else None,
         )
         self._setup(run, tags)
 
     def _setup(self, run: Any, tags: dict[str, str]) -> None:
+        run.define_metric(STEP, hidden=True)
         run.define_metric(SYNC_STEP, hidden=True)
         for prefix in _SYNC_PREFIXES:
             run.define_metric(f"{prefix}*", step_metric=SYNC_STEP)
+        for glob in _STEP_GLOBS:
+            run.define_metric(glob, step_metric=STEP)
         for k, v in tags.items():
             run.summary[k] = v
         self._run = run
         self._archive = EventArchive(Path(run.dir) / ARTIFACT_DIR, chunk_seconds=self.chunk_seconds)
 
     def log(self, batch: Batch) -> None:
-        by_step: dict[int, dict[str, float]] = defaultdict(dict)
+        rows: dict[tuple[str, int], dict[str, float]] = defaultdict(dict)
         for p in batch.points:
-            row = by_step[p.step]
-            row[p.key] = p.value
-            if p.key.startswith(_SYNC_PREFIXES):
-                row[SYNC_STEP] = p.step
-        for step in sorted(by_step):
-            # W&B drops points whose step goes backwards; keep them on the latest step instead.
-            self._run.log(by_step[step], step=max(step, self._last_step))
-            self._last_step = max(step, self._last_step)
+            axis = SYNC_STEP if p.key.startswith(_SYNC_PREFIXES) else STEP
+            builtin = p.key in (names.LOSS, names.LR) or p.key.startswith("hdet/replica_")
+            if axis == STEP and not builtin and p.key not in self._defined:
+                self._run.define_metric(p.key, step_metric=STEP)  # a user metric (val_loss, ...)
+                self._defined.add(p.key)
+            rows[(axis, p.step)][p.key] = p.value
+        for (axis, step), row in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+            row[axis] = step
+            self._run.log(row)
         assert self._archive is not None
         self._archive.add(batch.events)
+        for block in batch.steps:
+            self._archive.add_steps(block)
         if self._archive.due():
             self._archive.write()
 

@@ -8,7 +8,7 @@ from typing import NamedTuple
 import numpy as np
 import plotly.graph_objects as go
 
-from ..events import series_name
+from ..names import parse_series_key
 from ..readers.base import HDETRun
 from ._common import MAX_POINTS, color, downsample, empty_figure, layout
 
@@ -25,15 +25,8 @@ class FanoutInfo(NamedTuple):
     spread: float
 
 
-def _spread(run: HDETRun, name: str) -> float:
-    for e in run.explored:
-        if e["name"] == name:
-            return float(e["spread"])
-    return 0.0
-
-
 def _get_fanout_info(run: HDETRun, key: str = "lr", max_points: int = MAX_POINTS) -> FanoutInfo:
-    name = series_name(key)
+    name = parse_series_key(key)[0]
     replicas = []
     for r in range(run.world_size):
         steps, values = run.replica_series(key, r)
@@ -42,7 +35,7 @@ def _get_fanout_info(run: HDETRun, key: str = "lr", max_points: int = MAX_POINTS
             replicas.append((r, s, v))
     steps, base = run.mean_series(key)
     steps, base = downsample(steps, base, max_points)
-    spread = _spread(run, name)
+    spread = run.spread(name)
     return FanoutInfo(key, replicas, steps, base, base * (1 - spread), base * (1 + spread), spread)
 
 

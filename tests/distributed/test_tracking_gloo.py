@@ -52,7 +52,7 @@ def test_one_wandb_offline_run_holds_all_replicas(tmp_path):
     assert len(files) == 1
     contents = read_finished(files[0])
     assert contents.run_id == res[0]["run_ids"]["wandb"] and contents.group == "gloo-4"
-    rows = {row["_step"]: row for row in contents.history}
+    rows = {row["hdet/step"]: row for row in contents.history if "hdet/replica_00/lr" in row}
     for r in range(WORLD):
         for step, a, _, _ in res[r]["seen"]:
             assert rows[step][f"hdet/replica_{r:02d}/lr"] == pytest.approx(a, rel=1e-12)

@@ -94,6 +94,7 @@ def controller_direction(rank: int, world: int, prefer: str) -> dict:
         spread=0.4,
         sync_every=5,
         auto_lr=True,
+        controller="paper",
         auto_lr_warmup=10,
         explore=hps,
         temperature=0.05,
@@ -107,11 +108,7 @@ def controller_direction(rank: int, world: int, prefer: str) -> dict:
         opt.zero_grad()
         loss.backward()
         opt.step()
-        lr = (
-            opt.param_groups[0]["lr"] / sched.onecycle_lrs()[0]
-            if sched._base["lr"] is None
-            else opt.param_groups[0]["lr"] / sched.base_values("lr")[0]
-        )
+        lr = opt.param_groups[0]["lr"] / sched.base_values("lr")[0]
         wd = opt.param_groups[0]["weight_decay"] / 1e-3
         p = model[2].p / 0.2
         sched.step(sign * (lr + wd + p))
@@ -268,9 +265,6 @@ def tracked_job(rank: int, world: int, uri: str, backend: str, name: str = "hdet
         loss.backward()
         opt.step()
         seen.append((step + 1, opt.param_groups[0]["lr"], opt.param_groups[0]["weight_decay"], float(loss)))
-        if rank == 1 and step == nan_at:
-            with torch.no_grad():
-                model[0].weight[0, 0] = float("nan")
         if rank == 1 and step == nan_at:
             with torch.no_grad():
                 model[0].weight[0, 0] = float("nan")

@@ -1,0 +1,153 @@
+"""Every metric name and series key hdet-track writes or reads, in one place.
+
+Writers (the tracking backends) and readers (MLflow, W&B) both import this module, so a name
+changes in one place and the round trip ``parse(make(x)) == x`` is tested here.
+
+A *series key* names one target of one explored hyperparameter: the bare name for the first
+target (``lr``, ``weight_decay``), ``name/pg<g>`` for param group g > 0 and ``name/t<t>`` for other
+targets (``lr/pg1``, ``dropout/t2``). Hyperparameter names never contain ``/``, so a key splits
+at its only slash, whatever the name looks like (``grad_threshold``, ``wd_pg1``, ``drop_t2``).
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = [
+    "LOSS",
+    "LR",
+    "VAL_LOSS",
+    "VAL_ACCURACY",
+    "DIVERGED_AT_STEP",
+    "STEP",
+    "SYNC_STEP",
+    "SYNC_DIVERGENCE",
+    "SYNC_DIVERGENCE_MAX",
+    "SYNC_LEFT_OUT",
+    "SYNC_ROLLBACK",
+    "check_name",
+    "series_key",
+    "parse_series_key",
+    "legacy_series_key",
+    "replica_metric",
+    "parse_replica_metric",
+    "window_loss_metric",
+    "parse_window_loss_metric",
+    "controller_metric",
+    "parse_controller_metric",
+    "weight_metric",
+    "parse_weight_metric",
+    "onecycle_metric",
+    "CONTROLLER_FIELDS",
+]
+
+# Means over replicas, at every (logged) step: what MLflow's compare view plots.
+LOSS = "loss"
+LR = "lr"
+# Metrics the examples and the demo log (the comparison table reads them).
+VAL_LOSS = "val_loss"
+VAL_ACCURACY = "val_accuracy"
+DIVERGED_AT_STEP = "diverged_at_step"
+# Step axes in W&B rows (every row carries its own step, so rows may arrive in any order).
+STEP = "hdet/step"
+SYNC_STEP = "hdet/sync/step"
+# One point per sync.
+SYNC_DIVERGENCE = "hdet/sync/divergence"
+SYNC_DIVERGENCE_MAX = "hdet/sync/divergence_max"
+SYNC_LEFT_OUT = "hdet/sync/left_out"
+SYNC_ROLLBACK = "hdet/sync/rollback"
+CONTROLLER_FIELDS = ("base", "drift", "velocity", "delta", "evidence")
+
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
+_TARGET = re.compile(r"^(pg|t)(\d+)$")
+_REPLICA = re.compile(r"^hdet/replica_(\d+)/(.+)$")
+_WINDOW = re.compile(r"^hdet/sync/window_loss/replica_(\d+)$")
+_WEIGHT = re.compile(r"^hdet/controller/([^/]+)/weight/replica_(\d+)$")
+_CONTROLLER = re.compile(r"^hdet/controller/(.+)/(" + "|".join(CONTROLLER_FIELDS) + r")$")
+
+
+def check_name(name: str) -> str:
+    """``name`` if it is a valid explored-hyperparameter name, else ``ValueError``."""
+    if not isinstance(name, str) or not _NAME.match(name) or name == "lr":
+        raise ValueError(
+            f"Expected an explored hyperparameter name of letters, digits, '_', '.', '-' other than 'lr', but got {name!r}"
+        )
+    return name
+
+
+def series_key(name: str, target: int, label: str = "") -> str:
+    """The key of target ``target`` (labelled ``label``) of hyperparameter ``name``.
+
+    Example:
+        >>> series_key("lr", 0, "pg0"), series_key("lr", 1, "pg1"), series_key("dropout", 2, "net.3")
+        ('lr', 'lr/pg1', 'dropout/t2')
+    """
+    if target == 0:
+        return name
+    if label.startswith("pg") and label[2:].isdigit():
+        return f"{name}/{label}"
+    return f"{name}/t{target}"
+
+
+def parse_series_key(key: str) -> tuple[str, int]:
+    """``(name, target)`` of a series key (the inverse of :func:`series_key`)."""
+    name, sep, suffix = key.partition("/")
+    if not sep:
+        return name, 0
+    m = _TARGET.match(suffix)
+    if m is None:
+        raise ValueError(f"Expected a series key such as 'lr', 'lr/pg1' or 'dropout/t2', but got {key!r}")
+    return name, int(m.group(2))
+
+
+def legacy_series_key(name: str, target: int, label: str = "") -> str:
+    """The key runs written by hdet-track 0.1 (event schema 1) used: ``lr_pg1``, ``dropout_t2``."""
+    return series_key(name, target, label).replace("/", "_", 1)
+
+
+def replica_metric(replica: int, key: str) -> str:
+    """``hdet/replica_03/lr/pg1``: one replica's series (``key`` is ``loss`` or a series key)."""
+    return f"hdet/replica_{replica:02d}/{key}"
+
+
+def parse_replica_metric(metric: str) -> tuple[int, str] | None:
+    m = _REPLICA.match(metric)
+    return (int(m.group(1)), m.group(2)) if m else None
+
+
+def window_loss_metric(replica: int) -> str:
+    return f"hdet/sync/window_loss/replica_{replica:02d}"
+
+
+def parse_window_loss_metric(metric: str) -> int | None:
+    m = _WINDOW.match(metric)
+    return int(m.group(1)) if m else None
+
+
+def controller_metric(key: str, field: str) -> str:
+    """``hdet/controller/lr/pg1/base``: the controller's ``field`` for series ``key`` at each sync."""
+    if field not in CONTROLLER_FIELDS:
+        raise ValueError(f"Expected a controller field in {CONTROLLER_FIELDS}, but got {field!r}")
+    return f"hdet/controller/{key}/{field}"
+
+
+def parse_controller_metric(metric: str) -> tuple[str, str] | None:
+    """``(series key, field)`` of a controller metric, or None."""
+    m = _CONTROLLER.match(metric)
+    if m is None or "/weight/" in metric:
+        return None
+    return m.group(1), m.group(2)
+
+
+def weight_metric(name: str, replica: int) -> str:
+    return f"hdet/controller/{name}/weight/replica_{replica:02d}"
+
+
+def parse_weight_metric(metric: str) -> tuple[str, int] | None:
+    m = _WEIGHT.match(metric)
+    return (m.group(1), int(m.group(2))) if m else None
+
+
+def onecycle_metric(key: str) -> str:
+    """Plain OneCycleLR's value of series ``key`` (LR only) at each sync."""
+    return f"hdet/onecycle/{key}"

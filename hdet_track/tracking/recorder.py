@@ -1,0 +1,119 @@
+"""Tracking as a scheduler callback: the :class:`Recorder` turns what the scheduler hands over into
+one tracked run per job, written by rank 0's :class:`~hdet_track.tracking.hub.TrackingHub`."""
+
+from __future__ import annotations
+
+import platform
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from ..events import RunStart
+from ..record import RunInfo, SchedulerCallback, SyncRecord
+from .base import resolve_trackers
+
+__all__ = ["Recorder"]
+
+
+class Recorder(SchedulerCallback):
+    """Logs a job to its trackers (``HDETScheduler(track=...)`` builds one; build it on every rank).
+
+    Rank 0 owns the run; the other ranks' losses reach it in the records. A resumed job (the
+    scheduler loaded a checkpoint of a tracked job) continues that job's run when its tracker can.
+
+    Args:
+        track: ``True``, ``"mlflow"``, ``"wandb"``, a :class:`~hdet_track.tracking.Tracker` or a list.
+        log_every: keep at most every k-th step in the metric histories (the event archive keeps all).
+        compare_group: the ``hdet.compare_group`` tag (W&B run group) shared by runs to compare.
+        run_name: the run's name.
+        close_at_end: end the run when the scheduler reaches ``total_steps``; with False it stays
+            open for final metrics until ``close()``, the context manager's exit or the process's exit.
+    """
+
+    needs_divergence = True
+
+    def __init__(
+        self,
+        track: Any,
+        *,
+        rank: int = 0,
+        log_every: int = 1,
+        compare_group: str | None = None,
+        run_name: str | None = None,
+        close_at_end: bool = True,
+    ) -> None:
+        self.trackers = resolve_trackers(track)
+        self.log_every = log_every
+        self.compare_group = compare_group
+        self.run_name = run_name
+        self.close_at_end = close_at_end
+        self.created = time.time()  # the run's start time is the job's, whenever a backend writes it
+        self.total_steps = 0
+        self.hub: Any = None
+        if rank == 0 and self.trackers:
+            from .hub import TrackingHub
+
+            self.hub = TrackingHub(self.trackers, log_every=self.log_every)  # the run starts at the first step
+
+    def on_start(self, info: RunInfo) -> None:
+        self.total_steps = info.total_steps
+        if self.hub is None:
+            return
+        from .. import _version
+
+        for t in self.trackers:
+            if self.run_name and hasattr(t, "run_name") and not t.run_name:
+                t.run_name = self.run_name
+            if t.name in info.resumed_runs:
+                t.resume(info.resumed_runs[t.name])
+        import torch
+
+        start = RunStart(
+            config=info.config,
+            world_size=info.world_size,
+            schedule=info.schedule,
+            param_groups=info.param_groups,
+            explored=info.explored,
+            versions={
+                "hdet_track": _version.__version__,
+                "torch": torch.__version__,
+                "python": platform.python_version(),
+            },
+            hostnames=info.hostnames,
+            compare_group=self.compare_group,
+            time=self.created if info.start_step == 0 else time.time(),
+            controller=info.controller,
+            total_steps=info.total_steps,
+            start_step=info.start_step,
+        )
+        self.hub.start(start)
+
+    def on_sync(self, record: SyncRecord) -> None:
+        if self.hub is not None:
+            self.hub.record(record)
+
+    def on_step(self, step: int) -> None:
+        if self.hub is not None:
+            self.hub.note_step(step)
+            if step == self.total_steps and self.close_at_end and not self.hub.ended:
+                # Ends the run without waiting for the writer; flush(), close() or exit wait.
+                self.hub.close("FINISHED", None, step=step, wait=False)
+
+    def on_close(self, status: str, error: str | None, step: int) -> None:
+        if self.hub is not None:
+            self.hub.close(status, error, step=step)
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        if self.hub is not None:
+            self.hub.metrics(dict(metrics), step)
+
+    def flush(self, timeout: float | None = 60.0) -> bool:
+        return True if self.hub is None else self.hub.flush(timeout)
+
+    def run_ids(self, wait: float = 0.0) -> dict[str, str | None]:
+        """Rank 0: each backend's run id (waiting up to ``wait`` s for the run to be created)."""
+        if self.hub is None:
+            return {}
+        if wait > 0:
+            self.hub.started.wait(wait)
+        return {t.name or type(t).__name__: t.run_id for t in self.hub.trackers}
