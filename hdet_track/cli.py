@@ -181,9 +181,9 @@ def run_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.tracker == "mlflow":
         print()
         code = run_compare(None, None, group, "table")
-        source = uri or "sqlite:///mlflow.db"
-        print(f"\nOpen the dashboard:  hdet-track dashboard {source}")
-        print(f"Open MLflow's UI:    mlflow ui --backend-store-uri {source} --host 127.0.0.1")
+        print()
+        for line in closing_hints(uri or "sqlite:///mlflow.db", "mlflow"):
+            print(line)
         return code
     wandb_dir = os.environ.get("WANDB_DIR", ".")
     for r in results:
@@ -191,8 +191,50 @@ def run_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             f"{r['name']:>16}: val loss {r['val_loss']:.4f}, val accuracy {r['val_accuracy']:.3f}"
             + (f", diverged at step {r['diverged_at']}" if r["diverged_at"] else "")
         )
-    print(f"\nOpen the dashboard:  hdet-track dashboard {wandb_dir}")
+    print()
+    for line in closing_hints(wandb_dir, "wandb"):
+        print(line)
     return 0
+
+
+def command_for(script: str, module: str) -> str:
+    """How to type console script ``script`` (from this interpreter's environment) in the working directory.
+
+    The bare name when ``PATH`` finds this environment's copy; else its path (relative when it lies under
+    the working directory, as ``.venv/bin/hdet-track`` does right after ``bash bin/demo`` in a fresh clone);
+    else ``python -m module`` with this interpreter.
+    """
+    import os
+    import shlex
+    import shutil
+    import sysconfig
+
+    def typed(path: str) -> str:
+        rel = os.path.relpath(path)
+        if rel.startswith(os.pardir):
+            return shlex.quote(path)
+        return shlex.quote(rel if os.sep in rel else os.path.join(os.curdir, rel))  # never a bare name
+
+    scripts = sysconfig.get_path("scripts")
+    ours = shutil.which(script, path=scripts) if scripts else None
+    on_path = shutil.which(script)
+    if on_path and (ours is None or os.path.samefile(on_path, ours)):
+        return script
+    if ours:
+        return typed(ours)
+    return f"{typed(sys.executable)} -m {module}"
+
+
+def closing_hints(source: str, tracker: str) -> list[str]:
+    """The demo's last lines: commands that open its runs, ready to paste in the working directory."""
+    import shlex
+
+    source = shlex.quote(source)
+    lines = [f"Open the dashboard:  {command_for('hdet-track', 'hdet_track.cli')} dashboard {source}"]
+    if tracker == "mlflow":
+        mlflow = command_for("mlflow", "mlflow")
+        lines.append(f"Open MLflow's UI:    {mlflow} ui --backend-store-uri {source} --host 127.0.0.1")
+    return lines
 
 
 def run_compare(tracking_uri: str | None, experiment: str | None, group: str | None, fmt: str) -> int:
