@@ -182,6 +182,8 @@ class Controller:
 
     name = ""
     rollback = False  # whether the scheduler keeps the last good consensus for it
+    rollbacks = 0  # consecutive rollbacks so far
+    max_rollbacks = 0
 
     def bind(self, ctx: ControllerContext) -> None:
         self.ctx = ctx
@@ -349,6 +351,12 @@ class DriftController(Controller):
         min_backoff: a rollback cuts the LR drift by at least this factor (and by the ratio of the
             highest to the lowest multiplier when that is larger).
         max_rollbacks: consecutive rollbacks after which training stops (NonFiniteReplicasError).
+        warmup: steps before the drift starts moving (0: from the first sync); the guard acts
+            from the first sync regardless.
+        one_sided: the LR's drift goes up on evidence and down only when the guard acts (the
+            other hyperparameters move both ways). Evidence that smaller steps did better within a
+            window is biased (less noise now, less progress later; Wu et al., 2018), evidence that
+            larger ones did better is not biased that way, and a blow-up is unambiguous.
     """
 
     name = "drift"
@@ -364,6 +372,8 @@ class DriftController(Controller):
         rollback: bool = True,
         min_backoff: float = 2.0,
         max_rollbacks: int = 8,
+        warmup: int = 0,
+        one_sided: bool = True,
     ) -> None:
         inf = math.inf
         self.guard = check_number("guard", guard, 1.0, inf, low_open=True, high_open=True)
@@ -376,10 +386,13 @@ class DriftController(Controller):
         self.max_drift = check_number("max_drift", max_drift, 1.0, inf, low_open=True, high_open=True)
         self.min_backoff = check_number("min_backoff", min_backoff, 1.0, inf, low_open=True, high_open=True)
         self.max_rollbacks = check_int("max_rollbacks", max_rollbacks, 0)
+        self.warmup = check_int("warmup", warmup, 0)
         self.rollback = bool(rollback)
+        self.one_sided = bool(one_sided)
         self._drift: dict[str, list[float]] = {}
         self._evidence: dict[str, list[float]] = {}  # per name: [accumulated sum S, its variance V]
         self.rollbacks = 0  # consecutive
+        self.guard_events = 0  # backoffs and rollbacks so far: each halves the LR's upward step (at most 8x)
 
     def bind(self, ctx: ControllerContext) -> None:
         super().bind(ctx)
@@ -437,6 +450,8 @@ class DriftController(Controller):
 
     def update(self, stats: WindowStats, health: Health) -> Decision:
         self.rollbacks = 0
+        if stats.step < self.warmup:
+            return Decision()
         ok = [r for r, h in enumerate(health.healthy) if h]
         means = stats.window_losses
         se = window_noise(stats.losses[ok]) if ok else math.nan
@@ -447,8 +462,6 @@ class DriftController(Controller):
                 weights[r] = w
         guard: list[GuardAction] = []
         left = [r for r, h in enumerate(health.healthy) if not h]
-        if left:
-            guard.append(GuardAction("left_out", left, "; ".join(health.reasons[r] for r in left)))
         updates = {}
         for name in self.ctx.names:
             x = self._log_mults(name, stats)
@@ -457,13 +470,19 @@ class DriftController(Controller):
             s, v = self.forget * s + z, self.forget**2 * v + 1.0
             evidence = s / math.sqrt(v)
             excess = (abs(evidence) - self.dead_zone) / (self.full_step_at - self.dead_zone)
-            change = -math.copysign(self._full_step(name) * min(max(excess, 0.0), 1.0), evidence)
+            step = self._full_step(name) * (0.5 ** min(self.guard_events, 3) if name == "lr" else 1.0)
+            change = -math.copysign(step * min(max(excess, 0.0), 1.0), evidence)
+            if name == "lr" and self.one_sided and change < 0:
+                change = (
+                    0.0  # a window's loss favours the smaller step (short-horizon bias): only blow-ups lower the LR
+                )
             blown = [r for r in left if health.reasons[r].startswith("blown")]
             if name == "lr" and blown and ok and max(x[r] for r in blown) > max(x[r] for r in ok):
                 # The highest-LR replicas blew up: the base goes down one notch at least.
                 cut = max(x[r] for r in blown) - max(x[r] for r in ok)
                 change = min(change, -cut)
                 s = min(s, 0.0)
+                self.guard_events += 1
                 guard.append(GuardAction("backoff", blown, f"replicas {blown} with the highest LR blew up", change))
             self._evidence[name] = [s, v]
             refs = stats.references[name]
@@ -484,6 +503,7 @@ class DriftController(Controller):
 
     def rolled_back(self, stats: WindowStats) -> Decision:
         self.rollbacks += 1
+        self.guard_events += 1
         x = self._log_mults("lr", stats)
         cut = max(max(x) - min(x), math.log(self.min_backoff))
         refs = stats.references["lr"]
@@ -519,23 +539,30 @@ class DriftController(Controller):
         return {k: list(v) for k, v in self._drift.items()}
 
     def state_dict(self) -> dict:
-        return {"drift": dict(self._drift), "evidence": dict(self._evidence), "rollbacks": self.rollbacks}
+        return {
+            "drift": dict(self._drift),
+            "evidence": dict(self._evidence),
+            "rollbacks": self.rollbacks,
+            "guard_events": self.guard_events,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self._drift = {k: [float(x) for x in v] for k, v in state["drift"].items()}
         self._evidence = {k: [float(x) for x in v] for k, v in state["evidence"].items()}
         self.rollbacks = int(state.get("rollbacks", 0))
+        self.guard_events = int(state.get("guard_events", 0))
 
 
 CONTROLLERS = {"paper": PaperController, "drift": DriftController}
 
 
 def make_controller(spec: str | Controller, **paper_kwargs: float) -> Controller:
-    """A controller from ``controller=``: a name in :data:`CONTROLLERS` or an instance."""
+    """A controller from ``controller=``: a name in :data:`CONTROLLERS` or an instance. The paper
+    controller takes ``paper_kwargs``; the drift controller only their ``warmup``."""
     if isinstance(spec, Controller):
         return spec
     if spec == "paper":
         return PaperController(**paper_kwargs)  # type: ignore[arg-type]
     if spec == "drift":
-        return DriftController()
+        return DriftController(warmup=int(paper_kwargs.get("warmup", 0)))
     raise ValueError(f"Expected controller to be one of {sorted(CONTROLLERS)} or a Controller, but got {spec!r}")

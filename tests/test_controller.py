@@ -1,0 +1,221 @@
+"""The drift controller's math on constructed window losses (no training): direction, scale
+invariance, continuity, the guard's threshold, back-off and rollback; and its state round trip."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from hdet_track.controller import ControllerContext, DriftController, WindowStats, trend_evidence, window_noise
+from hdet_track.schedule import multipliers
+
+N, T = 4, 20
+RHO = multipliers(N, 0.5)  # 0.5, 0.833, 1.167, 1.5
+
+
+def context(names=("lr",), lr_bounds_given=False):
+    return ControllerContext(
+        names=list(names),
+        num_targets={n: 1 for n in names},
+        multipliers={n: RHO for n in names},
+        bounds={n: [(0.0, 1.0)] if n != "lr" else [(1e-7, 1.0)] for n in names},
+        lr_bounds_given=lr_bounds_given,
+        world_size=N,
+        total_steps=1000,
+        sync_every=T,
+        start_step=0,
+        div_factor=25.0,
+        final_div_factor=1e4,
+    )
+
+
+def stats(losses, step=20, perm=(0, 1, 2, 3), names=("lr",), finite=None, refs=None):
+    losses = np.asarray(losses, dtype=float)
+    return WindowStats(
+        step=step,
+        losses=losses,
+        counts=[int(np.isfinite(row).sum()) if np.isfinite(row).any() else T for row in losses],
+        sums=[float(row.sum()) for row in losses],
+        finite=list(finite) if finite is not None else [True] * len(losses),
+        perms={n: list(perm) for n in names},
+        values={n: [[0.0]] * len(losses) for n in names},
+        references=refs or {n: [0.1] for n in names},
+    )
+
+
+def windows(levels, noise=0.01, seed=0, start=None):
+    """Per-step losses: replica r's window sits at ``levels[r]`` with white noise; all start at ``start``."""
+    rng = np.random.default_rng(seed)
+    out = np.array([level + noise * rng.standard_normal(T) for level in levels])
+    if start is not None:
+        out[:, 0] = start
+    return out
+
+
+def controller(**kw):
+    c = DriftController(**kw)
+    c.bind(context(kw.pop("names", ("lr",))))
+    return c
+
+
+def test_trend_evidence_hand_computed_and_scale_free():
+    x = [-1.0, 0.0, 1.0]
+    # slope of m on x is 0.5; sum x*m = 1.0; sqrt(sum x^2) = sqrt(2): z = 1 / (0.1 * sqrt 2)
+    assert trend_evidence(x, [1.0, 1.5, 2.0], 0.1) == pytest.approx(1.0 / (0.1 * math.sqrt(2)))
+    assert trend_evidence(x, [1000.0, 1500.0, 2000.0], 100.0) == pytest.approx(trend_evidence(x, [1.0, 1.5, 2.0], 0.1))
+    assert trend_evidence([0.0, 0.0], [1.0, 2.0], 0.1) == 0.0  # no spread of multipliers: no evidence
+    assert trend_evidence(x, [1.0, 1.5, 2.0], math.nan) == 0.0  # windows too short to estimate noise
+    assert trend_evidence(x, [1.0, 1.5, 2.0], 0.0) == 10.0  # noiseless and different: clipped
+
+
+def test_window_noise_is_the_standard_error_of_a_window_mean():
+    rng = np.random.default_rng(1)
+    sigma, steps = 0.3, 400
+    trend = np.linspace(2.0, 1.0, steps)  # training moves the loss within the window: detrended away
+    losses = np.array([trend + sigma * rng.standard_normal(steps) for _ in range(8)])
+    assert window_noise(losses) == pytest.approx(sigma / math.sqrt(steps), rel=0.15)
+    assert window_noise(losses * 1000) == pytest.approx(window_noise(losses) * 1000, rel=1e-9)
+    assert math.isnan(window_noise(np.ones((4, 2))))
+
+
+@pytest.mark.parametrize("scale", [1.0, 1000.0, 1e-3])
+def test_drift_goes_up_when_higher_lr_replicas_do_better_and_decisions_are_loss_scale_free(scale):
+    decisions = []
+    for s in (1.0, scale):
+        c = controller()
+        for k in range(1, 4):
+            # replica r holds multiplier r (perm identity): the higher the LR, the lower the loss
+            st = stats(s * windows([1.0, 0.98, 0.96, 0.94], seed=k), step=20 * k)
+            d = c.update(st, c.health(st))
+        decisions.append(c.drift["lr"] + d.weights + [u.velocity for u in d.updates["lr"]])
+    assert decisions[0][0] > 0.5  # a clear signal: full steps up
+    assert decisions[0] == pytest.approx(decisions[1], rel=1e-9)  # x1000 or x0.001: the same decisions
+
+
+def test_lr_does_not_go_down_on_evidence_but_other_hyperparameters_do():
+    c = DriftController()
+    c.bind(context(("lr", "weight_decay")))
+    for k in range(1, 4):
+        st = stats(windows([0.94, 0.96, 0.98, 1.0], seed=k), step=20 * k, names=("lr", "weight_decay"))
+        d = c.update(st, c.health(st))
+    assert c.drift["lr"] == [0.0]  # "smaller did better within a window" is the biased direction
+    assert c.drift["weight_decay"][0] < -0.5  # the same evidence moves weight decay down
+    assert d.updates["lr"][0].velocity > 3  # the evidence itself is kept for the dashboard
+    symmetric = DriftController(one_sided=False)
+    symmetric.bind(context())
+    for k in range(1, 4):
+        st = stats(windows([0.94, 0.96, 0.98, 1.0], seed=k), step=20 * k)
+        symmetric.update(st, symmetric.health(st))
+    assert symmetric.drift["lr"][0] < -0.5
+
+
+def test_noise_alone_moves_nothing():
+    c = controller()
+    for k in range(1, 30):
+        st = stats(windows([1.0] * N, noise=0.05, seed=k), step=20 * k)
+        c.update(st, c.health(st))
+    assert abs(c.drift["lr"][0]) < 0.3  # pure data noise: the dead zone keeps the drift near 0
+
+
+def test_continuity_base_is_the_reference_until_the_drift_moves():
+    c = controller()
+    assert c.base("lr", 0, 0.0123) == 0.0123  # bit for bit: OneCycle's own value before any move
+    st = stats(windows([1.0, 0.98, 0.96, 0.94]), refs={"lr": [0.05]})
+    d = c.update(st, c.health(st))
+    u = d.updates["lr"][0]
+    assert u.base_before == 0.05 and u.reference == 0.05
+    assert u.base_after == pytest.approx(0.05 * math.exp(c.drift["lr"][0]))
+    assert c.base("lr", 0, 0.07) == pytest.approx(0.07 * math.exp(c.drift["lr"][0]))  # keeps OneCycle's shape
+
+
+@pytest.mark.parametrize(("top", "blown"), [(1.9, False), (2.1, True), (math.inf, True), (math.nan, True)])
+def test_guard_threshold_and_backoff(top, blown):
+    """Replica 3 (the highest LR) ends the window at ``top`` x the others' level (1.0)."""
+    c = controller(guard=2.0)
+    losses = windows([1.0, 1.0, 1.0, 1.0], noise=0.001, start=1.0)
+    losses[3, 1:] = top
+    st = stats(losses)
+    health = c.health(st)
+    assert health.healthy == [True, True, True, not blown]
+    assert not health.rollback
+    d = c.update(st, health)
+    if blown:
+        assert "blown up" in health.reasons[3] or "non-finite" in health.reasons[3]
+        assert d.weights[3] == 0.0
+    if blown and math.isfinite(top):
+        (backoff,) = d.guard
+        assert backoff.kind == "backoff" and backoff.replicas == [3]
+        # one notch: from the highest multiplier down to the highest healthy one
+        assert c.drift["lr"][0] == pytest.approx(-(math.log(RHO[3]) - math.log(RHO[2])))
+    if not blown:
+        assert d.guard == []
+
+
+def test_guard_uses_the_window_start_and_is_off_for_non_positive_losses():
+    c = controller(guard=2.0)
+    losses = windows([0.5, 0.5, 0.5, 0.5], noise=0.001, start=0.2)  # every replica rose 2.5x from the start
+    assert c.health(stats(losses)).healthy == [False] * 4
+    assert c.health(stats(losses)).rollback
+    negative = windows([-1.0, -1.0, -1.0, -3.5], noise=0.001)  # a log-likelihood: ratios mean nothing
+    assert c.health(stats(negative)).healthy == [True] * 4
+
+
+def test_rollback_cuts_the_drift_at_least_by_min_backoff_and_halves_later_steps():
+    c = controller(min_backoff=2.0)
+    st = stats(windows([5.0] * N, start=1.0))
+    assert c.health(st).rollback
+    d = c.rolled_back(st)
+    (action,) = d.guard
+    assert action.kind == "rollback" and action.replicas == [0, 1, 2, 3]
+    assert c.drift["lr"][0] == pytest.approx(-math.log(RHO[3] / RHO[0]))  # log 3 > log 2
+    assert c.rollbacks == 1
+    before = c.drift["lr"][0]
+    st = stats(windows([1.0, 0.9, 0.8, 0.7], seed=3))
+    c.update(st, c.health(st))
+    assert c.rollbacks == 0  # a healthy sync ends the streak
+    full = (math.log(RHO[3]) - math.log(RHO[0])) / 2
+    assert 0 < c.drift["lr"][0] - before <= full / 2 + 1e-12  # up again, at half the step
+
+
+def test_drift_stays_within_max_drift_and_explicit_bounds():
+    c = controller(max_drift=4.0)
+    for k in range(1, 20):
+        st = stats(windows([1.0, 0.9, 0.8, 0.7], seed=k), step=20 * k)
+        c.update(st, c.health(st))
+    assert c.drift["lr"][0] == pytest.approx(math.log(4.0))
+    bounded = DriftController()
+    bounded.bind(context(lr_bounds_given=True))
+    for k in range(1, 20):
+        st = stats(windows([1.0, 0.9, 0.8, 0.7], seed=k), step=20 * k, refs={"lr": [0.5]})
+        d = bounded.update(st, bounded.health(st))
+    assert d.updates["lr"][0].base_after == pytest.approx(1.0)  # lr_bounds (1e-7, 1.0) given: the base stays in
+
+
+def test_state_dict_round_trip():
+    a = controller()
+    for k in range(1, 5):
+        st = stats(windows([1.0, 0.95, 0.9, 0.85], seed=k), step=20 * k)
+        a.update(st, a.health(st))
+    b = controller()
+    b.load_state_dict(a.state_dict())
+    st = stats(windows([1.0, 0.97, 0.9, 0.88], seed=9), step=100)
+    assert a.update(st, a.health(st)) == b.update(st, b.health(st))
+    assert a.drift == b.drift
+
+
+@pytest.mark.parametrize(
+    ("kw", "pattern"),
+    [
+        ({"guard": 1.0}, r"guard in \(1.0, inf\), but got 1.0"),
+        ({"forget": 1.0}, r"forget in \[0.0, 1.0\)"),
+        ({"dead_zone": 2.0, "full_step_at": 1.0}, "full_step_at"),
+        ({"step": 0}, "step"),
+        ({"max_drift": 0.5}, "max_drift"),
+        ({"max_rollbacks": -1}, "max_rollbacks to be an integer >= 0"),
+    ],
+)
+def test_bad_arguments(kw, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        DriftController(**kw)
