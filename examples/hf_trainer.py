@@ -10,11 +10,14 @@ its replicas itself (torch's elastic launcher, gloo, 127.0.0.1), as torchrun wou
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import signal
 import sysconfig
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 import hdet_track
 from hdet_track.launch import launch_local
@@ -46,12 +49,23 @@ class Chunks(torch.utils.data.Dataset):
         return {"input_ids": x, "labels": x.clone()}
 
 
-def main_worker(steps: int, out_dir: str, dump: str | None = None, callback: bool = False) -> None:
+def main_worker(
+    steps: int,
+    out_dir: str,
+    dump: str | None = None,
+    callback: bool = False,
+    save_steps: int = 0,
+    kill_at: int = 0,
+    resume: bool = False,
+) -> None:
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
     torch.manual_seed(0)  # the same initial weights on every replica
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=96, n_positions=SEQ, n_embd=32, n_layer=1, n_head=2))
-    report = os.environ.get("HDET_TRACKER", "mlflow")
+    # no dropout: a resumed run then repeats the uninterrupted one exactly (the tests compare them)
+    config = GPT2Config(vocab_size=96, n_positions=SEQ, n_embd=32, n_layer=1, n_head=2)
+    config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
+    model = GPT2LMHeadModel(config)
+    report = os.environ.get("HF_REPORT_TO", os.environ.get("HDET_TRACKER", "mlflow"))
     args = TrainingArguments(
         output_dir=out_dir,
         max_steps=steps,
@@ -59,8 +73,9 @@ def main_worker(steps: int, out_dir: str, dump: str | None = None, callback: boo
         learning_rate=3e-3,
         warmup_steps=steps // 10,
         logging_steps=10,
-        save_strategy="no",
-        report_to=[report],
+        save_strategy="steps" if save_steps else "no",
+        save_steps=save_steps or 500,
+        report_to=[] if report == "none" else [report],
         use_cpu=True,
         ddp_backend="gloo",
         disable_tqdm=True,
@@ -77,24 +92,36 @@ def main_worker(steps: int, out_dir: str, dump: str | None = None, callback: boo
         )
     else:  # the one line
         trainer = hdet_track.wrap(Trainer(model=model, args=args, train_dataset=Chunks(corpus())), **hdet)
-    if dump:  # test hook: each rank's parameters after every optimizer step
+    if dump:  # test hook: each rank's parameters and learning rate after every optimizer step
 
         class Dump(TrainerCallback):
-            def on_step_end(self, args, state, control, model=None, **kwargs):
+            def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
                 flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
                 torch.save(flat, os.path.join(dump, f"rank{args.process_index}-step{state.global_step}.pt"))
+                with open(os.path.join(dump, f"lr{args.process_index}.jsonl"), "a") as f:
+                    f.write(json.dumps([state.global_step, optimizer.param_groups[0]["lr"]]) + "\n")
 
         trainer.add_callback(Dump())
-    trainer.train()
+    if kill_at:  # test hook: the whole job dies right after the checkpoint at this step
+
+        class Kill(TrainerCallback):
+            def on_save(self, args, state, control, **kwargs):
+                if state.global_step == kill_at:
+                    trainer.lr_scheduler.flush()
+                    dist.barrier()
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+        trainer.add_callback(Kill())
+    trainer.train(resume_from_checkpoint=True if resume else None)
 
 
-def _entry(steps: int, out_dir: str, dump: str | None, callback: bool) -> None:
+def _entry(steps: int, out_dir: str, dump: str | None, callback: bool, extra: dict) -> None:
     torch.set_num_threads(1)
-    main_worker(steps, out_dir, dump, callback)
+    main_worker(steps, out_dir, dump, callback, **extra)
 
 
-def launch(replicas: int, steps: int, out_dir: str, dump: str | None = None, callback: bool = False) -> None:
-    launch_local(_entry, replicas, steps, out_dir, dump, callback)
+def launch(replicas: int, steps: int, out_dir: str, dump: str | None = None, callback: bool = False, **extra) -> None:
+    launch_local(_entry, replicas, steps, out_dir, dump, callback, extra)
 
 
 if __name__ == "__main__":
@@ -103,6 +130,10 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--output-dir", default="hf-output")
     parser.add_argument("--callback", action="store_true", help="use HDETTrainerCallback instead of wrap()")
+    parser.add_argument("--save-steps", type=int, default=0, help="save a checkpoint every N steps")
+    parser.add_argument("--resume", action="store_true", help="resume from the last checkpoint in --output-dir")
     parser.add_argument("--dump", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--kill-at", type=int, default=0, help=argparse.SUPPRESS)
     a = parser.parse_args()
-    launch(a.replicas, a.steps, a.output_dir, a.dump, a.callback)
+    extra = {"save_steps": a.save_steps, "kill_at": a.kill_at, "resume": a.resume}
+    launch(a.replicas, a.steps, a.output_dir, a.dump, a.callback, **extra)

@@ -9,7 +9,9 @@ OneCycleLR; HDETCallback takes it over. With HDET_TRACKER=wandb it logs through 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import signal
 
 import lightning.pytorch as pl
 import torch
@@ -39,7 +41,7 @@ class Digits(pl.LightningModule):
 
 
 class DumpAfterSync(pl.Callback):
-    """Test hook: save this rank's flat parameters after every optimizer step."""
+    """Test hook: save this rank's flat parameters and learning rate after every optimizer step."""
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
@@ -47,16 +49,41 @@ class DumpAfterSync(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         flat = torch.cat([p.detach().reshape(-1) for p in pl_module.parameters()])
         torch.save(flat, os.path.join(self.directory, f"rank{trainer.global_rank}-step{trainer.global_step}.pt"))
+        lr = trainer.optimizers[0].param_groups[0]["lr"]
+        with open(os.path.join(self.directory, f"lr{trainer.global_rank}.jsonl"), "a") as f:
+            f.write(json.dumps([trainer.global_step, lr]) + "\n")
+
+
+class KillAfter(pl.Callback):
+    """Test hook: the whole job dies (SIGKILL) once the checkpoint at step ``step`` is written."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            hdet = next(c for c in trainer.callbacks if isinstance(c, HDETCallback))
+            hdet.scheduler.flush()
+            trainer.strategy.barrier()
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps into --ckpt-dir")
+    parser.add_argument("--ckpt-dir", default="checkpoints")
+    parser.add_argument("--resume", default=None, help="a checkpoint file to resume from (fit(ckpt_path=...))")
+    parser.add_argument("--run-id", default=None, help="the MLflow run to log into (a resumed job's)")
     parser.add_argument("--dump", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--kill-at", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     x, y, _, _ = load_digits_split()
-    loader = DataLoader(TensorDataset(x, y), batch_size=64, shuffle=True, generator=torch.Generator().manual_seed(0))
+    # 1,280 images: 10 steps per epoch on 2 replicas, so epochs (and resumes at their ends) see the same order
+    loader = DataLoader(
+        TensorDataset(x[:1280], y[:1280]), batch_size=64, shuffle=True, generator=torch.Generator().manual_seed(0)
+    )
     if os.environ.get("HDET_TRACKER") == "wandb":
         from lightning.pytorch.loggers import WandbLogger
 
@@ -67,11 +94,20 @@ def main() -> None:
         logger = MLFlowLogger(
             experiment_name=os.environ.get("MLFLOW_EXPERIMENT_NAME", "hdet"),
             tracking_uri=os.environ.get("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db"),
+            run_id=args.run_id,
         )
     # HDET's callback must come first so that the dump sees the averaged parameters.
     callbacks = [HDETCallback(spread=0.3, sync_every=20, auto_lr=True, auto_lr_warmup=args.steps // 4)]
     if args.dump:
         callbacks.append(DumpAfterSync(args.dump))
+    if args.save_every:
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        callbacks.append(
+            ModelCheckpoint(args.ckpt_dir, filename="{step}", every_n_train_steps=args.save_every, save_top_k=-1)
+        )
+    if args.kill_at:
+        callbacks.append(KillAfter(args.kill_at))
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=args.replicas,
@@ -81,10 +117,10 @@ def main() -> None:
         logger=logger,
         callbacks=callbacks,
         enable_progress_bar=False,
-        enable_checkpointing=False,
+        enable_checkpointing=bool(args.save_every),
         enable_model_summary=False,
     )
-    trainer.fit(Digits(args.steps), loader)
+    trainer.fit(Digits(args.steps), loader, ckpt_path=args.resume)
 
 
 if __name__ == "__main__":

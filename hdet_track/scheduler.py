@@ -205,6 +205,8 @@ class HDETScheduler(OneCycleLR):
         self._lr_bounds_given = lr_bounds is not None
         self._callbacks: list[SchedulerCallback] = list(callbacks) + ([recorder] if recorder is not None else [])
         self._recorder = recorder
+        if recorder is not None:
+            recorder.attach_info(lambda: self.run_info(gather=False))
         self._config = config
         self._onecycle: list[float] = []
         self._window: list[float | torch.Tensor | None] = []  # this replica's losses since the last sync
@@ -352,14 +354,30 @@ class HDETScheduler(OneCycleLR):
         if k % self.sync_every == 0 or k == self.total_steps:
             record = self._sync(k)
             super().step()
-            self._apply_explored()
-            self.last_sync = record
-            for cb in self._callbacks:
-                cb.on_sync(record)
+            self._synced(record)
         else:
             super().step()
         for cb in self._callbacks:
             cb.on_step(k)
+
+    def sync_now(self) -> SyncRecord | None:
+        """Converge now instead of at the next multiple of ``sync_every`` (the schedule of later
+        syncs is unchanged); a collective: every rank calls it after the same step. Integrations call
+        it before a checkpoint, so that the checkpoint holds one consensus that every replica resumes
+        from. Returns the sync's record (None right after a sync: nothing to converge).
+        """
+        if not self._window:
+            return None
+        record = self._sync(self.last_epoch)
+        self._refresh()  # the next step's values, from the new drift and permutations
+        self._synced(record)
+        return record
+
+    def _synced(self, record: SyncRecord) -> None:
+        self._apply_explored()
+        self.last_sync = record
+        for cb in self._callbacks:
+            cb.on_sync(record)
 
     def _checked_loss(self, loss: float | torch.Tensor | None) -> float | torch.Tensor | None:
         if loss is None:
@@ -500,8 +518,9 @@ class HDETScheduler(OneCycleLR):
         )
 
     # ------------------------------------------------------------------ callbacks and tracking
-    def run_info(self) -> RunInfo:
-        """What callbacks receive at the start: configuration, replicas, explored hyperparameters."""
+    def run_info(self, gather: bool = True) -> RunInfo:
+        """What callbacks receive at the start: configuration, replicas, explored hyperparameters
+        (``gather=False``: without the collective that gathers every rank's host name)."""
         explored = [
             ExploredSpec(
                 name=name,
@@ -528,7 +547,9 @@ class HDETScheduler(OneCycleLR):
             explored=explored,
             total_steps=self.total_steps,
             start_step=max(self.last_epoch, 0),
-            hostnames=[str(h) for h in collectives.all_gather_objects(socket.gethostname(), self._group)],
+            hostnames=[str(h) for h in collectives.all_gather_objects(socket.gethostname(), self._group)]
+            if gather
+            else [socket.gethostname()],
             resumed_runs=dict(self._resumed_runs),
         )
 
@@ -560,6 +581,7 @@ class HDETScheduler(OneCycleLR):
             close_at_end=False,
         )
         self._config.update(log_every=log_every, compare_group=compare_group, run_name=run_name)
+        self._recorder.attach_info(lambda: self.run_info(gather=False))
         self._callbacks.append(self._recorder)
 
     @property
@@ -601,15 +623,21 @@ class HDETScheduler(OneCycleLR):
             self.close("KILLED" if issubclass(exc_type, KeyboardInterrupt) else "FAILED", text)
 
     # ------------------------------------------------------------------ checkpoints
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, all_ranks: bool = False) -> dict[str, Any]:
         """Everything needed to resume exactly: OneCycle's state, the permutations and their
-        generators, the controller's state, the partial window, the kept consensus (with the drift
-        controller's rollback: one copy of the parameters), and the tracked runs' ids (so a resumed
-        job continues the same run). Tracking flags are never saved.
+        generators, the controller's state, this rank's partial window, the kept consensus (with
+        the drift controller's rollback: one copy of the parameters), and the tracked runs' ids
+        (so that a resumed job continues the same run). Tracking flags are never saved.
+
+        Args:
+            all_ranks: gather every rank's partial window too (a collective: call it on every
+                rank), for checkpoints that only rank 0 writes; each rank then resumes its own.
 
         Only plain Python values and tensors, so ``torch.load(weights_only=True)`` reads it.
         """
-        return {
+        window = {"losses": [None if x is None else float(x) for x in self._window], "onecycle": list(self._trace)}
+        runs = self._recorder.run_ids(wait=30.0) if self._recorder is not None else {}
+        state = {
             "format": _FORMAT,
             "onecycle": {k: self.__dict__[k] for k in sorted(self._onecycle_keys)},
             "world_size": self._world_size,
@@ -619,13 +647,13 @@ class HDETScheduler(OneCycleLR):
             "controller": None
             if self._controller is None
             else {"name": self._controller.name, "state": self._controller.state_dict()},
-            "window": {
-                "losses": [None if x is None else float(x) for x in self._window],
-                "onecycle": list(self._trace),
-            },
+            "window": window,
             "averager": self._averager.state_dict(),
-            "runs": {k: v for k, v in (self._recorder.run_ids(wait=30.0) if self._recorder else {}).items() if v},
+            "runs": {k: v for k, v in runs.items() if v},
         }
+        if all_ranks:
+            state["windows"] = {r: w for r, w in enumerate(collectives.all_gather_objects(window, self._group))}
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output (or hdet-track 0.1's) and re-apply this rank's values.
@@ -659,8 +687,9 @@ class HDETScheduler(OneCycleLR):
             self._gens[name].set_state(gen_state)
         if self._controller is not None:
             self._controller.load_state_dict(saved["state"])
-        self._window = list(state["window"]["losses"])
-        self._trace = [list(x) for x in state["window"]["onecycle"]]
+        window = state.get("windows", {}).get(self._rank, state["window"])  # this rank's own, when saved
+        self._window = list(window["losses"])
+        self._trace = [list(x) for x in window["onecycle"]]
         self._averager.load_state_dict(state.get("averager", {}))
         self._resumed_runs = dict(state.get("runs", {}))
         self._refresh()

@@ -17,6 +17,7 @@ def _isolated_tracking_env(monkeypatch, tmp_path):
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb-root"))
     (tmp_path / "wandb-root").mkdir()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # spills of http stores land here
     monkeypatch.chdir(tmp_path)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -12,14 +13,26 @@ import torch
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
-def run_example(name: str, args: list[str], cwd: Path, env_update: dict[str, str]) -> None:
-    """Run examples/``name`` with a clean tracking environment plus ``env_update``."""
+def run_example(name: str, args: list[str], cwd: Path, env_update: dict[str, str], ok: bool = True) -> None:
+    """Run examples/``name`` with a clean tracking environment plus ``env_update``; it must exit 0
+    (or, with ``ok=False``, must not)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "HDET_", "WANDB_"))}
     env.update(env_update)
     proc = subprocess.run(
         [sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True, timeout=600, cwd=cwd, env=env
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert (proc.returncode == 0) == ok, proc.stderr[-4000:]
+
+
+def dumped_lrs(dump: Path, replicas: int = 2) -> list[dict[int, float]]:
+    """Each replica's learning rate per optimizer step, as the examples' test hook wrote them."""
+    out = []
+    for r in range(replicas):
+        rows = [json.loads(line) for line in (dump / f"lr{r}.jsonl").read_text().splitlines()]
+        steps = [s for s, _ in rows]
+        assert len(steps) == len(set(steps)), f"a step was taken twice on replica {r}"
+        out.append(dict(rows))
+    return out
 
 
 def assert_synced_only_at(dump: Path, synced: list[int], between: int) -> None:

@@ -7,7 +7,7 @@ import glob
 import pytest
 import torch
 
-from .examples_helpers import assert_synced_only_at, run_example
+from .examples_helpers import assert_synced_only_at, dumped_lrs, run_example
 from .test_tracking_wandb import read_finished
 
 pytest.importorskip("transformers")
@@ -89,3 +89,49 @@ def test_gradient_accumulation_counts_one_hdet_step_per_optimizer_step(tmp_path)
     assert isinstance(sched, hdet_track.HDETScheduler)
     assert sched.total_steps == 6 and sched.last_epoch == 6  # 18 micro-batches, 6 optimizer steps
     assert sched.last_sync is not None and sched.last_sync.weights is not None  # fed with losses
+
+
+def test_resume_from_checkpoint_continues_the_schedule_and_the_run(tmp_path):
+    """Killed right after a mid-window checkpoint, resumed with resume_from_checkpoint: every
+    replica's LR at every step is the uninterrupted job's, and one MLflow run holds each step once."""
+    from mlflow.tracking import MlflowClient
+
+    from hdet_track.readers.mlflow import MLflowReader
+
+    args = ["--steps", "40", "--save-steps", "15"]  # sync every 10: the checkpoint at 15 is mid-window
+    full, part = tmp_path / "full", tmp_path / "part"
+    full.mkdir(), part.mkdir()
+    env = {"HF_REPORT_TO": "none"}  # HDET's own tracker (track=True) owns the run
+    full_uri, uri = f"sqlite:///{tmp_path / 'full.db'}", f"sqlite:///{tmp_path / 'resumed.db'}"
+    run_example(
+        "hf_trainer.py",
+        [*args, "--output-dir", str(tmp_path / "o1"), "--dump", str(full)],
+        tmp_path,
+        env | {"MLFLOW_TRACKING_URI": full_uri},
+    )
+    out = str(tmp_path / "o2")
+    env |= {"MLFLOW_TRACKING_URI": uri}
+    run_example(
+        "hf_trainer.py", [*args, "--output-dir", out, "--dump", str(part), "--kill-at", "15"], tmp_path, env, ok=False
+    )
+    client = MlflowClient(uri)
+    (killed,) = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
+    run_example("hf_trainer.py", [*args, "--output-dir", out, "--dump", str(part), "--resume"], tmp_path, env)
+    expected, got = dumped_lrs(full), dumped_lrs(part)
+    for r in range(2):
+        assert sorted(got[r]) == list(range(1, 41))
+        assert [got[r][k] for k in range(1, 41)] == [expected[r][k] for k in range(1, 41)], r
+    runs = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
+    assert [r.info.run_id for r in runs] == [killed.info.run_id]  # the resumed job continued the same run
+    assert runs[0].info.status == "FINISHED"
+    run = MLflowReader(uri).read(killed.info.run_id)
+    full_client = MlflowClient(full_uri)
+    (reference,) = [r for e in full_client.search_experiments() for r in full_client.search_runs([e.experiment_id])]
+    reference = MLflowReader(full_uri).read(reference.info.run_id)
+    for r in range(2):
+        steps, lrs = run.replica_series("lr", r)
+        assert list(steps) == list(range(1, 41))  # every step once: none doubled, none dropped
+        assert list(lrs) == list(reference.replica_series("lr", r)[1])  # the uninterrupted run's, exactly
+    history = [m.step for m in client.get_metric_history(killed.info.run_id, "hdet/replica_01/loss")]
+    assert len(history) == len(set(history))
+    assert [e.step for e in run.converge] == [10, 15, 20, 30, 40]  # converged at the checkpoint too

@@ -6,7 +6,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from .examples_helpers import assert_synced_only_at, run_example
+from .examples_helpers import assert_synced_only_at, dumped_lrs, run_example
 
 pytest.importorskip("lightning")
 
@@ -65,3 +65,47 @@ def test_callback_builds_onecycle_from_max_lr_and_steps_once_per_optimizer_step(
     assert sched is not None and sched.total_steps == 10
     assert sched.last_epoch == 10 and trainer.global_step == 10  # 20 batches, 10 optimizer steps
     assert sched.last_sync is not None and sched.last_sync.weights is not None  # the controller ran
+
+
+def test_ckpt_path_resumes_the_schedule_and_the_run(tmp_path):
+    """Killed right after a mid-window checkpoint (step 30, syncs every 20), resumed with
+    fit(ckpt_path=...): every replica's LR at every step is the uninterrupted job's (which
+    checkpoints at the same step); one MLflow run holds each step once."""
+    from hdet_track.readers.mlflow import MLflowReader
+
+    full, part = tmp_path / "full", tmp_path / "part"
+    full.mkdir(), part.mkdir()
+    full_uri, uri = f"sqlite:///{tmp_path / 'full.db'}", f"sqlite:///{tmp_path / 'pl.db'}"
+    common = ["--steps", "60", "--save-every", "30"]
+    run_example(
+        "lightning_ddp.py",
+        [*common, "--ckpt-dir", str(tmp_path / "c1"), "--dump", str(full)],
+        tmp_path,
+        {"MLFLOW_TRACKING_URI": full_uri},
+    )
+    ckpts = str(tmp_path / "c2")
+    killed = [*common, "--ckpt-dir", ckpts, "--dump", str(part), "--kill-at", "30"]
+    run_example("lightning_ddp.py", killed, tmp_path, {"MLFLOW_TRACKING_URI": uri}, ok=False)
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("hdet").experiment_id])
+    resume = ["--resume", f"{ckpts}/step=30.ckpt", "--run-id", run.info.run_id]
+    run_example(
+        "lightning_ddp.py",
+        [*common, "--ckpt-dir", ckpts, "--dump", str(part), *resume],
+        tmp_path,
+        {"MLFLOW_TRACKING_URI": uri},
+    )
+    expected, got = dumped_lrs(full), dumped_lrs(part)
+    for r in range(2):
+        assert sorted(got[r]) == list(range(1, 61))
+        assert [got[r][k] for k in range(1, 61)] == [expected[r][k] for k in range(1, 61)], r
+    assert len(client.search_runs([client.get_experiment_by_name("hdet").experiment_id])) == 1
+    read = MLflowReader(uri).read(run.info.run_id)
+    full = MlflowClient(full_uri)
+    (reference,) = full.search_runs([full.get_experiment_by_name("hdet").experiment_id])
+    reference = MLflowReader(full_uri).read(reference.info.run_id)
+    for r in range(2):
+        steps, lrs = read.replica_series("lr", r)
+        assert list(steps) == list(range(1, 61))
+        assert list(lrs) == list(reference.replica_series("lr", r)[1])  # the uninterrupted run's, exactly
+    assert [e.step for e in read.converge] == [20, 30, 40, 60]  # converged at the checkpoint too

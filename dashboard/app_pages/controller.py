@@ -23,11 +23,16 @@ if run is not None:
         fresh = load_run(run.run_id)
         series = fresh.controller_series(name, target)
         if len(series["step"]):
-            m1, m2, m3 = st.columns(3)
+            m1, m2, m3, m4 = st.columns(4)
             m1.metric("base", f"{series['base'][-1]:.4g}")
             drift = series["drift"][-1]
-            m2.metric("drift vs OneCycle", f"{drift:.3g}x" if np.isfinite(drift) else "n/a")
+            m2.metric("drift vs reference", f"{drift:.3g}x" if np.isfinite(drift) else "n/a")
             m3.metric("syncs with the controller", len(series["step"]))
+            m4.metric(
+                "backoffs / rollbacks",
+                f"{sum(g.action == 'backoff' for g in fresh.guard)} / "
+                f"{sum(g.action == 'rollback' for g in fresh.guard)}",
+            )
         st.plotly_chart(plot_controller(fresh, name, target, log_y=log_y), key="controller")
 
     charts()

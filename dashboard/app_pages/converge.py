@@ -1,11 +1,11 @@
-"""Converge: sync points, divergence before averaging, window losses and softmax weights, resets."""
+"""Converge: sync points, divergence before averaging, window losses and weights, the guard's actions."""
 
 from __future__ import annotations
 
 import streamlit as st
 from hdet_track.dashboard.state import live_every, load_run, selected_run
 
-from hdet_track.viz import plot_divergence, plot_sync_heatmap, plot_sync_loss
+from hdet_track.viz import guard_rows, plot_divergence, plot_sync_heatmap, plot_sync_loss
 
 st.header("Converge")
 run = selected_run()
@@ -15,11 +15,10 @@ if run is not None:
     def charts() -> None:
         fresh = load_run(run.run_id)
         st.plotly_chart(plot_sync_loss(fresh), key="sync_loss")
-        resets = [(c.step, r) for c in fresh.converge for r in c.left_out]
-        if resets:
-            st.error(
-                "Replicas reset for non-finite values: " + ", ".join(f"replica {r} at step {s}" for s, r in resets)
-            )
+        actions = guard_rows(fresh)
+        if actions:
+            st.error(f"The guard acted {len(actions)} times: replicas left out and reset, backoffs, rollbacks")
+            st.dataframe(actions, hide_index=True, key="guard")
         st.plotly_chart(plot_divergence(fresh), key="divergence")
         c1, c2 = st.columns(2)
         c1.plotly_chart(plot_sync_heatmap(fresh, "window_losses"), key="window_losses")

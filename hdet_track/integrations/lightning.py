@@ -16,7 +16,6 @@ import torch
 from torch.optim.lr_scheduler import OneCycleLR
 
 from ..scheduler import HDETScheduler
-from .wrap import wrap
 
 try:
     import lightning.pytorch as pl
@@ -59,6 +58,10 @@ class HDETCallback(pl.Callback):
             wins when configured.
         **hdet_kwargs: HDET's arguments (``spread``, ``sync_every``, ``auto_lr``, ...).
 
+    Its state is part of Lightning's checkpoints: the replicas converge when a checkpoint is taken
+    (Lightning keeps rank 0's weights), and ``trainer.fit(..., ckpt_path=...)`` resumes the
+    schedule where it stopped.
+
     Example:
         >>> trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp",
         ...                      callbacks=[HDETCallback(spread=0.2, sync_every=100, auto_lr=True)])
@@ -71,6 +74,7 @@ class HDETCallback(pl.Callback):
         self.hdet_kwargs = hdet_kwargs
         self.scheduler: HDETScheduler | None = None
         self._last_global_step = 0
+        self._restored: dict[str, Any] | None = None
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         kwargs = dict(self.hdet_kwargs)
@@ -80,7 +84,7 @@ class HDETCallback(pl.Callback):
         configs = list(trainer.lr_scheduler_configs)
         onecycle = [c for c in configs if isinstance(c.scheduler, OneCycleLR)]
         if onecycle:
-            self.scheduler = wrap(onecycle[0].scheduler, **kwargs)
+            self.scheduler = HDETScheduler.from_onecycle(onecycle[0].scheduler, **kwargs)
             # Lightning must not step it too: HDET steps once per optimizer step, with the loss.
             trainer.strategy.lr_scheduler_configs = [c for c in configs if c is not onecycle[0]]
         elif self.max_lr is not None:
@@ -92,6 +96,9 @@ class HDETCallback(pl.Callback):
             raise ValueError(
                 "Expected configure_optimizers to return a OneCycleLR, or HDETCallback(max_lr=...), but got neither"
             )
+        if self._restored is not None:  # resuming from a Lightning checkpoint (ckpt_path=...)
+            self.scheduler.load_state_dict(self._restored)
+            self._restored = None
         self._last_global_step = trainer.global_step
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -103,6 +110,22 @@ class HDETCallback(pl.Callback):
             loss = loss.detach()
         if self.scheduler.last_epoch < self.scheduler.total_steps:
             self.scheduler.step(loss)
+
+    def state_dict(self) -> dict[str, Any]:
+        # Lightning asks every rank while it checkpoints and writes rank 0's model and optimizer:
+        # converge first (every rank is here), so the checkpoint holds the consensus all resume from.
+        if self.scheduler is None:
+            return {}
+        self.scheduler.sync_now()
+        return {"scheduler": self.scheduler.state_dict()}
+
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        # The model's weights were collected before state_dict() converged the replicas.
+        if self.scheduler is not None and "state_dict" in checkpoint:
+            checkpoint["state_dict"] = trainer.strategy.lightning_module_state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._restored = state_dict.get("scheduler")
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self.scheduler is not None:

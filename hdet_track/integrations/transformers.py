@@ -10,6 +10,7 @@ tracker when ``track`` asks for one. Under ``torchrun`` the replicas are the DDP
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -35,10 +36,31 @@ class _LossFedScheduler(HDETScheduler):
                 pending.clear()
         super().step(loss, epoch)
 
-    def state_dict(self) -> dict[str, Any]:
-        state = super().state_dict()
-        state.pop("_fed", None)
-        return state
+
+def _state_path(args: Any, state: Any) -> str:
+    return os.path.join(args.output_dir, f"checkpoint-{state.global_step}", "hdet_scheduler.pt")
+
+
+def sync_before_save(control: Any, sched: HDETScheduler) -> None:
+    """A checkpoint is about to be written (rank 0's model and optimizer only): converge first, so
+    that it holds the one consensus every replica resumes from."""
+    if control.should_save:
+        sched.sync_now()
+
+
+def save_state(args: Any, state: Any, sched: HDETScheduler) -> None:
+    """The scheduler's state beside the checkpoint (the callback form's HDET scheduler is not the
+    Trainer's, which saves its own ``scheduler.pt``). Converged just before: one state for all ranks."""
+    if args.should_save:
+        path = _state_path(args, state)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        torch.save(sched.state_dict(), path)
+
+
+def load_state(args: Any, state: Any, sched: HDETScheduler) -> None:
+    """On ``resume_from_checkpoint``: the scheduler's state, if the checkpoint has it."""
+    if state.global_step > 0 and os.path.exists(path := _state_path(args, state)):
+        sched.load_state_dict(torch.load(path, weights_only=True))
 
 
 def _report_tracker(args: Any, track: Any) -> Any:
@@ -71,12 +93,24 @@ class _TrackingCallback(TrainerCallback):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         sched = self.trainer.lr_scheduler
+        if isinstance(sched, HDETScheduler):
+            load_state(args, state, sched)
         if isinstance(sched, HDETScheduler) and not sched.tracking:
             track = _report_tracker(args, self.track)
             if track not in (False, None):
                 sched.start_tracking(
                     track, log_every=self.log_every, compare_group=self.compare_group, run_name=args.run_name
                 )
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        sched = self.trainer.lr_scheduler
+        if isinstance(sched, HDETScheduler):
+            sync_before_save(control, sched)
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        sched = self.trainer.lr_scheduler
+        if isinstance(sched, HDETScheduler):
+            save_state(args, state, sched)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         sched = self.trainer.lr_scheduler
@@ -163,6 +197,7 @@ class HDETTrainerCallback(TrainerCallback):
     ) -> None:
         sched = _hdet_for(args, optimizer, model, state.max_steps, self.hdet_kwargs)
         self.scheduler = sched
+        load_state(args, state, sched)
 
         def capture(module: Any, inputs: Any, output: Any) -> None:
             loss = getattr(output, "loss", None)
@@ -178,6 +213,14 @@ class HDETTrainerCallback(TrainerCallback):
             sched.start_tracking(
                 tracker, log_every=self.log_every, compare_group=self.compare_group, run_name=args.run_name
             )
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.scheduler is not None:
+            sync_before_save(control, self.scheduler)
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.scheduler is not None:
+            save_state(args, state, self.scheduler)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._hook is not None:

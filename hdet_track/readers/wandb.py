@@ -96,6 +96,8 @@ class WandbReader:
             history += contents.history
             run.name = contents.name or run_id
             run.tags = {k: str(v) for k, v in contents.summary.items() if k.startswith("hdet.")}
+            if contents.summary.get("hdet/error"):
+                run.tags["hdet.error"] = str(contents.summary["hdet/error"])
             run.tags["project"] = contents.project
             if contents.group:
                 run.tags.setdefault("hdet.compare_group", contents.group)

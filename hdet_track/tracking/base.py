@@ -6,6 +6,7 @@ import importlib
 import os
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar, NamedTuple
 
 from ..events import Event, RunEnd, RunStart
@@ -79,6 +80,15 @@ class Tracker:
         """Continue run ``run_id`` (a resumed job) instead of creating one, where the backend can.
 
         Called before :meth:`start`. A tracker that was given a run explicitly ignores it."""
+
+    def spill_dir(self) -> Path:
+        """Where this tracker's undelivered batches wait (see :mod:`hdet_track.tracking.spill`)."""
+        home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+        return home / "hdet-track" / "spill" / (self.name or type(self).__name__)
+
+    def spill_settings(self) -> dict[str, Any]:
+        """Keyword arguments that rebuild this tracker in another process, to deliver its spill."""
+        return {}
 
 
 # Built-in backends by name, imported only when asked for (no registration by import side effect).

@@ -19,7 +19,7 @@ from ..record import SyncRecord
 from .archive import StepBlock
 from .base import Batch, Point
 
-__all__ = ["RecordItem", "PointBudget", "expand", "metric_points"]
+__all__ = ["RecordItem", "PointBudget", "expand", "materialize", "metric_points"]
 
 
 @dataclass(frozen=True)
@@ -193,3 +193,16 @@ def expand(item: RecordItem) -> Batch:
 def metric_points(values: dict[str, float], step: int, time_s: float) -> list[Point]:
     """User metrics (validation loss, accuracy, ...)."""
     return [Point(str(k), float(v), int(step), int(time_s * 1000)) for k, v in values.items()]
+
+
+def materialize(batch: Batch) -> Batch:
+    """``batch`` with its records expanded into points, events and archive rows."""
+    if not batch.records:
+        return batch
+    out = Batch(points=list(batch.points), events=list(batch.events), steps=list(batch.steps))
+    for item in batch.records:
+        expanded = expand(item)
+        out.points += expanded.points
+        out.events += expanded.events
+        out.steps += expanded.steps
+    return out

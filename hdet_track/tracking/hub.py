@@ -10,56 +10,47 @@ are replayed, oldest first, once a retry succeeds. Nothing raises into the train
 
 from __future__ import annotations
 
-import atexit
-import json
 import logging
 import os
-import signal
-import sys
-import tempfile
 import threading
 import time
 import traceback
-import weakref
 from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..events import RunEnd, RunStart, event_from_dict
+from ..events import RunEnd, RunStart
 from ..record import SyncRecord
-from .archive import StepBlock
-from .base import Batch, Point, Tracker
-from .expand import PointBudget, RecordItem, expand, metric_points
+from . import lifecycle
+from .base import Batch, Tracker
+from .expand import PointBudget, RecordItem, materialize, metric_points
+from .isolated import maybe_isolated
+from .spill import SpillFile, orphans, replay_file
+from .spill import header as spill_header
 
-__all__ = ["TrackingHub", "materialize"]
+__all__ = ["TrackingHub"]
 
 logger = logging.getLogger(__name__)
-
-
-def materialize(batch: Batch) -> Batch:
-    """``batch`` with its records expanded into points, events and archive rows."""
-    if not batch.records:
-        return batch
-    out = Batch(points=list(batch.points), events=list(batch.events), steps=list(batch.steps))
-    for item in batch.records:
-        expanded = expand(item)
-        out.points += expanded.points
-        out.events += expanded.events
-        out.steps += expanded.steps
-    return out
 
 
 class _Sink:
     """One tracker, with its spill file and retry state."""
 
-    def __init__(self, tracker: Tracker, spill_dir: Path, retry_seconds: float) -> None:
+    def __init__(self, tracker: Tracker, spill_dir: Path | None, retry_seconds: float) -> None:
         self.tracker = tracker
-        self.spill_path = spill_dir / f"spill-{type(tracker).__name__}-{id(tracker)}.jsonl"
+        directory = spill_dir if spill_dir is not None else tracker.spill_dir()
+        name = f"spill-{tracker.name or type(tracker).__name__}-{os.getpid()}-{id(tracker)}.jsonl"
+        self.spill = SpillFile(directory / name, {})
         self.retry_seconds = retry_seconds
         self.down_since: float | None = None
         self.next_retry = 0.0
         self.spilled = 0
+        self.run_start: RunStart | None = None
+
+    @property
+    def spill_path(self) -> Path:
+        return self.spill.path
 
     def deliver(self, batch: Batch) -> None:
         if not getattr(self.tracker, "expands_records", False):
@@ -77,12 +68,19 @@ class _Sink:
     def _send(self, batch: Batch) -> None:
         for ev in batch.events:
             if isinstance(ev, RunStart):
+                self.run_start = ev
                 self.tracker.start(ev)
+                self._deliver_orphans()
         ends = [ev for ev in batch.events if isinstance(ev, RunEnd)]
         if batch.points or batch.steps or batch.records or len(ends) < len(batch.events):
             self.tracker.log(batch)
         for ev in ends:
             self.tracker.finish(ev)
+
+    def _deliver_orphans(self) -> None:
+        """The backend works: deliver what earlier processes left undelivered in the same place."""
+        for path in orphans(self.spill.path.parent):
+            logger.warning("hdet-track: %s", replay_file(path))
 
     def _went_down(self, exc: BaseException) -> None:
         if self.down_since is None:
@@ -92,49 +90,34 @@ class _Sink:
                 type(self.tracker).__name__,
                 type(exc).__name__,
                 exc,
-                self.spill_path,
+                self.spill.path,
             )
         self.next_retry = time.monotonic() + self.retry_seconds
 
     def _spill(self, batch: Batch) -> None:
-        batch = materialize(batch)
-        record = {
-            "events": [e.to_dict() for e in batch.events],
-            "points": [list(p) for p in batch.points],
-            "steps": [b.to_json() for b in batch.steps],
-        }
-        with open(self.spill_path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        self.spill.header = spill_header(self.tracker, self.run_start)
+        self.spill.append(materialize(batch))
         self.spilled += 1
 
     def _replay(self) -> bool:
         """Send the spilled batches in order; keep the unsent ones. True when all went through."""
-        if not self.spill_path.exists():
+        if not self.spill.path.exists():
             self.down_since = None
             return True
-        lines = self.spill_path.read_text().splitlines()
-        for i, line in enumerate(lines):
-            data = json.loads(line)
-            batch = Batch(
-                points=[Point(str(k), float(v), int(s), int(t)) for k, v, s, t in data["points"]],
-                events=[event_from_dict(e) for e in data["events"]],
-                steps=[StepBlock.from_json(b) for b in data.get("steps", [])],
-            )
+        batches = self.spill.batches()
+        for i, batch in enumerate(batches):
             try:
                 self._send(batch)
             except Exception as exc:  # noqa: BLE001
                 self._went_down(exc)
-                rest = lines[i:]
-                tmp = self.spill_path.with_suffix(".tmp")
-                tmp.write_text("".join(x + "\n" for x in rest))
-                os.replace(tmp, self.spill_path)
+                self.spill.keep_from(i)
                 return False
-        self.spill_path.unlink()
+        self.spill.path.unlink()
         logger.warning(
             "hdet-track: %s is back after %.1f s; replayed %d buffered batches",
             type(self.tracker).__name__,
             time.monotonic() - (self.down_since or time.monotonic()),
-            len(lines),
+            len(batches),
         )
         self.down_since = None
         return True
@@ -147,18 +130,8 @@ class _Sink:
             time.sleep(min(self.retry_seconds, max(0.0, deadline - time.monotonic())))
 
 
-def _isolated(tracker: Tracker) -> Tracker:
-    if getattr(tracker, "isolate", False):
-        from .isolated import IsolatedTracker
-
-        return IsolatedTracker(tracker)
-    return tracker
-
-
 class TrackingHub:
     """Rank 0's background writer. Create with the trackers, then :meth:`start`."""
-
-    _instances: weakref.WeakSet[TrackingHub] = weakref.WeakSet()
 
     def __init__(
         self,
@@ -176,24 +149,22 @@ class TrackingHub:
         self.log_every = log_every
         self.flush_seconds = flush_seconds
         self.shutdown_timeout = shutdown_timeout
-        self.spill_dir = Path(spill_dir) if spill_dir is not None else Path(tempfile.mkdtemp(prefix="hdet-spill-"))
-        self.spill_dir.mkdir(parents=True, exist_ok=True)
-        self._sinks = [_Sink(_isolated(t), self.spill_dir, retry_seconds) for t in self.trackers]
+        directory = Path(spill_dir) if spill_dir is not None else None
+        self._sinks = [_Sink(maybe_isolated(t), directory, retry_seconds) for t in self.trackers]
         self._queue: deque[tuple[str, Any]] = deque()
         self._wake = threading.Event()
         self._budget: PointBudget | None = None
         self._window_start = time.time()
         self._ended = False
-        self._failure: tuple[str, str] | None = None
         self._last_step = 0
+        self.total_steps = 0
         self.started = threading.Event()  # set once every tracker's start() returned (or failed)
         self._thread = threading.Thread(target=self._run, name="hdet-tracking-writer", daemon=True)
         self._thread.start()
-        TrackingHub._instances.add(self)
-        _install_process_hooks()
 
     # ------------------------------------------------------------------ training thread
     def start(self, run_start: RunStart) -> None:
+        self.total_steps = run_start.total_steps
         self._window_start = run_start.time or time.time()
         self._put("start", run_start)
 
@@ -231,29 +202,38 @@ class TrackingHub:
         return done.wait(timeout)
 
     def close(
-        self, status: str = "FINISHED", error: str | None = None, step: int | None = None, wait: bool = True
+        self,
+        status: str = "FINISHED",
+        error: str | None = None,
+        step: int | None = None,
+        wait: bool = True,
+        timeout: float | None = None,
     ) -> None:
         """End the run with ``status``; the writer stops once everything is written.
 
-        With ``wait`` (the default) block until then; otherwise return at once (the process's
-        exit, :meth:`flush` or a later ``close()`` waits)."""
-        if self._ended:
-            if wait:
-                self._join()
-            return
-        if self._failure is not None and status == "FINISHED":
-            status, error = self._failure
-        end = RunEnd(status=status, step=self._last_step if step is None else step, error=error, time=time.time())
-        self._put("end", end)
-        self._ended = True
-        self._wake.set()
+        With ``wait`` (the default) block until then (at most ``timeout``, default
+        ``shutdown_timeout``); otherwise return at once (the process's exit, :meth:`flush` or a later
+        ``close()`` waits)."""
+        if not self._ended:
+            end = RunEnd(status=status, step=self._last_step if step is None else step, error=error, time=time.time())
+            self._put("end", end)
+            self._ended = True
+            self._wake.set()
         if wait:
-            self._join()
+            self._join(self.shutdown_timeout if timeout is None else timeout)
 
-    def _join(self) -> None:
-        self._thread.join(self.shutdown_timeout + 5)
+    def end_with_process(self, reason: str) -> None:
+        """The process is ending (``reason``: "exit" or a signal's name): end the run by what the job
+        did (see :mod:`hdet_track.tracking.lifecycle`) and give the writer a bounded time."""
+        reached = self.total_steps > 0 and self._last_step >= self.total_steps
+        status, error = lifecycle.exit_status(reached, self._last_step, self.total_steps)
+        # torchrun kills 30 s after its SIGTERM: leave time to hand everything to the backend
+        self.close(status, error, timeout=20.0 if reason != "exit" else None)
+
+    def _join(self, timeout: float) -> None:
+        self._thread.join(timeout + 5)
         if self._thread.is_alive():
-            logger.warning("hdet-track: the tracking writer did not finish within %.0f s", self.shutdown_timeout)
+            logger.warning("hdet-track: the tracking writer did not finish within %.0f s", timeout)
 
     @property
     def ended(self) -> bool:
@@ -323,54 +303,3 @@ class TrackingHub:
         for done in flushes:
             done.set()
         return end is not None
-
-
-# ---------------------------------------------------------------------- process hooks
-_HOOKS_INSTALLED = False
-
-
-def _close_all(status: str, error: str | None) -> None:
-    for hub in list(TrackingHub._instances):
-        hub.close(status, error)  # ends open runs, waits for ended ones to be written
-
-
-def _record_failure(status: str, error: str) -> None:
-    for hub in list(TrackingHub._instances):
-        hub._failure = (status, error)
-
-
-def _install_process_hooks() -> None:
-    """atexit ends open runs; an uncaught exception marks them FAILED (KILLED for Ctrl-C);
-    SIGTERM marks them KILLED before the process dies as it would have."""
-    global _HOOKS_INSTALLED
-    if _HOOKS_INSTALLED:
-        return
-    _HOOKS_INSTALLED = True
-    atexit.register(_close_all, "FINISHED", None)
-    # Processes started by multiprocessing (mp.spawn, torchrun's workers) leave through
-    # os._exit after their target returns: atexit never runs there, its finalizers do.
-    from multiprocessing import util as mp_util
-
-    mp_util.Finalize(None, _close_all, args=("FINISHED", None), exitpriority=100)
-    previous_hook = sys.excepthook
-
-    def excepthook(exc_type, exc, tb):  # type: ignore[no-untyped-def]
-        killed = issubclass(exc_type, KeyboardInterrupt)
-        text = "".join(traceback.format_exception(exc_type, exc, tb))[-4000:]
-        _record_failure("KILLED" if killed else "FAILED", text)
-        previous_hook(exc_type, exc, tb)
-
-    sys.excepthook = excepthook
-    if threading.current_thread() is threading.main_thread():
-        try:
-            previous = signal.getsignal(signal.SIGTERM)
-        except (ValueError, OSError):  # pragma: no cover
-            return
-        if previous in (signal.SIG_DFL, None):
-
-            def on_sigterm(signum, frame):  # type: ignore[no-untyped-def]
-                _close_all("KILLED", "terminated by SIGTERM")
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
-                os.kill(os.getpid(), signal.SIGTERM)
-
-            signal.signal(signal.SIGTERM, on_sigterm)

@@ -8,37 +8,56 @@ pipes with pickled messages between our own processes.
 A failing call raises here, so the hub treats the backend as down (spill, replay) exactly as for
 an in-process tracker. If the child itself dies, later calls raise and the data stays in the
 spill file.
+
+The child outlives the training process: it runs in its own session and ignores SIGTERM, SIGINT
+and SIGHUP (torchrun signals a worker's whole process group, and the training process decides
+how its run ends), and when the training process vanishes without ending the run (SIGKILL, out
+of memory, ``os._exit``) it ends the run KILLED itself, after writing what it had received.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from multiprocessing.connection import Connection
 from typing import Any
 
 from ..events import RunEnd, RunStart
 from .base import Batch, Tracker
+from .expand import materialize
 
-__all__ = ["IsolatedTracker"]
+__all__ = ["IsolatedTracker", "maybe_isolated"]
+
+
+def maybe_isolated(tracker: Tracker) -> Tracker:
+    """``tracker`` in its own process when it asks for it (``isolate = True``), else itself."""
+    return IsolatedTracker(tracker) if getattr(tracker, "isolate", False) else tracker
 
 
 def _serve(conn_in: Connection, conn_out: Connection) -> None:
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
     try:
         inner = conn_in.recv()
     except (EOFError, OSError):
         return
+    started, last_step = False, 0
     while True:
         try:
             method, args = conn_in.recv()
         except (EOFError, OSError):
+            if started:  # the training process is gone and never ended its run
+                text = f"the training process vanished after step {last_step} without ending its run"
+                inner.finish(RunEnd(status="KILLED", step=last_step, error=text, time=time.time()))
             return
         try:
             if method == "log":
-                from .hub import materialize
-
                 args = (materialize(args[0]),)
+                last_step = max([last_step] + [p.step for p in args[0].points])
+            started = started or method == "start"
             result = getattr(inner, method)(*args)
             if method == "start":
                 result = inner.run_id
@@ -79,6 +98,7 @@ class IsolatedTracker(Tracker):
                 [sys.executable, "-m", "hdet_track.tracking.isolated", str(to_child_r), str(from_child_w)],
                 pass_fds=(to_child_r, from_child_w),
                 stdin=subprocess.DEVNULL,
+                start_new_session=True,
             )
             os.close(to_child_r)
             os.close(from_child_w)
@@ -98,6 +118,12 @@ class IsolatedTracker(Tracker):
 
     def resume(self, run_id: str) -> None:
         self.inner.resume(run_id)
+
+    def spill_dir(self):  # noqa: ANN201
+        return self.inner.spill_dir()
+
+    def spill_settings(self) -> dict[str, Any]:
+        return self.inner.spill_settings()
 
     def start(self, run_start: RunStart) -> None:
         if self._run_id is None:

@@ -24,6 +24,12 @@ _MAX_METRICS = 1000
 _MAX_PARAMS = 100
 
 
+def _chunk_index(path: str) -> int:
+    stem = path.rsplit("/", 1)[-1].split(".")[0]
+    tail = stem.rsplit("-", 1)[-1]
+    return int(tail) if tail.isdigit() else 0
+
+
 def _import_mlflow():
     try:
         import mlflow
@@ -89,6 +95,19 @@ class MLflowTracker(Tracker):
     def _adopt_run_id(self, run_id: str) -> None:
         self._run_id = run_id
 
+    def _uri(self) -> str:
+        # MLflow's own default (3.x) without importing MLflow
+        return self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
+
+    def spill_dir(self) -> Path:
+        from .spill import store_spill_dir
+
+        return store_spill_dir(self._uri())
+
+    def spill_settings(self) -> dict[str, Any]:
+        experiment = self.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME")
+        return {"tracking_uri": self._uri(), "experiment": experiment, "run_name": self.run_name}
+
     def resume(self, run_id: str) -> None:
         if not self._attach_id:
             self._resume_id = run_id
@@ -117,13 +136,12 @@ class MLflowTracker(Tracker):
             run = client.get_run(attach or resumed)
             run_id = run.info.run_id
             existing = dict(run.data.params)
-            if resumed:
+            chunks = [f.path for f in client.list_artifacts(run_id, ARTIFACT_DIR)]
+            start_index = max((_chunk_index(p) for p in chunks), default=0)  # continue the archive's numbering
+            if run_start.start_step > 0:  # a resumed job: what the store has up to here is not written twice
                 history = client.get_metric_history(run_id, names.SYNC_LEFT_OUT)
                 self._skip_until = max((m.step for m in history), default=-1)
-                chunks = [f.path for f in client.list_artifacts(run_id, ARTIFACT_DIR)]
-                start_index = max(
-                    (int(p.rsplit("-", 1)[1].split(".")[0]) for p in chunks if p.endswith(".parquet")), default=0
-                )
+            if resumed:
                 client.update_run(run_id, status="RUNNING")
         else:
             start_ms = int((run_start.time or time.time()) * 1000)

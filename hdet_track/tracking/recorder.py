@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import platform
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..events import RunStart
 from ..record import RunInfo, SchedulerCallback, SyncRecord
+from . import lifecycle
 from .base import resolve_trackers
 
 __all__ = ["Recorder"]
@@ -50,15 +51,33 @@ class Recorder(SchedulerCallback):
         self.created = time.time()  # the run's start time is the job's, whenever a backend writes it
         self.total_steps = 0
         self.hub: Any = None
+        self.started = False
+        self._info: Callable[[], RunInfo] | None = None
+        if self.trackers:
+            lifecycle.install(rank)  # how the run ends when the process does; other ranks leave failure notes
         if rank == 0 and self.trackers:
             from .hub import TrackingHub
 
             self.hub = TrackingHub(self.trackers, log_every=self.log_every)  # the run starts at the first step
+            lifecycle.register(self)
+
+    def attach_info(self, info: Callable[[], RunInfo]) -> None:
+        """How to describe the job if it ends before its first step (the run is still created)."""
+        self._info = info
+
+    def end_with_process(self, reason: str) -> None:
+        """The process is ending (see :mod:`hdet_track.tracking.lifecycle`)."""
+        if self.hub is None:
+            return
+        if not self.started and self._info is not None:
+            self.on_start(self._info())  # a job that failed before its first step still has a run
+        self.hub.end_with_process(reason)
 
     def on_start(self, info: RunInfo) -> None:
         self.total_steps = info.total_steps
-        if self.hub is None:
+        if self.hub is None or self.started:
             return
+        self.started = True
         from .. import _version
 
         for t in self.trackers:

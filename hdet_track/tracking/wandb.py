@@ -76,6 +76,14 @@ class WandbTracker(Tracker):
     def run(self) -> Any:
         return self._run
 
+    def spill_dir(self) -> Path:
+        root = Path(self.dir or os.environ.get("WANDB_DIR") or ".")
+        return root / "wandb" / ".hdet-spill"
+
+    def spill_settings(self) -> dict[str, Any]:
+        settings = {"project": self.project, "entity": self.entity, "mode": self.mode, "group": self.group}
+        return settings | {"run_name": self.run_name, "dir": None if self.dir is None else str(self.dir)}
+
     def resume(self, run_id: str) -> None:
         if self._existing is None:
             self._resume_id = run_id

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from .compare import CompareRow, compare_table, diverged_at, plot_compare
 from .controller import plot_controller
-from .converge import plot_divergence, plot_sync_heatmap, plot_sync_loss
+from .converge import guard_rows, plot_divergence, plot_sync_heatmap, plot_sync_loss
 from .export import discovered_schedule, lambdalr_snippet, schedule_csv, schedule_json
 from .fanout import plot_fanout, plot_permutations, plot_replica_loss
 
@@ -19,6 +19,7 @@ __all__ = [
     "plot_sync_loss",
     "plot_divergence",
     "plot_sync_heatmap",
+    "guard_rows",
     "plot_controller",
     "plot_compare",
     "compare_table",

@@ -35,7 +35,9 @@ def _get_controller_info(
 
 def plot_controller(run: HDETRun, name: str = "lr", target: int = 0, log_y: bool = False) -> go.Figure:
     """Top: the base (each sync) and the mean value used (each step) against plain OneCycle; middle:
-    drift = base / OneCycle; bottom: delta and velocity."""
+    drift = base / reference (OneCycle's LR, or the initial value), with the guard's backoffs and
+    rollbacks; bottom: delta and velocity (for the drift controller: the change of the log drift and
+    the evidence, in standard errors)."""
     info = _get_controller_info(run, name, target)
     s = info.series
     if not len(s["step"]):
@@ -48,7 +50,11 @@ def plot_controller(run: HDETRun, name: str = "lr", target: int = 0, log_y: bool
         shared_xaxes=True,
         vertical_spacing=0.06,
         row_heights=[0.5, 0.25, 0.25],
-        subplot_titles=(f"{name}: base vs plain OneCycle", "drift = base / OneCycle", "delta and velocity"),
+        subplot_titles=(
+            f"{name}: base vs plain OneCycle" if name == "lr" else f"{name}: base",
+            "drift = base / reference",
+            "delta and velocity (drift controller: change of log drift, evidence)",
+        ),
     )
     if len(info.used_steps):
         fig.add_trace(
@@ -79,12 +85,18 @@ def plot_controller(run: HDETRun, name: str = "lr", target: int = 0, log_y: bool
             row=1,
             col=1,
         )
+    if np.isfinite(s["drift"]).any():
         fig.add_trace(
             go.Scatter(x=s["step"], y=s["drift"], mode="lines+markers", name="drift", line={"color": "#9467bd"}),
             row=2,
             col=1,
         )
         fig.add_hline(y=1.0, line={"dash": "dot", "color": "#888"}, row=2, col=1)
+    if name == "lr":
+        for g in run.guard:
+            color = "#d62728" if g.action == "rollback" else "#ff7f0e"
+            fig.add_vline(x=g.step, line={"color": color, "dash": "dot"}, row=2, col=1)
+            fig.add_annotation(x=g.step, y=1.0, text=g.action, hovertext=g.reason, showarrow=False, row=2, col=1)
     fig.add_trace(go.Bar(x=s["step"], y=s["delta"], name="delta", marker_color="#2ca02c", opacity=0.6), row=3, col=1)
     fig.add_trace(
         go.Scatter(x=s["step"], y=s["velocity"], mode="lines+markers", name="velocity", line={"color": "#ff7f0e"}),

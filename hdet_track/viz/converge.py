@@ -1,5 +1,5 @@
 """Converge: sync points on the loss chart, divergence before averaging, window losses, the
-controller's softmax weights, and replicas reset for non-finite values."""
+controller's weights, replicas left out (non-finite or blown up) and the guard's backoffs and rollbacks."""
 
 from __future__ import annotations
 
@@ -11,14 +11,15 @@ import plotly.graph_objects as go
 from ..readers.base import HDETRun
 from ._common import MAX_POINTS, color, downsample, empty_figure, layout
 
-__all__ = ["plot_sync_loss", "plot_divergence", "plot_sync_heatmap"]
+__all__ = ["plot_sync_loss", "plot_divergence", "plot_sync_heatmap", "guard_rows"]
 
 
 class SyncInfo(NamedTuple):
     steps: list[int]
     window_losses: np.ndarray  # [sync, replica]
     divergence: np.ndarray  # [sync, replica]
-    left_out: list[tuple[int, int]]  # (step, replica)
+    left_out: list[tuple[int, int, str]]  # (step, replica, reason)
+    guard: list[tuple[int, str, str]]  # (step, action, reason): backoffs and rollbacks
     weight_steps: list[int]
     weights: np.ndarray  # [sync with controller, replica]
 
@@ -33,20 +34,37 @@ def _get_sync_info(run: HDETRun) -> SyncInfo:
             out[i, : min(n, len(row))] = row[:n]
         return out
 
-    left = [(c.step, r) for c in run.converge for r in c.left_out]
+    left = [
+        (c.step, r, c.reasons[i] if i < len(c.reasons) else "non-finite")
+        for c in run.converge
+        for i, r in enumerate(c.left_out)
+    ]
     lr_decisions = [d for d in run.controller if d.name == "lr"]
     return SyncInfo(
         steps,
         grid([c.window_losses for c in run.converge]),
         grid([c.divergence for c in run.converge]),
         left,
+        [(g.step, g.action, g.reason) for g in run.guard],
         [d.step for d in lr_decisions],
         grid([d.weights for d in lr_decisions]),
     )
 
 
+def guard_rows(run: HDETRun) -> list[dict]:
+    """What the guard did, in step order: replicas left out (and why), backoffs, rollbacks."""
+    info = _get_sync_info(run)
+    rows = [{"step": s, "action": "left out", "replicas": str(r), "reason": why} for s, r, why in info.left_out]
+    rows += [
+        {"step": g.step, "action": g.action, "replicas": ", ".join(map(str, g.replicas)), "reason": g.reason}
+        for g in run.guard
+    ]
+    return sorted(rows, key=lambda row: (row["step"], row["action"]))
+
+
 def plot_sync_loss(run: HDETRun, log_y: bool = True, max_points: int = MAX_POINTS) -> go.Figure:
-    """Mean training loss with every sync marked; replicas reset as non-finite in red."""
+    """Mean training loss with every sync marked; left-out replicas as red crosses, backoffs and
+    rollbacks as vertical lines."""
     steps, loss = run.mean_series("loss")
     if not len(steps):
         return empty_figure("No loss recorded in this run", "Loss and sync points")
@@ -65,16 +83,23 @@ def plot_sync_loss(run: HDETRun, log_y: bool = True, max_points: int = MAX_POINT
             )
         )
     if info.left_out:
-        xs = [s for s, _ in info.left_out]
+        xs = [s for s, _, _ in info.left_out]
         fig.add_trace(
             go.Scatter(
                 x=xs,
                 y=np.interp(xs, steps, loss),
                 mode="markers",
-                name="replica reset (non-finite)",
-                text=[f"replica {r}" for _, r in info.left_out],
+                name="replica left out and reset",
+                text=[f"replica {r}: {why}" for _, r, why in info.left_out],
                 marker={"symbol": "x", "size": 12, "color": "red"},
             )
+        )
+    for step, action, reason in info.guard:
+        fig.add_vline(
+            x=step,
+            line={"color": "#d62728" if action == "rollback" else "#ff7f0e", "dash": "dot"},
+            annotation_text=action,
+            annotation_hovertext=reason,
         )
     return layout(fig, "Loss with converge points", "loss", log_y)
 

@@ -124,3 +124,31 @@ def test_warm_noisy_init_differs_per_rank():
     assert all(d.abs().sum() > 0 for d in deltas)
     assert all(not torch.equal(deltas[0], d) for d in deltas[1:])
     assert all(res[r]["rng_same"] for r in range(WORLD))
+
+
+@pytest.mark.parametrize("victim", [1, 3], ids=["a-middle-lr-replica", "the-highest-lr-replica"])
+def test_finite_blowup_is_left_out_reset_and_shown(tmp_path, victim):
+    from hdet_track.readers.mlflow import MLflowReader
+    from hdet_track.viz import guard_rows, plot_sync_loss
+
+    uri = f"sqlite:///{tmp_path / 'blowup.db'}"
+    res = run_ranks(workers.finite_blowup, WORLD, uri, victim)
+    rec = res[0]["record"]
+    assert rec.step == 10 and rec.left_out == [victim] and rec.reasons[0].startswith("blown up")
+    assert math.isfinite(rec.window_losses[victim]) and rec.weights[victim] == 0.0
+    at_sync = [res[r]["params_at_sync"] for r in range(WORLD)]
+    assert all(torch.equal(at_sync[0], p) for p in at_sync[1:])  # reset to the others' average
+    assert float(at_sync[0].abs().max()) < 20  # the 50x weights did not enter the average
+    assert all(n == 0 for n in res[victim]["state_sizes"]) and all(
+        n > 0 for n in res[0 if victim else 1]["state_sizes"]
+    )
+    assert all(torch.equal(res[0]["final_params"], res[r]["final_params"]) for r in range(WORLD))
+    # rank 3 held the highest multiplier in the first window (the permutation starts as the identity)
+    assert [a.kind for a in rec.guard] == (["backoff"] if victim == 3 else [])
+    run = MLflowReader(uri).read(res[0]["run_ids"]["mlflow"])
+    assert run.status == "FINISHED" and run.converge[0].left_out == [victim]
+    rows = guard_rows(run)
+    assert rows[0]["action"] == "left out" and rows[0]["replicas"] == str(victim) and rows[0]["step"] == 10
+    assert [r["action"] for r in rows[1:]] == (["backoff"] if victim == 3 else [])
+    crosses = [t for t in plot_sync_loss(run).data if t.name == "replica left out and reset"]
+    assert list(crosses[0].x) == [10] and "blown up" in crosses[0].text[0]

@@ -156,7 +156,7 @@ def _train_resumable(rank: int, model, opt, sched, start: int, stop: int, lrs: l
         lrs.append([g["lr"] for g in opt.param_groups] + [g["weight_decay"] for g in opt.param_groups] + [model[2].p])
 
 
-def _build_resumable(rank: int):
+def _build_resumable(rank: int, track=False):
     model = make_model(dropout=0.1)
     warm_noisy_init(model, nu=0.01)
     opt = torch.optim.AdamW(
@@ -173,6 +173,7 @@ def _build_resumable(rank: int):
         explore=[explore.param_group("weight_decay", 0.5), explore.dropout(model, 0.5)],
         model=model,
         seed=11,
+        track=track,
     )
     torch.manual_seed(1234 + rank)  # dropout masks come from the global RNG; the job owns it
     return model, opt, sched
@@ -271,3 +272,77 @@ def tracked_job(rank: int, world: int, uri: str, backend: str, name: str = "hdet
         sched.step(loss)
     sched.flush()
     return {"seen": seen, "run_ids": sched.run_ids}
+
+
+def tracked_resume(
+    rank: int, world: int, ckpt_dir: str, uri: str, phase: str, track: bool, kill_after: int = 0
+) -> dict:
+    """Train 40 steps (sync every 6) with or without MLflow tracking; phase "full" runs them all,
+    "first" checkpoints at step 17 (mid-window), runs on to ``kill_after`` and dies (SIGKILL, after
+    flushing what reached the tracker), "second" resumes from the checkpoint."""
+    from hdet_track.tracking.mlflow import MLflowTracker
+
+    model, opt, sched = _build_resumable(
+        rank, track=MLflowTracker(tracking_uri=uri, experiment="resume") if track else False
+    )
+    lrs: list = []
+    path = os.path.join(ckpt_dir, f"ckpt{rank}.pt")
+    if phase == "second":
+        ckpt = torch.load(path, weights_only=True)
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["opt"])
+        sched.load_state_dict(ckpt["sched"])
+        torch.set_rng_state(ckpt["rng"])
+        lrs = list(ckpt["lrs"])
+        _train_resumable(rank, model, opt, sched, 17, 40, lrs)
+    elif phase == "first":
+        _train_resumable(rank, model, opt, sched, 0, 17, lrs)
+        state = {"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()}
+        torch.save(dict(state, rng=torch.get_rng_state(), lrs=list(lrs)), path)
+        _train_resumable(rank, model, opt, sched, 17, kill_after, lrs)
+        sched.flush()
+        torch.distributed.barrier()
+        os.kill(os.getpid(), signal.SIGKILL)
+    else:
+        _train_resumable(rank, model, opt, sched, 0, 40, lrs)
+    sched.flush()
+    return {"lrs": lrs, "params": flat_params(model), "run_ids": sched.run_ids}
+
+
+def finite_blowup(rank: int, world: int, uri: str, victim: int) -> dict:
+    """Replica ``victim``'s weights are scaled 50x at step 7 (finite, but its loss explodes): the drift
+    controller's guard must leave it out at the sync at 10 and reset it; training goes on."""
+    from hdet_track.tracking.mlflow import MLflowTracker
+
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    sched = HDETScheduler(
+        opt,
+        max_lr=0.05,
+        total_steps=30,
+        spread=0.3,
+        sync_every=10,
+        auto_lr=True,
+        model=model,
+        track=MLflowTracker(tracking_uri=uri, experiment="blowup"),
+    )
+    out: dict = {}
+    for step in range(30):
+        x, y = batch(rank, step)
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if rank == victim and step == 6:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(50.0)
+        sched.step(loss)
+        if step == 9:
+            out["record"] = sched.last_sync
+            out["params_at_sync"] = flat_params(model)
+            out["state_sizes"] = [len(opt.state.get(p, {})) for p in model.parameters()]
+    sched.flush()
+    out["final_params"] = flat_params(model)
+    out["run_ids"] = sched.run_ids
+    return out

@@ -1,0 +1,165 @@
+"""How a tracked run ends: by what the job did, not by how its process ended.
+
+A run is FINISHED only when the job reached ``total_steps`` or closed it (``close()``, the context
+manager). A process that ends before that leaves it FAILED (an uncaught exception, also through
+``torch.multiprocessing.spawn``'s wrapper; a non-zero exit; the exit code and the last step are in
+the ``hdet.error`` tag) or KILLED (SIGTERM, SIGINT, SIGHUP, torchrun tearing the survivors down).
+When another rank failed first (torchrun then tears this one down), the run is FAILED with that
+rank's error: every rank that fails leaves a note in torch.distributed's own key-value store.
+
+Installed once per process by the first :class:`~hdet_track.tracking.recorder.Recorder`. Nothing
+here raises into the training loop.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import logging
+import os
+import signal
+import sys
+import threading
+import traceback
+from typing import Any
+
+__all__ = ["install", "register", "exit_status"]
+
+logger = logging.getLogger(__name__)
+
+_RECORDERS: set = set()  # strong: a job's scheduler may be gone before its process ends
+_STATE: dict[str, Any] = {"installed": False, "rank": 0, "failure": None, "exit_code": None, "signal": None}
+_NOTE = "hdet/failure/rank"
+
+
+def register(recorder: Any) -> None:
+    """End ``recorder``'s run by these rules when the process ends (it has ``end_with_process``)."""
+    _RECORDERS.add(recorder)
+
+
+def exit_status(reached_end: bool, last_step: int, total_steps: int) -> tuple[str, str | None]:
+    """The status of a run whose process is ending, and why (None when it finished)."""
+    if _STATE["failure"] is not None:
+        return _STATE["failure"]
+    if _STATE["signal"] is not None:
+        status, text = _STATE["signal"]
+        return status, text
+    if reached_end:
+        return "FINISHED", None
+    code = _STATE["exit_code"]
+    return "FAILED", (
+        f"the process ended at step {last_step} of {total_steps} without closing the run"
+        + (f" (exit code {code})" if code is not None else "")
+    )
+
+
+def _close_all(reason: str) -> None:
+    for recorder in list(_RECORDERS):
+        try:
+            recorder.end_with_process(reason)
+        except Exception:  # noqa: BLE001 - never in the way of an exiting process
+            logger.warning("hdet-track: could not end the run at %s:\n%s", reason, traceback.format_exc())
+
+
+def _format(exc_type: type, exc: BaseException, tb: Any) -> str:
+    return "".join(traceback.format_exception(exc_type, exc, tb))[-4000:]
+
+
+def _record_exception(exc_type: type, exc: BaseException, tb: Any) -> None:
+    killed = issubclass(exc_type, KeyboardInterrupt)
+    text = _format(exc_type, exc, tb)
+    if _STATE["failure"] is None:
+        peer = None if killed else _peer_failure()
+        _STATE["failure"] = ("KILLED" if killed else "FAILED", peer or text)
+    _leave_note(text)
+
+
+def _store() -> Any:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001
+        return None
+    return None
+
+
+def _leave_note(text: str) -> None:
+    """This rank failed: say so in torch.distributed's store, for rank 0 to report."""
+    store = _store()
+    if store is not None and _STATE["rank"] != 0:
+        try:
+            store.set(f"{_NOTE}{_STATE['rank']}", text)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def _peer_failure() -> str | None:
+    """Another rank's failure note, if one was left (rank 0, when it is torn down or fails itself)."""
+    store = _store()
+    if store is None:
+        return None
+    try:
+        import torch.distributed as dist
+
+        store.set_timeout(datetime.timedelta(seconds=2))
+        for rank in range(1, dist.get_world_size()):
+            key = f"{_NOTE}{rank}"
+            if store.check([key]):
+                return f"rank {rank} failed:\n" + store.get(key).decode(errors="replace")[-3900:]
+    except Exception:  # noqa: BLE001
+        return None
+    return None
+
+
+def install(rank: int) -> None:
+    """Install the exit, exception and signal hooks (once per process)."""
+    _STATE["rank"] = rank
+    if _STATE["installed"]:
+        return
+    _STATE["installed"] = True
+    atexit.register(_close_all, "exit")
+    # Processes started by multiprocessing leave through os._exit when forked: atexit never runs
+    # there, multiprocessing's finalizers do.
+    from multiprocessing import util as mp_util
+
+    mp_util.Finalize(None, _close_all, args=("exit",), exitpriority=100)
+    previous_hook = sys.excepthook
+
+    def excepthook(exc_type, exc, tb):  # type: ignore[no-untyped-def]
+        _record_exception(exc_type, exc, tb)
+        previous_hook(exc_type, exc, tb)
+
+    sys.excepthook = excepthook
+    real_exit = sys.exit
+
+    def exit_with_code(code: Any = None) -> None:
+        # torch.multiprocessing.spawn catches the training function's exception and calls
+        # sys.exit(1) while handling it: no excepthook sees it, this does.
+        _STATE["exit_code"] = code
+        current = sys.exc_info()
+        if current[1] is not None and not isinstance(current[1], SystemExit) and code not in (None, 0):
+            _record_exception(*current)  # type: ignore[arg-type]
+        real_exit(code)
+
+    sys.exit = exit_with_code
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            try:
+                if signal.getsignal(signum) in (signal.SIG_DFL, None):
+                    signal.signal(signum, _on_signal)
+            except (ValueError, OSError):  # pragma: no cover - not the main interpreter
+                pass
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    name = signal.Signals(signum).name
+    peer = _peer_failure()
+    if peer is not None:  # torchrun tears the survivors down after a rank failed
+        _STATE["signal"] = ("FAILED", peer)
+    else:
+        _STATE["signal"] = ("KILLED", f"terminated by {name}")
+    _close_all(name)
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)  # and die as the signal would have made it

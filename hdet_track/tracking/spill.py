@@ -1,0 +1,182 @@
+"""What could not reach a backend yet: spill files, kept in a documented place and replayed.
+
+While a backend is down, the hub appends each batch to a spill file (JSON lines) and replays them
+in order once it is back. A spill that is still there when the process ends stays where the next
+process that logs to the same store finds it, and delivers it (or ``hdet-track recover``):
+
+- MLflow, a ``sqlite:`` store: ``.hdet-spill/`` beside the database file; a ``file:`` store or a
+  plain path: ``.hdet-spill/`` inside it; an ``http(s)://`` server:
+  ``~/.cache/hdet-track/spill/<host>_<port>/`` (``$XDG_CACHE_HOME`` is honoured);
+- W&B: ``.hdet-spill/`` inside the ``wandb`` directory;
+- other trackers: ``~/.cache/hdet-track/spill/<name>/``.
+
+The first line of a spill file says how to reach the run again: the backend, its settings, the run
+id (once created) and the run's start event; each further line is one batch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from ..events import RunEnd, RunStart, event_from_dict
+from .archive import StepBlock
+from .base import Batch, Point, Tracker
+
+__all__ = ["SpillFile", "cache_dir", "store_spill_dir", "replay_file", "recover"]
+
+logger = logging.getLogger(__name__)
+DIRNAME = ".hdet-spill"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hdet-track" / "spill"
+
+
+def store_spill_dir(source: str) -> Path:
+    """Where spills of the store ``source`` live (an MLflow tracking URI or a W&B directory)."""
+    if source.startswith("sqlite:///"):  # sqlite:///relative.db, sqlite:////absolute.db
+        return Path(source[len("sqlite:///") :]).resolve().parent / DIRNAME
+    if source.startswith(("http://", "https://")):
+        url = urlparse(source)
+        return cache_dir() / re.sub(r"[^A-Za-z0-9_.-]", "_", f"{url.hostname}_{url.port or ''}{url.path}")
+    if source.startswith("file:"):
+        return Path(urlparse(source).path) / DIRNAME
+    return Path(source) / DIRNAME
+
+
+class SpillFile:
+    """One tracker's spill: a header line, then one line per batch."""
+
+    def __init__(self, path: Path, header: dict[str, Any]) -> None:
+        self.path = path
+        self.header = header
+
+    def append(self, batch: Batch) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        new = not self.path.exists()
+        with open(self.path, "a") as f:
+            if new:
+                f.write(json.dumps(self.header) + "\n")
+            f.write(json.dumps(_encode(batch)) + "\n")
+
+    def batches(self) -> list[Batch]:
+        return [_decode(json.loads(line)) for line in self.path.read_text().splitlines()[1:] if line.strip()]
+
+    def keep_from(self, index: int) -> None:
+        """Drop the first ``index`` batches (they reached the backend)."""
+        lines = self.path.read_text().splitlines()
+        rest = [lines[0]] + lines[1 + index :]
+        if len(rest) == 1:
+            self.path.unlink()
+            return
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("".join(x + "\n" for x in rest))
+        os.replace(tmp, self.path)
+
+
+def _encode(batch: Batch) -> dict[str, Any]:
+    return {
+        "events": [e.to_dict() for e in batch.events],
+        "points": [list(p) for p in batch.points],
+        "steps": [b.to_json() for b in batch.steps],
+    }
+
+
+def _decode(data: dict[str, Any]) -> Batch:
+    return Batch(
+        points=[Point(str(k), float(v), int(s), int(t)) for k, v, s, t in data["points"]],
+        events=[event_from_dict(e) for e in data["events"]],
+        steps=[StepBlock.from_json(b) for b in data.get("steps", [])],
+    )
+
+
+def header(tracker: Tracker, run_start: RunStart | None) -> dict[str, Any]:
+    return {
+        "backend": tracker.name,
+        "settings": tracker.spill_settings() if hasattr(tracker, "spill_settings") else {},
+        "run_id": tracker.run_id,
+        "run_start": run_start.to_dict() if run_start is not None else None,
+        "pid": os.getpid(),
+    }
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def orphans(directory: Path) -> Iterator[Path]:
+    """Spill files in ``directory`` whose writer process is gone."""
+    if not directory.is_dir():
+        return
+    for path in sorted(directory.glob("spill-*.jsonl")):
+        try:
+            head = json.loads(path.open().readline())
+        except (OSError, ValueError):
+            continue
+        if not _alive(int(head.get("pid", -1))):
+            yield path
+
+
+def replay_file(path: Path) -> str:
+    """Deliver one orphaned spill file to its run (creating the run if it never was); returns a line
+    saying what happened. The file is removed once delivered, kept if the backend is still down."""
+    from .base import get_tracker_class
+    from .isolated import maybe_isolated
+
+    claimed = path.with_name(path.name + f".replaying-{os.getpid()}")
+    try:
+        os.rename(path, claimed)  # one replayer per file
+    except OSError:
+        return f"{path.name}: taken by another process"
+    spill = SpillFile(claimed, json.loads(claimed.open().readline()))
+    head = spill.header
+    try:
+        tracker = get_tracker_class(head["backend"])(**head.get("settings", {}))
+        if head.get("run_id"):
+            tracker.resume(head["run_id"])
+        sink = maybe_isolated(tracker)
+        batches = spill.batches()
+        start = next((e for b in batches for e in b.events if isinstance(e, RunStart)), None)
+        if start is None and head.get("run_start"):
+            start = event_from_dict(head["run_start"])
+        if start is None:
+            raise ValueError("the spill has no run start: nothing to attach its data to")
+        sink.start(start)
+        ended = False
+        for batch in batches:
+            events = [e for e in batch.events if not isinstance(e, (RunStart, RunEnd))]
+            sink.log(Batch(points=batch.points, events=events, steps=batch.steps))
+            for end in (e for e in batch.events if isinstance(e, RunEnd)):
+                sink.finish(end)
+                ended = True
+        if not ended:
+            last = max((p.step for b in batches for p in b.points), default=0)
+            text = "recovered from a spill: the job ended without ending its run"
+            sink.finish(RunEnd(status="FAILED", step=last, error=text))
+    except Exception as exc:  # noqa: BLE001 - the backend is still down: keep the spill
+        os.rename(claimed, path)
+        return f"{path.name}: not delivered ({type(exc).__name__}: {exc}); kept"
+    claimed.unlink()
+    return f"{path.name}: {len(batches)} batches delivered to {head['backend']} run {sink.run_id}"
+
+
+def recover(source: str) -> list[str]:
+    """Deliver every orphaned spill of the store ``source`` (an MLflow URI, a W&B directory, or a
+    spill directory itself)."""
+    directory = Path(source) if Path(source).name == DIRNAME else store_spill_dir(source)
+    return [replay_file(path) for path in orphans(directory)]

@@ -1,0 +1,70 @@
+"""Kill and resume tracked (and untracked) jobs on 2 real gloo ranks: the schedule continues exactly,
+the resumed job continues the same MLflow run, and the store holds every step once."""
+
+from __future__ import annotations
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from hdet_track.readers.mlflow import MLflowReader
+
+from . import workers
+from .launch import run_ranks
+
+WORLD = 2
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    uri = f"sqlite:///{tmp_path_factory.mktemp('full') / 'full.db'}"
+    return run_ranks(workers.tracked_resume, WORLD, "", uri, "full", True)
+
+
+def only_run(uri):
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("resume").experiment_id])
+    assert len(runs) == 1
+    return client, runs[0]
+
+
+@pytest.mark.parametrize("kill_after", [17, 21], ids=["killed-mid-window", "killed-after-the-next-sync"])
+def test_tracked_job_killed_mid_window_resumes_into_the_same_run(tmp_path, uninterrupted, kill_after):
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    run_ranks(workers.tracked_resume, WORLD, str(tmp_path), uri, "first", True, kill_after, allow_kill=True)
+    client, killed = only_run(uri)
+    assert killed.info.status == "RUNNING"  # SIGKILL: nothing could end it
+    resumed = run_ranks(workers.tracked_resume, WORLD, str(tmp_path), uri, "second", True)
+    assert resumed[0]["run_ids"]["mlflow"] == killed.info.run_id
+    _, run = only_run(uri)
+    assert run.info.status == "FINISHED"
+    read = MLflowReader(uri).read(run.info.run_id)
+    for r in range(WORLD):
+        assert resumed[r]["lrs"] == uninterrupted[r]["lrs"], r  # lr, weight decay, dropout at every step
+        steps, lrs = read.replica_series("lr", r)
+        assert list(steps) == list(range(1, 41))  # per-step points on their own steps, none doubled or dropped
+        assert list(lrs) == [row[0] for row in uninterrupted[r]["lrs"]]
+        _, loss = read.replica_series("loss", r)
+        history = client.get_metric_history(run.info.run_id, f"hdet/replica_{r:02d}/loss")
+        assert len({m.step for m in history}) == len(history)
+        assert {m.step: m.value for m in history} == {
+            int(s): v for s, v in zip(steps, loss) if int(s) in {m.step for m in history}
+        }
+    assert [e.step for e in read.converge] == [6, 12, 18, 24, 30, 36, 40]
+
+
+@pytest.mark.parametrize(
+    ("first", "second"), [(False, True), (True, False)], ids=["untracked-to-tracked", "tracked-to-untracked"]
+)
+def test_checkpoint_moves_between_tracked_and_untracked_jobs(tmp_path, uninterrupted, first, second):
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    run_ranks(workers.tracked_resume, WORLD, str(tmp_path), uri, "first", first, 17, allow_kill=True)
+    resumed = run_ranks(workers.tracked_resume, WORLD, str(tmp_path), uri, "second", second)
+    for r in range(WORLD):
+        assert resumed[r]["lrs"] == uninterrupted[r]["lrs"], r
+    if second:  # a new run, from the checkpoint's step: the partial window's steps 13-17 included
+        client, run = only_run(uri)
+        assert run.info.status == "FINISHED"
+        steps, _ = MLflowReader(uri).read(run.info.run_id).replica_series("lr", 0)
+        assert list(steps) == list(range(13, 41))
+    else:
+        assert resumed[0]["run_ids"] == {}

@@ -1,0 +1,116 @@
+"""A run's status says what the job did, under every launcher; nothing logged is lost on a crash.
+
+Each case runs tests/jobs/lifecycle_job.py (100 steps, sync every 10) under a launcher, makes it
+fail in one way at one step, and reads the store back: one run, its status, the error, the syncs
+that happened before the failure, and the job's own start and end times.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from hdet_track.readers.mlflow import MLflowReader
+from hdet_track.readers.wandb import WandbReader
+
+from .servers import free_port
+
+JOB = str(Path(__file__).parent / "jobs" / "lifecycle_job.py")
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+
+CASES = [
+    # launcher, ranks, backend, failure, step, failing rank, status, text in the error
+    ("plain", 1, "sqlite", "none", -1, 0, "FINISHED", None),
+    ("plain", 1, "sqlite", "raise", 35, 0, "FAILED", "boom on rank 0 before step 35"),
+    ("plain", 1, "sqlite", "raise", 0, 0, "FAILED", "boom on rank 0 before step 1"),
+    ("plain", 1, "sqlite", "exit", 35, 0, "FAILED", "step 34 of 100 without closing the run (exit code 3)"),
+    ("plain", 1, "server", "sigterm", 35, 0, "KILLED", "terminated by SIGTERM"),
+    ("plain", 1, "wandb", "raise", 95, 0, "FAILED", "boom on rank 0 before step 95"),
+    ("spawn", 2, "sqlite", "raise", 5, 0, "FAILED", "boom on rank 0 before step 5"),
+    ("spawn", 2, "wandb", "raise", 80, 1, "FAILED", "boom on rank 1 before step 80"),
+    ("torchrun", 2, "sqlite", "raise", 30, 1, "FAILED", "boom on rank 1 before step 30"),
+    ("torchrun", 4, "server", "raise", 50, 0, "FAILED", "boom on rank 0 before step 50"),
+    ("torchrun", 2, "sqlite", "sigterm", 40, 0, "KILLED", "terminated by SIGTERM"),
+    ("torchrun", 2, "wandb", "exit", 60, 0, "FAILED", "(exit code 3)"),
+]
+
+
+def launch(launcher: str, ranks: int, backend: str, uri: str, failure: str, step: int, rank: int, tmp: Path):
+    args = [launcher, backend, uri, failure, str(step), str(rank)]
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
+    if launcher == "torchrun":
+        cmd = [TORCHRUN, f"--nproc-per-node={ranks}", "--max-restarts=0", "--monitor-interval=0.5"]
+        cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", JOB, *args]
+    else:
+        cmd = [sys.executable, JOB, *args]
+    log = open(tmp / "job.log", "w+")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env, start_new_session=True)
+    if failure == "sigterm":
+        assert proc.stdout.readline().strip() == "READY", (tmp / "job.log").read_text()[-3000:]
+        time.sleep(1.0)  # the other ranks reach the next sync and wait there
+        os.kill(proc.pid, signal.SIGTERM)  # from outside: to the job (plain) or to torchrun's agent
+    try:
+        proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc.returncode, (tmp / "job.log").read_text()
+
+
+@pytest.mark.parametrize(
+    ("launcher", "ranks", "backend", "failure", "step", "rank", "status", "text"),
+    CASES,
+    ids=[f"{c[0]}{c[1]}-{c[2]}-{c[3]}-at{c[4]}-rank{c[5]}" for c in CASES],
+)
+def test_status_by_what_the_job_did(
+    tmp_path, mlflow_server, launcher, ranks, backend, failure, step, rank, status, text
+):
+    if backend == "sqlite":
+        uri = f"sqlite:///{tmp_path / 'store.db'}"
+    elif backend == "server":
+        uri = mlflow_server.uri
+    else:
+        uri = str(tmp_path / "wandb-dir")
+    started = time.time()
+    code, log = launch(launcher, ranks, backend, uri, failure, step, rank, tmp_path)
+    assert (code == 0) == (status == "FINISHED"), log[-3000:]
+    steps_before = 100 if failure == "none" else max(step - 1, 0)
+    expected_syncs = [s for s in range(10, 101, 10) if s <= steps_before]
+    if backend == "wandb":
+        reader = WandbReader(uri)
+        deadline = time.monotonic() + 60
+        while True:  # W&B's service may still be writing the exit record
+            (summary,) = reader.list_runs()
+            run = reader.read(summary.run_id)
+            if run.status != "RUNNING" or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert run.status == status, log[-3000:]
+        error = run.tags.get("hdet.error", "")
+    else:
+        client = MlflowClient(uri)
+        runs = client.search_runs([client.get_experiment_by_name("life").experiment_id])
+        if backend == "server":
+            runs = [r for r in runs if r.info.start_time >= started * 1000 - 1000]
+        assert len(runs) == 1, log[-3000:]
+        info, tags = runs[0].info, runs[0].data.tags
+        assert info.status == status, log[-3000:]
+        error = tags.get("hdet.error", "")
+        # the job's own times: the run started before training and ended after it
+        assert started * 1000 - 1000 <= info.start_time < info.end_time <= time.time() * 1000
+        run = MLflowReader(uri).read(info.run_id)
+    if text:
+        assert text in error, error[-2000:]
+    if rank != 0 and failure == "raise":
+        assert f"rank {rank} failed" in error, error[-2000:]  # the failing rank's error, not rank 0's
+    assert [c.step for c in run.converge] == expected_syncs, log[-3000:]
+    if expected_syncs:
+        steps, _ = run.replica_series("loss", 0)
+        assert list(steps) == list(range(1, expected_syncs[-1] + 1))  # everything synced is in the store
