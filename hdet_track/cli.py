@@ -99,6 +99,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     dash.add_argument("--port", type=_port, default=8501, help="port (default 8501)")
     dash.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    rec = sub.add_parser(
+        "recover",
+        help="deliver what a crashed job could not log (its spill files) to the store",
+        description="A job that ended while its tracking backend was unreachable leaves its unsent batches "
+        "in a spill directory of the store (see hdet_track/tracking/spill.py); the next job that logs to the "
+        "same store delivers them, or this command does.",
+    )
+    rec.add_argument(
+        "source",
+        nargs="?",
+        default=None,
+        help="MLflow tracking URI, a W&B directory or a .hdet-spill directory; "
+        "default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db",
+    )
     return parser
 
 
@@ -312,6 +326,21 @@ def run_dashboard(source: str | None, host: str, port: int) -> int:
         return 0
 
 
+def run_recover(source: str | None) -> int:
+    """Deliver every orphaned spill of ``source``; 1 when something could not be delivered."""
+    from .readers import default_source
+    from .tracking.spill import recover, store_spill_dir
+
+    source = source or default_source()
+    lines = recover(source)
+    if not lines:
+        print(f"hdet-track recover: nothing to deliver for {source} (looked in {store_spill_dir(source)})")
+        return 0
+    for line in lines:
+        print(line)
+    return 1 if any(line.endswith("; kept") for line in lines) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     import os
 
@@ -325,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_compare(args.tracking_uri, args.experiment, args.group, args.format)
     if args.command == "dashboard":
         return run_dashboard(args.source, args.host, args.port)
+    if args.command == "recover":
+        return run_recover(args.source)
     parser.error(f"unknown command {args.command!r}")  # pragma: no cover
     return 2
 

@@ -130,6 +130,20 @@ class _Sink:
             time.sleep(min(self.retry_seconds, max(0.0, deadline - time.monotonic())))
 
 
+def default_shutdown_timeout() -> float:
+    """Seconds the writer keeps retrying an unreachable backend when the run ends (then the spill
+    stays on disk for the next process or ``hdet-track recover``): ``$HDET_TRACK_SHUTDOWN_TIMEOUT``,
+    default 30."""
+    text = os.environ.get("HDET_TRACK_SHUTDOWN_TIMEOUT", "30")
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise ValueError(f"Expected HDET_TRACK_SHUTDOWN_TIMEOUT to be a number of seconds >= 0, but got {text!r}")
+    return value
+
+
 class TrackingHub:
     """Rank 0's background writer. Create with the trackers, then :meth:`start`."""
 
@@ -141,14 +155,14 @@ class TrackingHub:
         spill_dir: str | os.PathLike | None = None,
         flush_seconds: float = 1.0,
         retry_seconds: float = 2.0,
-        shutdown_timeout: float = 120.0,
+        shutdown_timeout: float | None = None,
     ) -> None:
         if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1:
             raise ValueError(f"Expected log_every to be an integer >= 1, but got {log_every!r}")
         self.trackers = list(trackers)
         self.log_every = log_every
         self.flush_seconds = flush_seconds
-        self.shutdown_timeout = shutdown_timeout
+        self.shutdown_timeout = default_shutdown_timeout() if shutdown_timeout is None else shutdown_timeout
         directory = Path(spill_dir) if spill_dir is not None else None
         self._sinks = [_Sink(maybe_isolated(t), directory, retry_seconds) for t in self.trackers]
         self._queue: deque[tuple[str, Any]] = deque()

@@ -1,7 +1,7 @@
 """Run a tracker in a child process, so that its CPU work (MLflow's SQLAlchemy store, protobuf
 encoding...) never holds the training process's GIL. The hub's writer thread only waits on a pipe.
 
-The child is ``python -m hdet_track.tracking.isolated`` (not a multiprocessing spawn: that would
+The child is ``python -c "...isolated import main; main()"`` (not a multiprocessing spawn: that would
 re-import the user's training script, which rarely has a ``__main__`` guard); it talks over two
 pipes with pickled messages between our own processes.
 
@@ -95,7 +95,7 @@ class IsolatedTracker(Tracker):
             to_child_r, to_child_w = os.pipe()
             from_child_r, from_child_w = os.pipe()
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "hdet_track.tracking.isolated", str(to_child_r), str(from_child_w)],
+                [sys.executable, "-c", _CHILD, str(to_child_r), str(from_child_w)],
                 pass_fds=(to_child_r, from_child_w),
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
@@ -151,5 +151,11 @@ class IsolatedTracker(Tracker):
                     conn.close()
 
 
-if __name__ == "__main__":
-    _serve(Connection(int(sys.argv[1]), writable=False), Connection(int(sys.argv[2]), readable=False))
+def main(argv: list[str] | None = None) -> None:
+    """The child's entry point: ``main([read_fd, write_fd])``."""
+    fds = sys.argv[1:] if argv is None else argv
+    _serve(Connection(int(fds[0]), writable=False), Connection(int(fds[1]), readable=False))
+
+
+# ``-c``, not ``-m``: the package is already imported when ``-m`` runs this module a second time
+_CHILD = "from hdet_track.tracking.isolated import main; main()"
