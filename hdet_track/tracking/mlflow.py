@@ -143,6 +143,9 @@ class MLflowTracker(Tracker):
                 self._skip_until = max((m.step for m in history), default=-1)
             if resumed:
                 client.update_run(run_id, status="RUNNING")
+                if "hdet.error" in run.data.tags:  # the interrupted part's error; the run goes on
+                    client.set_tag(run_id, "hdet.resumed_after", run.data.tags["hdet.error"][-4900:])
+                    client.delete_tag(run_id, "hdet.error")
         else:
             start_ms = int((run_start.time or time.time()) * 1000)
             run = client.create_run(exp_id, start_time=start_ms, run_name=self.run_name, tags=tags)

@@ -59,7 +59,8 @@ def guard_rows(run: HDETRun) -> list[dict]:
         {"step": g.step, "action": g.action, "replicas": ", ".join(map(str, g.replicas)), "reason": g.reason}
         for g in run.guard
     ]
-    return sorted(rows, key=lambda row: (row["step"], row["action"]))
+    order = {"left out": 0, "backoff": 1, "rollback": 2}  # within a sync: what the guard saw, then did
+    return sorted(rows, key=lambda row: (row["step"], order.get(row["action"], 3)))
 
 
 def plot_sync_loss(run: HDETRun, log_y: bool = True, max_points: int = MAX_POINTS) -> go.Figure:

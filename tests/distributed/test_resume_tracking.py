@@ -32,17 +32,22 @@ def test_tracked_job_killed_mid_window_resumes_into_the_same_run(tmp_path, unint
     uri = f"sqlite:///{tmp_path / 'store.db'}"
     run_ranks(workers.tracked_resume, WORLD, str(tmp_path), uri, "first", True, kill_after, allow_kill=True)
     client, killed = only_run(uri)
-    assert killed.info.status == "RUNNING"  # SIGKILL: nothing could end it
+    # SIGKILL: the job could not end its run; the tracker process saw it vanish and did
+    assert killed.info.status == "KILLED"
+    assert "vanished" in killed.data.tags.get("hdet.error", "")
     resumed = run_ranks(workers.tracked_resume, WORLD, str(tmp_path), uri, "second", True)
     assert resumed[0]["run_ids"]["mlflow"] == killed.info.run_id
     _, run = only_run(uri)
-    assert run.info.status == "FINISHED"
+    assert run.info.status == "FINISHED" and "hdet.error" not in run.data.tags
+    assert "vanished" in run.data.tags["hdet.resumed_after"]  # the interruption stays on record
     read = MLflowReader(uri).read(run.info.run_id)
     for r in range(WORLD):
         assert resumed[r]["lrs"] == uninterrupted[r]["lrs"], r  # lr, weight decay, dropout at every step
         steps, lrs = read.replica_series("lr", r)
         assert list(steps) == list(range(1, 41))  # per-step points on their own steps, none doubled or dropped
-        assert list(lrs) == [row[0] for row in uninterrupted[r]["lrs"]]
+        # the job records each LR after sched.step(), i.e. the LR of the next step; the store has the
+        # LR each step trained with
+        assert list(lrs[1:]) == [row[0] for row in uninterrupted[r]["lrs"][:-1]]
         _, loss = read.replica_series("loss", r)
         history = client.get_metric_history(run.info.run_id, f"hdet/replica_{r:02d}/loss")
         assert len({m.step for m in history}) == len(history)
