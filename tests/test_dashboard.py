@@ -92,7 +92,7 @@ def test_every_page_renders_the_hdet_run(monkeypatch, store):
     assert not at.exception
     assert any("replica 1 at step 12" in e.value for e in at.error)  # the NaN replica was reset
     sync_loss = figures(at)[0]
-    assert any(t["name"].startswith("replica reset") for t in sync_loss["data"])
+    assert any(t["name"].startswith("replica left out") for t in sync_loss["data"])
     at.switch_page("app_pages/controller.py").run()
     assert not at.exception
     ctl = figures(at)[0]

@@ -112,8 +112,8 @@ def test_sync_loss_marks_syncs_and_resets():
     fig = plot_sync_loss(run)
     syncs = next(t for t in fig.data if t.name.startswith("sync"))
     assert list(syncs.x) == list(range(10, 101, 10))
-    resets = next(t for t in fig.data if t.name.startswith("replica reset"))
-    assert list(resets.x) == [50] and list(resets.text) == ["replica 2"]
+    resets = next(t for t in fig.data if t.name.startswith("replica left out"))
+    assert list(resets.x) == [50] and list(resets.text) == ["replica 2: non-finite"]  # who, and why
     mean = fig.data[0]
     assert all(np.isfinite(mean.y))  # a NaN replica is left out of the mean, not poisoning it
 

@@ -17,7 +17,14 @@ if run is not None:
         st.plotly_chart(plot_sync_loss(fresh), key="sync_loss")
         actions = guard_rows(fresh)
         if actions:
-            st.error(f"The guard acted {len(actions)} times: replicas left out and reset, backoffs, rollbacks")
+            said = [
+                f"replica {a['replicas']} at step {a['step']} left out and reset ({a['reason']})"
+                if a["action"] == "left out"
+                else f"{a['action']} at step {a['step']} ({a['reason']})"
+                for a in actions[:5]
+            ]
+            more = f"; and {len(actions) - 5} more below" if len(actions) > 5 else ""
+            st.error("The guard acted: " + "; ".join(said) + more)
             st.dataframe(actions, hide_index=True, key="guard")
         st.plotly_chart(plot_divergence(fresh), key="divergence")
         c1, c2 = st.columns(2)

@@ -1,5 +1,5 @@
 """Kill and resume tracked (and untracked) jobs on 2 real gloo ranks: the schedule continues exactly,
-the resumed job continues the same MLflow run, and the store holds every step once."""
+the resumed job continues the same MLflow or W&B run, and the store holds every step once."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from hdet_track.readers.mlflow import MLflowReader
+from hdet_track.readers.wandb import WandbReader
 
 from . import workers
 from .launch import run_ranks
@@ -73,3 +74,23 @@ def test_checkpoint_moves_between_tracked_and_untracked_jobs(tmp_path, uninterru
         assert list(steps) == list(range(13, 41))
     else:
         assert resumed[0]["run_ids"] == {}
+
+
+def test_tracked_wandb_job_killed_mid_window_resumes_into_the_same_run(tmp_path, uninterrupted):
+    """The same kill (mid-window, after the checkpoint at step 17) with W&B offline: the resumed
+    job continues the same W&B run (a second offline directory for the same run id, merged by the
+    reader), every step once, the LR each step trained with."""
+    wandb_dir = str(tmp_path / "wandb-store")
+    run_ranks(workers.tracked_resume, WORLD, str(tmp_path), wandb_dir, "first", True, 17, "wandb", allow_kill=True)
+    resumed = run_ranks(workers.tracked_resume, WORLD, str(tmp_path), wandb_dir, "second", True, 0, "wandb")
+    reader = WandbReader(wandb_dir)
+    (summary,) = reader.list_runs()  # one run, not one per session
+    assert resumed[0]["run_ids"]["wandb"] == summary.run_id
+    run = reader.read(summary.run_id)
+    assert run.status == "FINISHED"
+    for r in range(WORLD):
+        assert resumed[r]["lrs"] == uninterrupted[r]["lrs"], r
+        steps, lrs = run.replica_series("lr", r)
+        assert list(steps) == list(range(1, 41))
+        assert list(lrs[1:]) == [row[0] for row in uninterrupted[r]["lrs"][:-1]]
+    assert [e.step for e in run.converge] == [6, 12, 18, 24, 30, 36, 40]

@@ -275,16 +275,21 @@ def tracked_job(rank: int, world: int, uri: str, backend: str, name: str = "hdet
 
 
 def tracked_resume(
-    rank: int, world: int, ckpt_dir: str, uri: str, phase: str, track: bool, kill_after: int = 0
+    rank: int, world: int, ckpt_dir: str, uri: str, phase: str, track: bool, kill_after: int = 0, backend="mlflow"
 ) -> dict:
     """Train 40 steps (sync every 6) with or without MLflow tracking; phase "full" runs them all,
     "first" checkpoints at step 17 (mid-window), runs on to ``kill_after`` and dies (SIGKILL, after
     flushing what reached the tracker), "second" resumes from the checkpoint."""
     from hdet_track.tracking.mlflow import MLflowTracker
+    from hdet_track.tracking.wandb import WandbTracker
 
-    model, opt, sched = _build_resumable(
-        rank, track=MLflowTracker(tracking_uri=uri, experiment="resume") if track else False
-    )
+    if not track:
+        tracker = False
+    elif backend == "wandb":
+        tracker = WandbTracker(project="resume", dir=uri, mode="offline")
+    else:
+        tracker = MLflowTracker(tracking_uri=uri, experiment="resume")
+    model, opt, sched = _build_resumable(rank, track=tracker)
     lrs: list = []
     path = os.path.join(ckpt_dir, f"ckpt{rank}.pt")
     if phase == "second":
@@ -323,6 +328,7 @@ def finite_blowup(rank: int, world: int, uri: str, victim: int) -> dict:
         spread=0.3,
         sync_every=10,
         auto_lr=True,
+        controller="drift",
         model=model,
         track=MLflowTracker(tracking_uri=uri, experiment="blowup"),
     )
