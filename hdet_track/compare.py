@@ -1,4 +1,9 @@
-"""The comparison table of the paper's ablation, from runs already logged (any tracking URI)."""
+"""The comparison table of runs already logged (any tracking URI): one row per run, used by
+``hdet-track compare``, the dashboard's Compare page and bench/quality.py.
+
+Pure numpy on :class:`~hdet_track.readers.base.HDETRun`: it needs no plotting library, so
+``hdet-track compare`` works with the ``[mlflow]`` extra alone.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +14,10 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from . import names
 from .readers.base import HDETRun
-from .viz.compare import compare_table
 
-__all__ = ["ComparisonRow", "comparison_rows", "format_rows", "FORMATS"]
+__all__ = ["ComparisonRow", "comparison_rows", "diverged_at", "format_rows", "FORMATS"]
 
 FORMATS = ("table", "markdown", "json")
 
@@ -22,8 +27,12 @@ class ComparisonRow:
     run_id: str
     name: str
     schedule: str
+    world_size: int
+    status: str
     mean_lr: float
-    final_train_loss: float
+    final_train_loss: float  # the mean over replicas at the last finite step
+    best_train_loss: float
+    highest_stable_lr: float  # the highest mean LR reached while the loss stayed finite and bounded
     best_val_loss: float
     final_val_loss: float
     val_accuracy: float
@@ -31,39 +40,63 @@ class ComparisonRow:
     diverged_at_step: int | None
 
 
+def diverged_at(steps: np.ndarray, loss: np.ndarray, factor: float = 10.0) -> int | None:
+    """The first step whose loss is non-finite, or above ``factor`` x the first logged loss."""
+    if not len(steps):
+        return None
+    finite = loss[np.isfinite(loss)]
+    ref = finite[0] if len(finite) else math.inf
+    bad = ~np.isfinite(loss) | (loss > factor * max(ref, 1e-12))
+    idx = np.flatnonzero(bad)
+    return int(steps[idx[0]]) if len(idx) else None
+
+
+def _finite(values: np.ndarray) -> np.ndarray:
+    return values[np.isfinite(values)] if len(values) else values
+
+
 def _last(run: HDETRun, key: str) -> float:
-    steps, values = run.metrics.get(key, (np.zeros(0), np.zeros(0)))
-    finite = values[np.isfinite(values)] if len(values) else values
+    _, values = run.metrics.get(key, (np.zeros(0), np.zeros(0)))
+    finite = _finite(values)
     return float(finite[-1]) if len(finite) else math.nan
+
+
+def _row(run: HDETRun) -> ComparisonRow:
+    _, loss = run.mean_series(names.LOSS)
+    lr_steps, lr = run.mean_series(names.LR)
+    # the median over replicas: an exploring replica that blows up and is repaired is not a divergence
+    broke = diverged_at(*run.median_series(names.LOSS))
+    # the run's own mark is where it stopped (every replica non-finite at a sync); the loss usually
+    # broke earlier, and the table reports the first step it did
+    marked = run.metrics.get(names.DIVERGED_AT_STEP)
+    stopped = int(marked[1][-1]) if marked is not None and len(marked[1]) else None
+    known = [s for s in (broke, stopped) if s is not None]
+    step = min(known) if known else None
+    finite_loss, lr_f = _finite(loss), _finite(lr)
+    stable = _finite(lr if broke is None else lr[lr_steps < broke])
+    _, val = run.metrics.get(names.VAL_LOSS, (np.zeros(0), np.zeros(0)))
+    finite_val = _finite(val)
+    return ComparisonRow(
+        run_id=run.run_id,
+        name=run.name,
+        schedule=run.schedule or "onecycle",
+        world_size=run.world_size,
+        status=run.status,
+        mean_lr=float(lr_f.mean()) if len(lr_f) else math.nan,
+        final_train_loss=float(finite_loss[-1]) if len(finite_loss) else math.nan,
+        best_train_loss=float(finite_loss.min()) if len(finite_loss) else math.nan,
+        highest_stable_lr=float(stable.max()) if len(stable) else math.nan,
+        best_val_loss=float(finite_val.min()) if len(finite_val) else math.nan,
+        final_val_loss=_last(run, names.VAL_LOSS),
+        val_accuracy=_last(run, names.VAL_ACCURACY),
+        diverged=step is not None,
+        diverged_at_step=step,
+    )
 
 
 def comparison_rows(runs: Sequence[HDETRun]) -> list[ComparisonRow]:
     """One row per run, in the given order (as in the paper's Table 1)."""
-    out = []
-    for run, row in zip(runs, compare_table(runs)):
-        # the run's own mark is where it stopped (every replica non-finite at a sync); the loss
-        # usually broke earlier, and the table reports the first step it did
-        marked = run.metrics.get("diverged_at_step")
-        stopped = int(marked[1][-1]) if marked is not None and len(marked[1]) else None
-        known = [s for s in (row.diverged_at, stopped) if s is not None]
-        step = min(known) if known else None
-        val_steps, val = run.metrics.get("val_loss", (np.zeros(0), np.zeros(0)))
-        finite_val = val[np.isfinite(val)] if len(val) else val
-        out.append(
-            ComparisonRow(
-                run_id=run.run_id,
-                name=run.name,
-                schedule=run.schedule or "onecycle",
-                mean_lr=row.mean_lr,
-                final_train_loss=row.final_loss,
-                best_val_loss=float(finite_val.min()) if len(finite_val) else math.nan,
-                final_val_loss=_last(run, "val_loss"),
-                val_accuracy=_last(run, "val_accuracy"),
-                diverged=step is not None,
-                diverged_at_step=step,
-            )
-        )
-    return out
+    return [_row(run) for run in runs]
 
 
 def _num(x: float, digits: int = 4) -> str:

@@ -83,8 +83,12 @@ def test_compare_formats(demo_store, fmt):
             "run_id",
             "name",
             "schedule",
+            "world_size",
+            "status",
             "mean_lr",
             "final_train_loss",
+            "best_train_loss",
+            "highest_stable_lr",
             "best_val_loss",
             "final_val_loss",
             "val_accuracy",
@@ -94,6 +98,8 @@ def test_compare_formats(demo_store, fmt):
         assert [r["schedule"] for r in rows] == ["onecycle", "hdet"]
         assert all(isinstance(r["diverged"], bool) for r in rows)
         assert all(r["mean_lr"] > 0 for r in rows)
+        assert [r["world_size"] for r in rows] == [2, 2] and {r["status"] for r in rows} <= {"FINISHED", "FAILED"}
+        assert all(r["best_train_loss"] <= r["final_train_loss"] for r in rows)
     elif fmt == "markdown":
         lines = proc.stdout.strip().splitlines()
         assert lines[0].startswith("| run | schedule | mean LR") and lines[1].startswith("|---|")

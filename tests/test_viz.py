@@ -7,13 +7,12 @@ import math
 import numpy as np
 import pytest
 
+from hdet_track.compare import comparison_rows, diverged_at
 from hdet_track.events import ControllerDecision, Converge, RunStart
 from hdet_track.readers.base import HDETRun, StepTable
 from hdet_track.record import ExploredSpec
 from hdet_track.schedule import multipliers
 from hdet_track.viz import (
-    compare_table,
-    diverged_at,
     lambdalr_snippet,
     plot_compare,
     plot_controller,
@@ -175,9 +174,9 @@ def test_compare_table_and_overlay():
     base = make_run(name="onecycle", schedule="onecycle", spread=0.0, lr_scale=2.0)
     # Make the baseline diverge at step 60.
     base.steps.loss[base.steps.step >= 60] = np.inf
-    rows = {r.name: r for r in compare_table([hdet, base])}
-    assert rows["hdet"].diverged_at is None and rows["onecycle"].diverged_at == 60
-    assert rows["hdet"].final_loss == pytest.approx(np.mean([0.01 + 0.01 * r for r in range(4)]))
+    rows = {r.name: r for r in comparison_rows([hdet, base])}
+    assert rows["hdet"].diverged_at_step is None and rows["onecycle"].diverged_at_step == 60
+    assert rows["hdet"].final_train_loss == pytest.approx(np.mean([0.01 + 0.01 * r for r in range(4)]))
     assert rows["onecycle"].highest_stable_lr == pytest.approx(0.2 * (1 - 1 / 101))
     fig = plot_compare([hdet, base], "lr", log_y=False)
     assert [t.name for t in fig.data] == ["hdet (hdet)", "onecycle (onecycle)"] and fig.data[1].line.dash == "dash"
@@ -205,12 +204,12 @@ def test_one_exploding_replica_is_not_a_divergence_but_half_of_them_is():
     # replica 3 explodes between syncs (an aggressive multiplier), then is repaired: HDET by design
     run.steps.loss[(run.steps.replica == 3) & (run.steps.step >= 41) & (run.steps.step < 50)] = 1e30
     run.steps.loss[(run.steps.replica == 3) & (run.steps.step == 45)] = np.nan
-    assert compare_table([run])[0].diverged_at is None
+    assert comparison_rows([run])[0].diverged_at_step is None
     assert diverged_at(*run.mean_series("loss")) == 41  # the mean alone would call it diverged
     # two of four replicas non-finite: the median is non-finite, the run diverged there
     run.steps.loss[(run.steps.replica == 2) & (run.steps.step >= 70)] = np.nan
     run.steps.loss[(run.steps.replica == 1) & (run.steps.step >= 72)] = np.inf
-    assert compare_table([run])[0].diverged_at == 72
+    assert comparison_rows([run])[0].diverged_at_step == 72
     _, median = run.median_series("loss")
     assert np.isinf(median[steps == 72][0]) and np.isfinite(median[steps == 71][0])
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import streamlit as st
 from hdet_track.dashboard.state import label, load_run
 
+from hdet_track.compare import comparison_rows
 from hdet_track.readers import ReaderError
-from hdet_track.viz import compare_table, plot_compare
+from hdet_track.viz import plot_compare
 
 st.header("Compare")
 runs = st.session_state.get("runs", [])
@@ -26,7 +27,7 @@ else:
         except ReaderError as exc:
             st.error(str(exc))
     if loaded:
-        rows = compare_table(loaded)
+        rows = comparison_rows(loaded)
         st.dataframe(
             [
                 {
@@ -35,10 +36,12 @@ else:
                     "replicas": r.world_size,
                     "status": r.status,
                     "mean lr": r.mean_lr,
-                    "final loss": r.final_loss,
-                    "best loss": r.best_loss,
+                    "final train loss": r.final_train_loss,
+                    "best train loss": r.best_train_loss,
                     "highest stable lr": r.highest_stable_lr,
-                    "diverged": "no" if r.diverged_at is None else f"yes, step {r.diverged_at}",
+                    "final val loss": r.final_val_loss,
+                    "val accuracy": r.val_accuracy,
+                    "diverged": "no" if r.diverged_at_step is None else f"yes, step {r.diverged_at_step}",
                 }
                 for r in rows
             ],

@@ -6,7 +6,7 @@ the data, ``plot_X(run)`` draws it. Empty input draws an empty figure with a not
 
 from __future__ import annotations
 
-from .compare import CompareRow, compare_table, diverged_at, plot_compare
+from .compare import plot_compare
 from .controller import plot_controller
 from .converge import guard_rows, plot_divergence, plot_sync_heatmap, plot_sync_loss
 from .export import discovered_schedule, lambdalr_snippet, schedule_csv, schedule_json
@@ -22,9 +22,6 @@ __all__ = [
     "guard_rows",
     "plot_controller",
     "plot_compare",
-    "compare_table",
-    "CompareRow",
-    "diverged_at",
     "discovered_schedule",
     "schedule_csv",
     "schedule_json",
