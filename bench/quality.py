@@ -1,30 +1,43 @@
-"""Published results: the paper's ablation on Fashion-MNIST, 3 seeds, both gradient modes, against a
-OneCycle sweep over 5 max_lr values.
+"""Published results (issue #11): is HDET insensitive to max_lr? Fashion-MNIST, 3 seeds, both gradient
+modes, every arm at every max_lr of a OneCycle sweep, next to two one-run methods and a text task.
 
 For each gradient mode (``shared``: DDP gradients every step, the paper's algorithm;
 ``independent``: local-SGD replicas that meet only at syncs), with N real gloo replicas per run
-started by torch's elastic launcher and every run logged to MLflow:
+started by torch's elastic launcher and every run logged to one MLflow store:
 
-1. OneCycle at every max_lr of ``--sweep`` (spread 0, no auto-LR), for every seed;
-2. the aggressive max_lr is fixed by a rule stated before any HDET run: the smallest swept max_lr
-   at which OneCycle diverged on at least one seed (the paper's setting), or the largest swept
-   one if none diverged;
-3. HDET without auto-LR and full HDET at that max_lr, for every seed.
+* ``onecycle``: plain OneCycle (spread 0, no auto-LR) at every max_lr of ``--sweep``;
+* ``hdet-drift``: HDET with the default controller and default settings: the user gives only
+  max_lr, total_steps, spread, sync_every and ``auto_lr=True`` (no warm-up, no other knob);
+* ``hdet-paper``: the paper's controller with the settings the earlier study used for it
+  (``auto_lr_warmup`` = steps // 4), reported as it comes out;
+* ``hdet-no-auto-lr`` (optional): spread only;
+* ``schedulefree`` and ``prodigy``: one-run methods at the same budget with their documented
+  defaults (Schedule-Free: ``SGDScheduleFree`` with the task's momentum and weight decay, or
+  ``AdamWScheduleFree`` for text, at the package's default lr unless ``--sf-lr``/``--text-sf-lr``;
+  Prodigy: lr 1.0 with ``CosineAnnealingLR`` over the budget), as plain data-parallel jobs (DDP
+  gradients, the same replicas, data order and batch). They have no replicas to diverge from each
+  other, so they run once, in the shared mode, and the independent mode's report compares against
+  those same runs.
 
-baseline-low is OneCycle at ``--low-lr``; baseline-high is OneCycle at the aggressive max_lr; the
-bar HDET is measured against is the best OneCycle of the sweep (lowest mean final validation
-loss over seeds). Every number in ``docs/results.md`` is read back from the tracking store through
-``hdet_track.readers`` (the same path as ``hdet-track compare``); nothing is typed in by hand.
+The bar is the best OneCycle of the sweep (lowest mean final validation loss over seeds, a
+diverged seed counting as infinite). Every number in the report and in the JSON lines is read back
+from the store through ``hdet_track.readers`` and ``hdet_track.compare``.
 
-Run: .venv/bin/python bench/quality.py            (about 20 minutes on 2 CPU cores)
-     .venv/bin/python bench/quality.py --dataset digits --seeds 0 --steps 100 --replicas 2 \
-         --grad-modes independent --sweep 0.05 0.5 --out /tmp/q      (a smoke run, under a minute)
+Resumable: every run carries a ``quality.key`` tag (dataset, mode, seed, arm, max_lr, steps,
+replicas); a run already in the store as FINISHED, or FAILED because it diverged, is not run
+again. Use a persistent ``--store`` to continue an interrupted study, ``--arms/--modes/--seeds/
+--sweep/--tasks`` for a subset and ``--report-only`` to rebuild the report from the store.
+
+Run: .venv/bin/python bench/quality.py --store sqlite:////var/tmp/hdet-quality/quality.db
+     .venv/bin/python bench/quality.py --dataset digits --seeds 0 --steps 60 --replicas 2 \\
+         --modes shared --sweep 0.05 0.5 --tasks image --out /tmp/q        (a smoke run)
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import inspect
 import json
 import math
 import os
@@ -45,17 +58,43 @@ from hdet_track.examples.ablation import AblationConfig, RunSpec, launch_run  # 
 from hdet_track.readers.base import HDETRun  # noqa: E402
 
 EXPERIMENT = "hdet-quality"
+ARMS = ("onecycle", "hdet-drift", "hdet-paper", "hdet-no-auto-lr", "schedulefree", "prodigy")
+DEFAULT_ARMS = ("onecycle", "hdet-drift", "hdet-paper", "schedulefree", "prodigy")
+HDET_ARMS = ("hdet-drift", "hdet-paper", "hdet-no-auto-lr")
+ONE_RUN = ("schedulefree", "prodigy")
+TEXT_SWEEP = [float(f"{x:.3g}") for x in np.geomspace(5e-4, 2e-2, 5)]
+TARGET_RATIO = 1.03
 
 
 @dataclass
 class Result:
     mode: str
     seed: int
-    arm: str  # "onecycle", "hdet-no-auto-lr" or "hdet"
+    arm: str  # one of ARMS
     max_lr: float
     wall_s: float
     row: ComparisonRow
-    run: HDETRun
+    run: HDETRun | None
+    task: str = "image"  # "image" (--dataset) or "text"
+
+
+@dataclass(frozen=True)
+class Planned:
+    task: str  # "image" or "text"
+    dataset: str
+    mode: str
+    seed: int
+    arm: str
+    max_lr: float
+    steps: int
+    replicas: int
+
+    @property
+    def key(self) -> str:
+        return (
+            f"{self.dataset}|{self.mode}|seed{self.seed}|{self.arm}|lr{self.max_lr:g}"
+            f"|steps{self.steps}|replicas{self.replicas}"
+        )
 
 
 # ---------------------------------------------------------------------- pure rules and summaries
@@ -73,6 +112,8 @@ def _stats(values: list[float]) -> tuple[float, float]:
 
 
 def _cell(values: list[float], digits: int = 3) -> str:
+    if not values:
+        return "not run"
     mean, sd = _stats(values)
     if not math.isfinite(mean):
         return "-"
@@ -87,128 +128,50 @@ def _val_for_ranking(r: Result) -> float:
     return math.inf if r.row.diverged or not math.isfinite(v) else v
 
 
+def mean_val(rs: list[Result]) -> float:
+    """Mean final validation loss over seeds; a diverged seed makes it infinite (never dropped)."""
+    return statistics.fmean(_val_for_ranking(r) for r in rs) if rs else math.nan
+
+
 def best_onecycle(sweep: list[Result]) -> float:
     """The swept max_lr with the lowest mean final validation loss over seeds (diverged = worst)."""
-    by_lr: dict[float, list[float]] = {}
+    by_lr: dict[float, list[Result]] = {}
     for r in sweep:
-        by_lr.setdefault(r.max_lr, []).append(_val_for_ranking(r))
-    return min(by_lr, key=lambda lr: (statistics.fmean(by_lr[lr]), lr))
+        by_lr.setdefault(r.max_lr, []).append(r)
+    return min(by_lr, key=lambda lr: (mean_val(by_lr[lr]), lr))
 
 
-# ---------------------------------------------------------------------- running
-def run_arm(cfg: AblationConfig, spec: RunSpec, mode: str, seed: int, arm: str, reader) -> Result:
-    started = time.monotonic()
-    result = launch_run(cfg, spec)
-    wall = time.monotonic() - started
-    run_id = next(iter(result["run_ids"].values()))
-    run = reader.read(run_id)
-    row = comparison_rows([run])[0]
-    state = f"diverged at {row.diverged_at_step}" if row.diverged else f"val loss {row.final_val_loss:.4f}"
-    print(f"  {mode:>11} seed {seed} {spec.name:>18}: {state}, {wall:.0f}s", flush=True)
-    return Result(mode, seed, arm, spec.max_lr, wall, row, run)
+def lr_sensitivity(results: list[Result], arm: str = "hdet-drift") -> tuple[float, float | None, float]:
+    """(max over max_lr of arm's mean final val loss / best OneCycle's, the max_lr where it is worst,
+    the best OneCycle's mean). ``inf`` when the arm diverged on a seed at some max_lr."""
+    sweep = [r for r in results if r.arm == "onecycle"]
+    mine = [r for r in results if r.arm == arm]
+    if not sweep or not mine:
+        return math.nan, None, math.nan
+    bar = mean_val([r for r in sweep if r.max_lr == best_onecycle(sweep)])
+    worst, at = -math.inf, None
+    for lr in sorted({r.max_lr for r in mine}):
+        value = mean_val([r for r in mine if r.max_lr == lr])
+        ratio = value / bar if math.isfinite(bar) and bar > 0 else math.inf
+        if ratio > worst:
+            worst, at = ratio, lr
+    return worst, at, bar
 
 
-def run_mode(args, mode: str, reader) -> tuple[list[Result], float]:
-    base = {
-        "dataset": args.dataset,
-        "data_dir": args.data_dir,
-        "replicas": args.replicas,
-        "steps": args.steps,
-        "sync_every": args.sync_every,
-        "spread": args.spread,
-        "grad_mode": mode,
-        "tracker": "mlflow",
-    }
-    results = []
-    for seed in args.seeds:
-        cfg = AblationConfig(**base, seed=seed, compare_group=f"quality-{mode}-seed{seed}")
-        for lr in args.sweep:
-            spec = RunSpec(f"onecycle-lr{lr:g}", lr, 0.0, False)
-            results.append(run_arm(cfg, spec, mode, seed, "onecycle", reader))
-    high = aggressive_lr(results, args.sweep)
-    print(f"  {mode}: aggressive max_lr by the rule = {high:g}", flush=True)
-    for seed in args.seeds:
-        cfg = AblationConfig(**base, seed=seed, compare_group=f"quality-{mode}-seed{seed}")
-        for name, auto in (("hdet-no-auto-lr", False), ("hdet", True)):
-            results.append(run_arm(cfg, RunSpec(name, high, args.spread, auto), mode, seed, name, reader))
-    return results, high
-
-
-# ---------------------------------------------------------------------- report
-def _rows_for(results: list[Result], arm: str, lr: float | None = None) -> list[Result]:
-    return [r for r in results if r.arm == arm and (lr is None or r.max_lr == lr)]
-
-
-def _line(label: str, lr: float, rs: list[Result]) -> str:
-    div = [r for r in rs if r.row.diverged]
-    div_text = f"{len(div)}/{len(rs)}" + (
-        f" (steps {', '.join(str(r.row.diverged_at_step) for r in div)})" if div else ""
-    )
-    return (
-        f"| {label} | {lr:g} | {_cell([r.row.mean_lr for r in rs])} | {_cell([r.row.final_train_loss for r in rs])} "
-        f"| {_cell([r.row.best_val_loss for r in rs])} | {_cell([r.row.final_val_loss for r in rs])} "
-        f"| {_cell([r.row.val_accuracy for r in rs])} | {div_text} | {statistics.fmean(r.wall_s for r in rs):.0f} |"
-    )
-
-
-def mode_section(mode: str, results: list[Result], high: float, low: float) -> tuple[list[str], dict]:
-    sweep = _rows_for(results, "onecycle")
-    best = best_onecycle(sweep)
-    lines = [
-        f"### {mode} gradients",
-        "",
-        "| run | max_lr | mean LR | final train loss | best val loss | final val loss | val accuracy | diverged | s/run |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for lr in sorted({r.max_lr for r in sweep}):
-        roles = [n for n, v in (("baseline-low", low), ("baseline-high", high), ("best OneCycle", best)) if v == lr]
-        label = f"OneCycle{' = ' + ', '.join(roles) if roles else ''}"
-        lines.append(_line(label, lr, _rows_for(results, "onecycle", lr)))
-    for arm in ("hdet-no-auto-lr", "hdet"):
-        lines.append(_line(f"**{arm}**", high, _rows_for(results, arm)))
-    hdet = _rows_for(results, "hdet")
-    bar = _rows_for(results, "onecycle", best)
-    high_rows = _rows_for(results, "onecycle", high)
-    # a diverged seed counts as an infinite loss: the mean is then undefined, never flattered by dropping it
-    hdet_val = statistics.fmean(_val_for_ranking(r) for r in hdet)
-    bar_val = statistics.fmean(_val_for_ranking(r) for r in bar)
-    ratio = hdet_val / bar_val if math.isfinite(hdet_val) and math.isfinite(bar_val) and bar_val > 0 else math.inf
-    hdet_div = sum(r.row.diverged for r in hdet)
-    high_div = sum(r.row.diverged for r in high_rows)
-    verdict = "at or below" if ratio <= 1.0 else "above"
-    lines += [
-        "",
-        f"- Aggressive max_lr (rule: the smallest swept max_lr at which OneCycle diverged on a seed): **{high:g}**. "
-        f"There OneCycle diverged on {high_div}/{len(high_rows)} seeds, full HDET on {hdet_div}/{len(hdet)}, "
-        f"HDET without auto-LR on {sum(r.row.diverged for r in _rows_for(results, 'hdet-no-auto-lr'))}/"
-        f"{len(_rows_for(results, 'hdet-no-auto-lr'))}.",
-        f"- Full HDET's final validation loss (mean over seeds; a diverged seed makes it undefined): "
-        f"{_fmt(hdet_val)}; the best OneCycle of the sweep (max_lr {best:g}): {_fmt(bar_val)}; "
-        + (
-            f"ratio {_fmt(ratio)}: HDET ends **{verdict}** the tuned OneCycle."
-            if math.isfinite(ratio)
-            else "no ratio: HDET **diverged** on at least one seed, so it does not match the tuned OneCycle."
-        ),
-    ]
-    lines += controller_notes(hdet, high)
-    lines.append("")
-    summary = {
-        "mode": mode,
-        "aggressive_lr": high,
-        "best_onecycle_lr": best,
-        "ratio": ratio,
-        "hdet_diverged": hdet_div,
-        "onecycle_high_diverged": high_div,
-        "seeds": len(hdet),
-    }
-    return lines, summary
+def final_drift(r: Result) -> float:
+    """The LR controller's last drift (base / reference) as logged, 1.0 when it never decided."""
+    if r.run is None:
+        return math.nan
+    series = r.run.controller_series("lr")
+    drift = series["drift"][np.isfinite(series["drift"])]
+    return float(drift[-1]) if len(drift) else 1.0
 
 
 def controller_notes(hdet: list[Result], high: float) -> list[str]:
-    """What the auto-LR controller did before each full-HDET seed diverged, read from its logged decisions.
+    """What the auto-LR controller did before each HDET seed diverged, read from its logged decisions.
 
-    A divergence before the controller's warm-up ended means full HDET and HDET without auto-LR
-    were the same runs up to there: the report says so instead of crediting or blaming the controller.
+    A divergence before the controller's warm-up ended means HDET with and without auto-LR were
+    the same runs up to there: the report says so instead of crediting or blaming the controller.
     """
     diverged = [r for r in hdet if r.row.diverged and r.run is not None and r.run.start is not None]
     if not diverged:
@@ -219,141 +182,444 @@ def controller_notes(hdet: list[Result], high: float) -> list[str]:
     top = f"with spread {spread:g} the highest-LR replica trained at up to {(1 + spread) * high:g} at the peak"
     if not any(acted):
         return [
-            f"- The auto-LR controller never acted before a divergence: the diverged full-HDET seeds broke by "
+            f"- HDET-paper's auto-LR controller never acted before a divergence: its diverged seeds broke by "
             f"step{'s' if len(diverged) > 1 else ''} {', '.join(str(r.row.diverged_at_step) for r in diverged)}, "
-            f"and its warm-up lasts {warmup} steps; up to there full HDET and HDET without auto-LR are the same "
+            f"and its warm-up lasts {warmup} steps; up to there HDET with and without auto-LR are the same "
             f"algorithm. At max_lr {high:g}, {top}."
         ]
     return [
-        f"- Controller decisions before each diverged full-HDET seed broke: {', '.join(map(str, acted))} "
+        f"- HDET-paper's controller decisions before each diverged seed broke: {', '.join(map(str, acted))} "
         f"(warm-up {warmup} steps); {top}."
     ]
 
 
+def recovery_notes(drift: list[Result], bar: float) -> list[str]:
+    """HDET-drift seeds counted as diverged (the rule above: the median training loss blew up at some
+    step) that the guard caught: what it did, read from the logged guard events, and where they ended.
+    The divergence still counts; this only says what happened after it."""
+    lines = []
+    for lr in sorted({r.max_lr for r in drift if r.row.diverged}):
+        rs = [r for r in drift if r.max_lr == lr and r.row.diverged]
+        acts = []
+        for r in rs:
+            after = [g for g in (r.run.guard if r.run else []) if g.step >= r.row.diverged_at_step]
+            acts.append(f"{after[0].action} at step {after[0].step}" if after else "no guard action")
+        finals = [r.row.final_val_loss for r in rs]
+        ended = _cell(finals)
+        recovered = all(math.isfinite(v) for v in finals) and math.isfinite(bar) and bar > 0
+        ratio = f", {statistics.fmean(finals) / bar:.3g}x the best OneCycle" if recovered else ""
+        lines.append(
+            f"- HDET-drift at max_lr {lr:g}: {len(rs)} seed{'s' if len(rs) > 1 else ''} blew up (steps "
+            f"{', '.join(str(r.row.diverged_at_step) for r in rs)}; counted as diverged above), the guard answered "
+            f"({'; '.join(acts)}) and training went on to a final val loss of {ended}{ratio}."
+        )
+    return lines
+
+
 def describe_task(task) -> str:
-    """The model and optimizer as the task builds them (e.g. "an MLP 784-256-256-10, SGD (momentum 0.9,
-    Nesterov, weight decay 0.0005)"), so the report cannot drift from ``hdet_track/examples/tasks.py``."""
+    """The model and optimizer as the task builds them, so the report cannot drift from tasks.py."""
     import torch
 
     model = task.model(0)
-    linear = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    widths = "-".join(str(w) for w in [linear[0].in_features, *(m.out_features for m in linear)])
     opt = task.optimizer(model.parameters(), 0.1)
     d = opt.defaults
     extras = [f"momentum {d['momentum']:g}"] if d.get("momentum") else []
     extras += ["Nesterov"] if d.get("nesterov") else []
     extras += [f"betas {tuple(d['betas'])}"] if "betas" in d else []
     extras += [f"weight decay {d['weight_decay']:g}"] if d.get("weight_decay") else []
-    return f"an MLP {widths}, {type(opt).__name__} ({', '.join(extras)})"
+    linear = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    if getattr(task, "kind", "image") == "text":
+        params = sum(p.numel() for p in model.parameters())
+        what = f"a causal character transformer ({params:,} parameters)"
+    else:
+        widths = "-".join(str(w) for w in [linear[0].in_features, *(m.out_features for m in linear)])
+        what = f"an MLP {widths}"
+    return f"{what}, {type(opt).__name__} ({', '.join(extras)})"
 
 
-def _fmt(x: float) -> str:
-    return f"{x:.4g}" if math.isfinite(x) else "n/a"
+def _fmt(x: float | None) -> str:
+    return f"{x:.4g}" if x is not None and math.isfinite(x) else "n/a"
 
 
-def plot(results: list[Result], modes: list[str], highs: dict[str, float], low: float, path: Path) -> None:
+def _json_number(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def schedulefree_default_lr(text: bool) -> float:
+    """The lr the schedulefree package documents as its constructor default."""
+    import schedulefree
+
+    cls = schedulefree.AdamWScheduleFree if text else schedulefree.SGDScheduleFree
+    return float(inspect.signature(cls).parameters["lr"].default)
+
+
+# ---------------------------------------------------------------------- plan, store, run
+def plan(args) -> list[Planned]:
+    items = []
+    if "image" in args.tasks:
+        for mode in args.modes:
+            for seed in args.seeds:
+                for arm in args.arms:
+                    if arm in ONE_RUN:
+                        continue
+                    for lr in args.sweep:
+                        items.append(Planned("image", args.dataset, mode, seed, arm, lr, args.steps, args.replicas))
+        for seed in args.seeds:  # one-run methods: plain DDP, once (see the module docstring)
+            for arm in (a for a in args.arms if a in ONE_RUN):
+                lr = 1.0 if arm == "prodigy" else args.sf_lr
+                items.append(Planned("image", args.dataset, "shared", seed, arm, lr, args.steps, args.replicas))
+    if "text" in args.tasks:
+        for mode in args.text_modes:
+            for seed in args.text_seeds:
+                for arm in args.text_arms:
+                    lrs = [1.0 if arm == "prodigy" else args.text_sf_lr] if arm in ONE_RUN else args.text_sweep
+                    for lr in lrs:
+                        if arm in ONE_RUN and mode != "shared":
+                            continue
+                        items.append(Planned("text", "text", mode, seed, arm, lr, args.text_steps, args.replicas))
+    return items
+
+
+def spec_for(p: Planned, spread: float) -> RunSpec:
+    tags = (
+        ("quality.key", p.key),
+        ("quality.task", p.task),
+        ("quality.mode", p.mode),
+        ("quality.seed", str(p.seed)),
+        ("quality.arm", p.arm),
+        ("quality.max_lr", f"{p.max_lr:g}"),
+    )
+    name = p.arm if p.arm == "prodigy" else f"{p.arm}-lr{p.max_lr:g}"
+    if p.arm == "onecycle":
+        return RunSpec(name, p.max_lr, 0.0, False, tags=tags)
+    if p.arm == "hdet-drift":  # the defaults: no warm-up, the default controller
+        return RunSpec(name, p.max_lr, spread, True, controller="drift", auto_lr_warmup=0, tags=tags)
+    if p.arm == "hdet-paper":
+        return RunSpec(name, p.max_lr, spread, True, controller="paper", auto_lr_warmup=p.steps // 4, tags=tags)
+    if p.arm == "hdet-no-auto-lr":
+        return RunSpec(name, p.max_lr, spread, False, auto_lr_warmup=0, tags=tags)
+    return RunSpec(name, p.max_lr, 0.0, False, optimizer=p.arm, tags=tags)
+
+
+def stored_runs(client) -> dict[str, object]:
+    """quality.key -> the newest completed run in the store: FINISHED, or FAILED because it diverged
+    (a run that crashed or was killed is run again)."""
+    exp = client.get_experiment_by_name(EXPERIMENT)
+    if exp is None:
+        return {}
+    found, token = {}, None
+    while True:
+        page = client.search_runs(
+            [exp.experiment_id], order_by=["attributes.start_time DESC"], max_results=1000, page_token=token
+        )
+        for r in page:
+            key, status = r.data.tags.get("quality.key"), r.info.status
+            done = status == "FINISHED" or (
+                status == "FAILED" and r.data.tags.get("hdet.error", "").startswith("diverged")
+            )
+            if key and done and key not in found:
+                found[key] = r
+        token = page.token
+        if not token:
+            return found
+
+
+def run_planned(args, p: Planned) -> None:
+    cfg = AblationConfig(
+        dataset=p.dataset,
+        data_dir=args.data_dir,
+        text_file=args.text_file,
+        replicas=p.replicas,
+        steps=p.steps,
+        sync_every=args.sync_every,
+        spread=args.spread,
+        grad_mode=p.mode,
+        tracker="mlflow",
+        seed=p.seed,
+        compare_group=f"quality-{p.task}-{p.mode}-seed{p.seed}",
+    )
+    started = time.monotonic()
+    result = launch_run(cfg, spec_for(p, args.spread))
+    state = f"diverged at {result['diverged_at']}" if result["diverged_at"] else f"val loss {result['val_loss']:.4f}"
+    print(f"  {p.task} {p.mode:>11} seed {p.seed} {p.arm:>15} lr {p.max_lr:g}: {state}, "
+          f"{time.monotonic() - started:.0f}s", flush=True)  # fmt: skip
+
+
+def read_results(reader, planned: list[Planned], stored: dict[str, object]) -> list[Result]:
+    results = []
+    for p in planned:
+        info = stored.get(p.key)
+        if info is None:
+            continue
+        run = reader.read(info.info.run_id)
+        row = comparison_rows([run])[0]
+        wall = ((info.info.end_time or info.info.start_time) - info.info.start_time) / 1000
+        results.append(Result(p.mode, p.seed, p.arm, p.max_lr, wall, row, run, p.task))
+    return results
+
+
+# ---------------------------------------------------------------------- report
+def _div_cell(rs: list[Result]) -> str:
+    if not rs:
+        return "not run"
+    div = [r for r in rs if r.row.diverged]
+    return f"{len(div)}/{len(rs)}" + (f" (steps {', '.join(str(r.row.diverged_at_step) for r in div)})" if div else "")
+
+
+def _pick(results: list[Result], **kw) -> list[Result]:
+    return [r for r in results if all(getattr(r, k) == v for k, v in kw.items())]
+
+
+def sensitivity_section(results: list[Result], mode: str, task: str, arms: list[str]) -> list[str]:
+    mine = _pick(results, mode=mode, task=task)
+    sweep = _pick(mine, arm="onecycle")
+    swept = [a for a in arms if a == "onecycle" or a in HDET_ARMS]
+    lrs = sorted({r.max_lr for r in mine if r.arm in swept})
+    if not lrs:
+        return [f"No runs of the {task} task in the {mode} mode in the store.", ""]
+    best = best_onecycle(sweep) if sweep else None
+    bar = mean_val(_pick(sweep, max_lr=best)) if sweep else math.nan
+    head = " | ".join(f"{a} final val loss" for a in swept)
+    lines = [
+        f"| max_lr | {head} | HDET-drift / best OneCycle | diverged ({', '.join(swept)}) |",
+        "|---" * (len(swept) + 3) + "|",
+    ]
+    for lr in lrs:
+        cells = [_cell([r.row.final_val_loss for r in _pick(mine, arm=a, max_lr=lr)]) for a in swept]
+        drift = _pick(mine, arm="hdet-drift", max_lr=lr)
+        ratio = mean_val(drift) / bar if drift and math.isfinite(bar) and bar > 0 else math.nan
+        mark = " (best OneCycle)" if lr == best else ""
+        lines.append(
+            f"| {lr:g}{mark} | {' | '.join(cells)} | {_fmt(ratio) if drift else 'not run'} "
+            f"| {' · '.join(_div_cell(_pick(mine, arm=a, max_lr=lr)) for a in swept)} |"
+        )
+    worst, at, _ = lr_sensitivity(mine)
+    lines += [""]
+    if best is not None:
+        lines.append(
+            f"- Best OneCycle: max_lr {best:g}, mean final val loss {_fmt(bar)}. HDET-drift's worst ratio over "
+            f"the sweep: **{_fmt(worst)}**"
+            + (f" at max_lr {at:g}" if at is not None else "")
+            + f" (target {TARGET_RATIO:g}; a diverged seed makes it infinite)."
+        )
+        lines += recovery_notes(_pick(mine, arm="hdet-drift"), bar)
+        high = aggressive_lr(sweep, lrs)
+        lines += controller_notes(_pick(mine, arm="hdet-paper", max_lr=high), high)
+    return lines + [""]
+
+
+def drift_section(results: list[Result], mode: str, task: str) -> list[str]:
+    mine = [r for r in _pick(results, mode=mode, task=task) if r.arm in ("hdet-drift", "hdet-paper")]
+    if not mine:
+        return []
+    lines = [
+        "| max_lr | HDET-drift final LR drift | HDET-drift drift range | HDET-paper drift range |",
+        "|---|---|---|---|",
+    ]
+    for lr in sorted({r.max_lr for r in mine}):
+        drift = _pick(mine, arm="hdet-drift", max_lr=lr)
+        lines.append(
+            f"| {lr:g} | {_cell([final_drift(r) for r in drift])} | {drift_ranges(drift)} "
+            f"| {drift_ranges(_pick(mine, arm='hdet-paper', max_lr=lr))} |"
+        )
+    return lines + [
+        "",
+        "- Drift = the controller's base LR / its reference (plain OneCycle's LR at that step). Final: the last "
+        "logged controller decision of each run (1 when it never moved), mean ± sd over seeds; range: lowest-highest "
+        "over each seed's decisions. Right direction: above 1 where max_lr is too small, below 1 where it is too "
+        "large. The paper's controller decays its base geometrically and is clipped to OneCycle's final LR at the "
+        "end, so its final drift says nothing; its range does.",
+        "",
+    ]
+
+
+def drift_ranges(rs: list[Result]) -> str:
+    """Lowest-highest logged LR drift of each run, comma separated ("not run" when there are none)."""
+    ranges = []
+    for r in rs:
+        d = r.run.controller_series("lr")["drift"] if r.run else np.zeros(0)
+        d = d[np.isfinite(d)]
+        ranges.append(f"{d.min():.3g}-{d.max():.3g}" if len(d) else "no decision")
+    return ", ".join(ranges) or "not run"
+
+
+def one_run_section(results: list[Result], task: str) -> list[str]:
+    rs = [r for r in results if r.task == task and r.arm in ONE_RUN]
+    if not rs:
+        return []
+    lines = [
+        "| method | lr | final val loss | val accuracy | diverged | s/run |",
+        "|---|---|---|---|---|---|",
+    ]
+    for arm in ONE_RUN:
+        mine = _pick(rs, arm=arm)
+        if mine:
+            label = "Schedule-Free" if arm == "schedulefree" else "Prodigy (+ cosine)"
+            lines.append(
+                f"| {label} | {mine[0].max_lr:g} | {_cell([r.row.final_val_loss for r in mine])} "
+                f"| {_cell([r.row.val_accuracy for r in mine])} | {_div_cell(mine)} "
+                f"| {statistics.fmean(r.wall_s for r in mine):.0f} |"
+            )
+    return lines + [
+        "",
+        "- Plain data-parallel jobs (DDP gradients, the same replicas, data order and batch), run once in the "
+        "shared mode: with no replicas of their own to diverge, the independent mode has nothing to add. "
+        "Schedule-Free is evaluated at its averaged point (`optimizer.eval()`).",
+        "",
+    ]
+
+
+def vs_one_run(results: list[Result], mode: str) -> dict:
+    """HDET-drift at its worst max_lr (mode ``mode``) against Schedule-Free and Prodigy (image task)."""
+    mine = _pick(results, mode=mode, task="image")
+    worst, at, _ = lr_sensitivity(mine)
+    hdet = mean_val(_pick(mine, arm="hdet-drift", max_lr=at)) if at is not None else math.nan
+    others = {arm: mean_val(_pick(results, task="image", arm=arm)) for arm in ONE_RUN}
+    finite = [v for v in others.values() if math.isfinite(v)]
+    best = min(finite) if finite else math.nan
+    value = hdet / best if math.isfinite(hdet) and math.isfinite(best) and best > 0 else math.inf
+    return {"hdet_worst_lr": at, "hdet": hdet, **others, "value": value}
+
+
+def json_lines(results: list[Result], modes: list[str], tasks: list[str], text_modes: list[str]) -> list[dict]:
+    out = []
+    for mode in modes if "image" in tasks else []:
+        mine = _pick(results, mode=mode, task="image")
+        worst, _, _ = lr_sensitivity(mine)
+        div = sum(r.row.diverged for r in _pick(mine, arm="hdet-drift"))
+        vs = vs_one_run(results, mode)
+        out += [
+            {"bench": "quality.lr_sensitivity", "mode": mode, "value": _json_number(worst), "unit": "ratio",
+             "target": TARGET_RATIO, "pass": math.isfinite(worst) and worst <= TARGET_RATIO},
+            {"bench": "quality.divergences", "mode": mode, "value": div, "unit": "runs", "target": 0,
+             "pass": div == 0},
+            {"bench": "quality.vs_one_run_methods", "mode": mode, "value": _json_number(vs["value"]),
+             "unit": "ratio", "target": 1.0, "pass": math.isfinite(vs["value"]) and vs["value"] <= 1.0},
+        ]  # fmt: skip
+    for mode in text_modes if "text" in tasks else []:
+        worst, _, _ = lr_sensitivity(_pick(results, mode=mode, task="text"))
+        out.append(
+            {"bench": "quality.text.lr_sensitivity", "mode": mode, "value": _json_number(worst), "unit": "ratio",
+             "target": TARGET_RATIO, "pass": math.isfinite(worst) and worst <= TARGET_RATIO}
+        )  # fmt: skip
+    return out
+
+
+def plot(results: list[Result], path: Path) -> None:
+    """Final validation loss against max_lr per arm (mean over seeds; diverged seeds drawn at the top)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, len(modes), figsize=(6.5 * len(modes), 8), squeeze=False)
-    seed = min(r.seed for r in results)
-    for col, mode in enumerate(modes):
-        mine = [r for r in results if r.mode == mode and r.seed == seed]
-        best = best_onecycle([r for r in results if r.mode == mode and r.arm == "onecycle"])
-        picks = [
-            (f"OneCycle {low:g} (baseline-low)", "onecycle", low, "tab:blue"),
-            (f"OneCycle {highs[mode]:g} (baseline-high)", "onecycle", highs[mode], "tab:red"),
-            (f"OneCycle {best:g} (best of sweep)", "onecycle", best, "tab:green"),
-            (f"HDET {highs[mode]:g}, no auto-LR", "hdet-no-auto-lr", highs[mode], "tab:orange"),
-            (f"HDET {highs[mode]:g}", "hdet", highs[mode], "tab:purple"),
-        ]
-        seen = set()
-        ceiling = [0.0, 0.0]  # per panel: 10x the highest first value, the divergence threshold
-        for label, arm, lr, color in picks:
-            match = next((r for r in mine if r.arm == arm and r.max_lr == lr), None)
-            if match is None or (arm, lr) in seen:
+    panels = sorted({(r.task, r.mode) for r in results if r.arm not in ONE_RUN})
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    for ax, (task, mode) in zip(axes[0], panels):
+        mine = _pick(results, task=task, mode=mode)
+        finite = [r.row.final_val_loss for r in mine if not r.row.diverged and math.isfinite(r.row.final_val_loss)]
+        top = 1.5 * max(finite) if finite else 1.0
+        for arm in (a for a in ARMS if a not in ONE_RUN):
+            lrs = sorted({r.max_lr for r in _pick(mine, arm=arm)})
+            if not lrs:
                 continue
-            seen.add((arm, lr))
-            style = "--" if arm == "hdet-no-auto-lr" else "-"  # dashed: visible where it overlaps full HDET
-            steps, loss = match.run.median_series("loss")
-            vs, vv = match.run.metrics.get("val_loss", (np.zeros(0), np.zeros(0)))
-            for row, (xs, ys) in enumerate(((steps, loss), (vs, vv))):
-                if not len(xs):
-                    continue
-                if row == 0:
-                    window = max(1, len(ys) // 40)
-                    xs, ys = xs[window - 1 :], np.convolve(ys, np.ones(window) / window, mode="valid")
-                ax = axes[row][col]
-                ax.plot(xs, ys, style, label=label, color=color, marker="." if row else None)
-                if len(ys) and math.isfinite(ys[0]):
-                    ceiling[row] = max(ceiling[row], 10 * float(ys[0]))
-                if match.row.diverged:
-                    ax.axvline(match.row.diverged_at_step, color=color, linestyle=":", alpha=0.8)
-        for row, what in enumerate(("training loss (median over replicas, smoothed)", "validation loss at syncs")):
-            ax = axes[row][col]
-            ax.set_yscale("log")
-            if ceiling[row] > 0:
-                bottom = ax.get_ylim()[0]
-                ax.set_ylim(bottom, min(ax.get_ylim()[1], ceiling[row]))
-            ax.set_xlabel("step   (dotted: where that run diverged; y axis cut at 10x the first loss)")
-            ax.set_title(f"{mode} gradients, seed {seed}: {what}", fontsize=10)
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
+            ys = [min(mean_val(_pick(mine, arm=arm, max_lr=lr)), top) for lr in lrs]
+            ax.plot(lrs, ys, marker="o", label=arm)
+        for arm in ONE_RUN:
+            v = mean_val(_pick(results, task=task, arm=arm))
+            if math.isfinite(v):
+                ax.axhline(v, linestyle=":", color="grey" if arm == "prodigy" else "black", label=arm)
+        ax.set_xscale("log")
+        ax.set_xlabel("max_lr")
+        ax.set_ylabel(f"final val loss (diverged: drawn at {top:.3g})")
+        ax.set_title(f"{task}, {mode} gradients", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def write_report(args, results, highs, summaries, sections, wall: float, out: Path, png: Path) -> Path:
+def write_report(args, results: list[Result], planned: list[Planned], wall: float | None, out: Path) -> Path:
     import torch
 
-    cfg = AblationConfig(dataset=args.dataset, data_dir=args.data_dir)
-    task = cfg.task()
-    # as the runs logged it, not as this script assumes ablation.py sets it
-    warmup = next((r.run.start.config.get("auto_lr_warmup") for r in results if r.arm == "hdet" and r.run.start), "?")
     now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    cpu = platform.processor() or platform.machine()
+    missing = len({p.key for p in planned}) - len(results)
     lines = [
-        f"# Results: HDET vs OneCycle on {args.dataset}",
+        f"# Results: is HDET insensitive to max_lr? ({args.dataset}, issue #11)",
         "",
-        f"Generated by `bench/quality.py` on {now}; every number below is read back from the MLflow",
-        "store the runs were logged to. Re-run it to reproduce (the command is at the bottom).",
+        f"Generated by `bench/quality.py` on {now}; every number below is read back from the MLflow store the "
+        "runs were logged to. Re-run it to reproduce (the command is at the bottom).",
         "",
-        f"- Task: {args.dataset}, {describe_task(task)}, batch {cfg.batch_size} per replica; "
-        f"{len(task.x_train):,} training and {len(task.x_val):,} held-out validation images.",
-        f"- {args.replicas} gloo replicas per run (torch's elastic launcher, loopback), {args.steps} optimizer steps, "
-        f"sync every {args.sync_every} steps, HDET spread {args.spread:g}, auto-LR warm-up {warmup} steps.",
-        f"- OneCycle sweep over max_lr {', '.join(f'{x:g}' for x in args.sweep)}; seeds "
-        f"{', '.join(map(str, args.seeds))} (a seed fixes the initial weights and the data order, the same for every arm).",
-        f"- Machine: {platform.system()} {platform.machine()} ({cpu}), {os.cpu_count()} CPU cores, Python "
-        f"{platform.python_version()}, torch {torch.__version__}. Wall time of the whole study: {wall / 60:.1f} min.",
-        "- Mean ± standard deviation over seeds; `-` means no finite value. Diverged: the training loss "
-        "(median over replicas) became non-finite or exceeded 10x its first value; a replica that blows up and "
-        "is repaired at the next sync is HDET at work, not a divergence. When every replica is non-finite the "
-        "run stops there and is marked FAILED.",
-        "",
-        "## Summary",
-        "",
-        "| gradients | aggressive max_lr | OneCycle diverged there | HDET diverged there | best OneCycle max_lr "
-        "| HDET final val loss / best OneCycle |",
-        "|---|---|---|---|---|---|",
     ]
-    for s in summaries:
+    if "image" in args.tasks:
+        task = AblationConfig(dataset=args.dataset, data_dir=args.data_dir).task()
         lines.append(
-            f"| {s['mode']} | {s['aggressive_lr']:g} | {s['onecycle_high_diverged']}/{s['seeds']} "
-            f"| {s['hdet_diverged']}/{s['seeds']} | {s['best_onecycle_lr']:g} | {_fmt(s['ratio'])} |"
+            f"- Image task: {args.dataset}, {describe_task(task)}, batch 64 per replica; {len(task.x_train):,} "
+            f"training and {len(task.x_val):,} held-out validation images; max_lr {', '.join(f'{x:g}' for x in args.sweep)}; "
+            f"seeds {', '.join(map(str, args.seeds))}; {args.steps} steps."
+        )  # fmt: skip
+    if "text" in args.tasks:
+        text = AblationConfig(dataset="text", text_file=args.text_file).task()
+        lines.append(
+            f"- Text task: character-level language modelling on {text.source}, {describe_task(text)}, "
+            f"16 windows of {text.context} characters per replica and step; max_lr "
+            f"{', '.join(f'{x:g}' for x in args.text_sweep)}; seeds {', '.join(map(str, args.text_seeds))}; "
+            f"{args.text_steps} steps."
         )
-    lines += ["", "## Per gradient mode", ""]
-    for sec in sections:
-        lines += sec
-    lines += [f"![loss curves]({png.name})", "", "## Every run", ""]
-    lines += ["| gradients | seed | run | max_lr | final val loss | val accuracy | diverged at | s | run id |"]
-    lines += ["|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        f"- {args.replicas} gloo replicas per run (torch's elastic launcher, loopback), sync every "
+        f"{args.sync_every} steps, HDET spread {args.spread:g}. HDET-drift: `HDETScheduler(max_lr, total_steps, "
+        f'spread, sync_every, auto_lr=True)` and nothing else. HDET-paper: `controller="paper"`, '
+        f"`auto_lr_warmup=steps // 4`. Schedule-Free lr {args.sf_lr:g} (image) / {args.text_sf_lr:g} (text), "
+        "Prodigy lr 1.0 with CosineAnnealingLR over the budget.",
+        f"- Machine: {platform.system()} {platform.machine()}, {os.cpu_count()} CPU cores, Python "
+        f"{platform.python_version()}, torch {torch.__version__}."
+        + (f" Wall time of this invocation: {wall / 60:.1f} min." if wall is not None else ""),
+        "- Mean ± standard deviation over seeds; `-` means no finite value; a diverged seed makes a mean "
+        "infinite (n/a), never dropped. Diverged: the training loss (median over replicas) became non-finite or "
+        "exceeded 10x its first value; a replica repaired at the next sync is HDET at work, not a divergence.",
+    ]
+    if missing:
+        lines.append(f"- **{missing} planned run(s) are not in the store yet**: re-run the command to continue.")
+    lines += ["", "## Result lines", "", "```"]
+    lines += [json.dumps(x) for x in json_lines(results, args.modes, args.tasks, args.text_modes)]
+    lines += ["```", ""]
+    if "image" in args.tasks:
+        lines += ["## LR sensitivity (image task)", ""]
+        for mode in args.modes:
+            lines += [f"### {mode} gradients", ""] + sensitivity_section(results, mode, "image", args.arms)
+        lines += ["## One-run methods (image task)", ""] + one_run_section(results, "image")
+        for mode in args.modes:
+            vs = vs_one_run(results, mode)
+            worst = _pick(results, mode=mode, task="image", arm="hdet-drift", max_lr=vs["hdet_worst_lr"])
+            finals = [r.row.final_val_loss for r in worst]
+            after = (
+                f" (a seed blew up there; the final val loss after the guard's recovery is {_cell(finals)})"
+                if not math.isfinite(vs["hdet"]) and finals and all(math.isfinite(v) for v in finals)
+                else ""
+            )
+            lines.append(
+                f"- {mode}: HDET-drift at its worst max_lr ({vs['hdet_worst_lr']}) ends at {_fmt(vs['hdet'])}{after}; "
+                f"Schedule-Free {_fmt(vs['schedulefree'])}, Prodigy {_fmt(vs['prodigy'])}; ratio to the better "
+                f"one {_fmt(vs['value'])}."
+            )
+        lines += ["", "## Drift direction (image task)", ""]
+        for mode in args.modes:
+            lines += [f"### {mode} gradients", ""] + drift_section(results, mode, "image")
+    if "text" in args.tasks:
+        lines += ["## Text task", ""]
+        for mode in args.text_modes:
+            lines += [f"### {mode} gradients", ""] + sensitivity_section(results, mode, "text", args.text_arms)
+            lines += drift_section(results, mode, "text")
+        lines += one_run_section(results, "text")
+    lines += ["![final validation loss against max_lr](lr_sensitivity.png)", "", "## Every run", ""]
+    lines += ["| task | gradients | seed | arm | max_lr | final val loss | val accuracy | diverged at | s | run id |"]
+    lines += ["|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(
-            f"| {r.mode} | {r.seed} | {r.row.name} | {r.max_lr:g} | {_fmt(r.row.final_val_loss)} "
+            f"| {r.task} | {r.mode} | {r.seed} | {r.arm} | {r.max_lr:g} | {_fmt(r.row.final_val_loss)} "
             f"| {_fmt(r.row.val_accuracy)} | {r.row.diverged_at_step or '-'} | {r.wall_s:.0f} | `{r.row.run_id[:8]}` |"
         )
     cmd = " ".join(["python", "bench/quality.py", *sys.argv[1:]])
@@ -363,22 +629,47 @@ def write_report(args, results, highs, summaries, sections, wall: float, out: Pa
     return path
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dataset", default="fashion-mnist", choices=["fashion-mnist", "digits"])
     p.add_argument("--data-dir", default=None)
+    p.add_argument("--tasks", nargs="+", default=["image", "text"], choices=["image", "text"])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--grad-modes", nargs="+", default=["shared", "independent"], choices=["shared", "independent"])
+    p.add_argument("--modes", "--grad-modes", nargs="+", default=["shared", "independent"],
+                   choices=["shared", "independent"])  # fmt: skip
+    p.add_argument("--arms", nargs="+", default=list(DEFAULT_ARMS), choices=ARMS)
     p.add_argument("--sweep", type=float, nargs="+", default=[0.02, 0.05, 0.1, 0.2, 0.5])
-    p.add_argument("--low-lr", type=float, default=0.05, help="baseline-low's max_lr (added to the sweep)")
+    p.add_argument("--sf-lr", type=float, default=None, help="Schedule-Free's lr (default: the package's default)")
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--steps", type=int, default=800)
     p.add_argument("--sync-every", type=int, default=25)
     p.add_argument("--spread", type=float, default=0.5)
+    p.add_argument("--text-file", default=None)
+    p.add_argument("--text-sweep", type=float, nargs="+", default=TEXT_SWEEP)
+    p.add_argument("--text-seeds", type=int, nargs="+", default=[0])
+    p.add_argument("--text-modes", nargs="+", default=["shared"], choices=["shared", "independent"])
+    p.add_argument("--text-arms", nargs="+", default=["onecycle", "hdet-drift"], choices=ARMS)
+    p.add_argument("--text-steps", type=int, default=None, help="default: --steps")
+    p.add_argument("--text-sf-lr", type=float, default=None)
     p.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "docs"))
-    p.add_argument("--store", default=None, help="MLflow tracking URI for the runs (default: a temporary sqlite file)")
-    args = p.parse_args()
-    args.sweep = sorted(set(args.sweep) | {args.low_lr})
+    p.add_argument("--store", default=None, help="MLflow tracking URI (default: a temporary sqlite file)")
+    p.add_argument("--report-only", action="store_true", help="rebuild the report and JSON lines from --store")
+    args = p.parse_args(argv)
+    args.sweep = sorted(set(args.sweep))
+    args.text_sweep = sorted(set(args.text_sweep))
+    args.text_steps = args.text_steps or args.steps
+    needs_sf = "schedulefree" in args.arms or "schedulefree" in args.text_arms
+    if args.sf_lr is None:
+        args.sf_lr = schedulefree_default_lr(text=False) if needs_sf else math.nan
+    if args.text_sf_lr is None:
+        args.text_sf_lr = schedulefree_default_lr(text=True) if needs_sf else math.nan
+    if args.report_only and not args.store:
+        p.error("--report-only needs --store")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     store = args.store or f"sqlite:///{Path(tempfile.mkdtemp(prefix='hdet-quality-')) / 'quality.db'}"
@@ -388,44 +679,27 @@ def main() -> int:
     from hdet_track.readers.mlflow import MLflowReader
 
     reader = MLflowReader(store)
-    print(f"bench/quality.py: runs logged to {store} (experiment {EXPERIMENT})", flush=True)
+    planned = plan(args)
+    print(f"bench/quality.py: {len(planned)} planned runs, store {store} (experiment {EXPERIMENT})", flush=True)
     started = time.monotonic()
-    results, highs, summaries, sections = [], {}, [], []
-    for mode in args.grad_modes:
-        mine, highs[mode] = run_mode(args, mode, reader)
-        results += mine
-        lines, summary = mode_section(mode, mine, highs[mode], args.low_lr)
-        sections.append(lines)
-        summaries.append(summary)
-    wall = time.monotonic() - started
-    png = out / "loss_curves.png"
-    plot(results, args.grad_modes, highs, args.low_lr, png)
-    report = write_report(args, results, highs, summaries, sections, wall, out, png)
-    print(f"wrote {report} and {png}; open the runs with: hdet-track dashboard {store}")
-    for s in summaries:
-        ratio = s["ratio"] if math.isfinite(s["ratio"]) else None
-        print(
-            json.dumps(
-                {
-                    "bench": f"quality_{s['mode']}_hdet_final_val_loss_vs_best_onecycle",
-                    "value": ratio,
-                    "unit": "ratio",
-                    "target": 1.0,
-                    "pass": ratio is not None and ratio <= 1.0,
-                }
-            )
-        )
-        print(
-            json.dumps(
-                {
-                    "bench": f"quality_{s['mode']}_hdet_diverged_seeds_at_aggressive_lr",
-                    "value": s["hdet_diverged"],
-                    "unit": f"of {s['seeds']} seeds",
-                    "target": 0,
-                    "pass": s["hdet_diverged"] == 0,
-                }
-            )
-        )
+    if not args.report_only:
+        stored = stored_runs(reader.client)
+        for i, p in enumerate(planned, 1):
+            if p.key in stored:
+                print(f"  [{i}/{len(planned)}] skip {p.key}: {stored[p.key].info.status} in the store", flush=True)
+                continue
+            print(f"  [{i}/{len(planned)}] run {p.key}", flush=True)
+            try:
+                run_planned(args, p)
+            except Exception as exc:  # one broken run must not end a study of hours; it is retried next time
+                print(f"  {p.key} failed to run: {type(exc).__name__}: {exc}", flush=True)
+    wall = None if args.report_only else time.monotonic() - started
+    results = read_results(reader, planned, stored_runs(reader.client))
+    plot(results, out / "lr_sensitivity.png")
+    report = write_report(args, results, planned, wall, out)
+    print(f"wrote {report}; open the runs with: hdet-track dashboard {store}")
+    for line in json_lines(results, args.modes, args.tasks, args.text_modes):
+        print(json.dumps(line))
     return 0
 
 

@@ -64,9 +64,10 @@ class HDETScheduler(OneCycleLR):
             ``1 + alpha * (r - (N-1)/2) / max((N-1)/2, 0.5)``.
         sync_every: T >= 1: average parameters every T steps (and after the last step).
         auto_lr: run the controller at each sync.
-        controller: ``"paper"`` (the published controller; the default until the published study
-            shows ``"drift"`` better), ``"drift"`` (shape-keeping, scale-free, guarded; see
-            docs/controller.md) or a :class:`hdet_track.controller.Controller`.
+        controller: ``"drift"`` (shape-keeping, scale-free, guarded; the default since the
+            published study showed it better than the paper's, see docs/controller.md and
+            docs/results.md), ``"paper"`` (the published controller, kept for reproduction) or a
+            :class:`hdet_track.controller.Controller`.
         auto_lr_warmup, temperature, meta_lr, meta_momentum: the paper controller's settings:
             steps of plain OneCycle before it takes over (then the LR is held between syncs), the
             softmax temperature in loss units, the step size and momentum of its base update.
@@ -120,7 +121,7 @@ class HDETScheduler(OneCycleLR):
         spread: float = 0.0,
         sync_every: int = 1000,
         auto_lr: bool = False,
-        controller: str | Controller = "paper",
+        controller: str | Controller = "drift",
         auto_lr_warmup: int = 0,
         temperature: float = 0.1,
         meta_lr: float = 0.5,

@@ -1,11 +1,11 @@
-"""bench/quality.py, which writes the published results: its rules on constructed results, and one
-small real study (digits, 2 gloo replicas) whose report must agree with the tracking store."""
+"""bench/quality.py, which writes the published results (issue #11): its rules on constructed
+results, and one small real study (digits, 2 gloo replicas, every default arm) whose report and
+JSON lines must agree with the tracking store, and which a second invocation resumes, not reruns."""
 
 from __future__ import annotations
 
 import json
 import math
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,17 +15,41 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.quality import Result, aggressive_lr, best_onecycle, controller_notes  # noqa: E402
+from bench.quality import (  # noqa: E402
+    Result,
+    aggressive_lr,
+    best_onecycle,
+    controller_notes,
+    json_lines,
+    lr_sensitivity,
+    recovery_notes,
+)
 from hdet_track.compare import ComparisonRow  # noqa: E402
-from hdet_track.events import ControllerDecision, RunStart  # noqa: E402
+from hdet_track.events import ControllerDecision, Guard, RunStart  # noqa: E402
 from hdet_track.readers.base import HDETRun  # noqa: E402
 
 
-def _result(lr: float, val: float, diverged: bool, seed: int = 0, arm: str = "onecycle") -> Result:
-    row = ComparisonRow(
-        "id", f"onecycle-lr{lr:g}", "onecycle", lr / 2, 0.1, val, val, 0.9, diverged, 7 if diverged else None
+def _row(val: float, diverged_at: int | None = None, name: str = "run") -> ComparisonRow:
+    return ComparisonRow(
+        run_id="id",
+        name=name,
+        schedule="onecycle",
+        world_size=4,
+        status="FINISHED",
+        mean_lr=0.1,
+        final_train_loss=0.1,
+        best_train_loss=0.1,
+        highest_stable_lr=0.1,
+        best_val_loss=val,
+        final_val_loss=val,
+        val_accuracy=0.9,
+        diverged=diverged_at is not None,
+        diverged_at_step=diverged_at,
     )
-    return Result("shared", seed, arm, lr, 1.0, row, None)
+
+
+def _result(lr: float, val: float, diverged: bool, seed: int = 0, arm: str = "onecycle", mode: str = "shared"):
+    return Result(mode, seed, arm, lr, 1.0, _row(val, 7 if diverged else None), None)
 
 
 def test_aggressive_lr_is_the_smallest_that_diverged_on_any_seed():
@@ -53,7 +77,45 @@ def test_best_onecycle_ranks_by_mean_final_val_loss_and_a_diverged_seed_ranks_la
     assert best_onecycle(sweep) == 0.1  # now 0.37
 
 
-def _hdet(diverged_at: int | None, decisions: list[int]) -> Result:
+def test_lr_sensitivity_is_the_worst_ratio_to_the_best_onecycle_and_a_divergence_makes_it_infinite():
+    results = [
+        _result(0.1, 0.40, False),
+        _result(0.2, 0.30, False),
+        _result(0.5, 9.00, True),
+        _result(0.1, 0.309, False, arm="hdet-drift"),
+        _result(0.2, 0.303, False, arm="hdet-drift"),
+        _result(0.5, 0.306, False, arm="hdet-drift"),
+    ]
+    worst, at, bar = lr_sensitivity(results)
+    assert (worst, at, bar) == (pytest.approx(1.03), 0.1, 0.30)
+    results.append(_result(0.5, 0.301, True, seed=1, arm="hdet-drift"))  # recovered, but it blew up
+    worst, at, _ = lr_sensitivity(results)
+    assert worst == math.inf and at == 0.5
+    assert lr_sensitivity([r for r in results if r.arm == "onecycle"])[0] != lr_sensitivity(results)[0]
+
+
+def test_json_lines_judge_each_mode_by_its_own_targets():
+    results = [
+        _result(0.1, 0.30, False, mode="shared"),
+        _result(0.1, 0.305, False, arm="hdet-drift", mode="shared"),
+        _result(0.1, 0.30, False, mode="independent"),
+        _result(0.1, 0.32, False, arm="hdet-drift", mode="independent"),  # 1.067: over the target
+        _result(0.1, 0.50, True, arm="hdet-paper", mode="independent"),  # the paper arm's divergence is not counted
+        _result(1.0, 0.31, False, arm="schedulefree"),
+        _result(1.0, 0.29, False, arm="prodigy"),
+    ]
+    lines = {(x["bench"], x["mode"]): x for x in json_lines(results, ["shared", "independent"], ["image"], [])}
+    for x in lines.values():
+        assert {"bench", "mode", "value", "unit", "target", "pass"} <= set(x) and isinstance(x["pass"], bool)
+    assert lines["quality.lr_sensitivity", "shared"]["pass"] is True
+    assert lines["quality.lr_sensitivity", "independent"]["value"] == pytest.approx(0.32 / 0.30)
+    assert lines["quality.lr_sensitivity", "independent"]["pass"] is False
+    assert lines["quality.divergences", "independent"]["value"] == 0
+    vs = lines["quality.vs_one_run_methods", "shared"]
+    assert vs["value"] == pytest.approx(0.305 / 0.29) and vs["pass"] is False  # Prodigy is the better one
+
+
+def _hdet(diverged_at: int | None, decisions: list[int], guard: list[Guard] = (), val: float = 1.0) -> Result:
     start = RunStart(
         config={"auto_lr_warmup": 200, "spread": 0.5},
         world_size=4,
@@ -77,9 +139,8 @@ def _hdet(diverged_at: int | None, decisions: list[int]) -> Result:
         )
         for s in decisions
     ]
-    run = HDETRun("id", name="hdet", start=start, controller=controller)
-    row = ComparisonRow("id", "hdet", "hdet", 0.2, 1.0, 1.0, 1.0, 0.5, diverged_at is not None, diverged_at)
-    return Result("shared", 0, "hdet", 0.5, 1.0, row, run)
+    run = HDETRun("id", name="hdet", start=start, controller=controller, guard=list(guard))
+    return Result("shared", 0, "hdet-paper", 0.5, 1.0, _row(val, diverged_at, "hdet"), run)
 
 
 def test_controller_notes_say_whether_the_controller_acted_before_the_divergence():
@@ -91,71 +152,95 @@ def test_controller_notes_say_whether_the_controller_acted_before_the_divergence
     assert "never acted" not in acted and "broke: 3, 1" in acted
 
 
+def test_recovery_notes_name_the_guard_action_after_each_blow_up_and_where_the_run_ended():
+    rollback = Guard(step=125, action="rollback", replicas=[0, 1, 2, 3], reason="every replica blown up")
+    early = Guard(step=50, action="backoff", replicas=[3], reason="replica 3 blew up")
+    runs = [_hdet(124, [], [early, rollback], val=0.33), _hdet(None, [], [], val=0.32)]
+    (note,) = recovery_notes(runs, bar=0.30)
+    assert "1 seed blew up (steps 124" in note
+    assert "rollback at step 125" in note and "backoff" not in note  # the action that answered this blow-up
+    assert "final val loss of 0.33" in note and "1.1x the best OneCycle" in note
+    lost = _hdet(124, [], [], val=math.nan)
+    (note,) = recovery_notes([lost], bar=0.30)
+    assert "no guard action" in note and "the best OneCycle" not in note
+    assert recovery_notes([runs[1]], bar=0.30) == []
+
+
+# ------------------------------------------------------------------ one small real study
+ARGS = [
+    "--tasks", "image", "--dataset", "digits", "--seeds", "0", "--steps", "40", "--sync-every", "10",
+    "--replicas", "2", "--modes", "independent", "--sweep", "0.05", "0.5",
+    "--arms", "onecycle", "hdet-drift", "prodigy",
+]  # fmt: skip
+
+
+def _quality(out: Path, store: str, *extra: str) -> str:
+    cmd = [sys.executable, str(ROOT / "bench" / "quality.py"), *ARGS, "--out", str(out), "--store", store, *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=out)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
 @pytest.fixture(scope="module")
 def study(tmp_path_factory):
     out = tmp_path_factory.mktemp("quality")
     store = f"sqlite:///{out / 'q.db'}"
-    cmd = [
-        sys.executable,
-        str(ROOT / "bench" / "quality.py"),
-        "--dataset",
-        "digits",
-        "--seeds",
-        "0",
-        "--steps",
-        "50",
-        "--replicas",
-        "2",
-        "--grad-modes",
-        "independent",
-        "--sweep",
-        "0.05",
-        "0.5",
-        "--out",
-        str(out),
-        "--store",
-        store,
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=out)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out, store, proc.stdout
+    first = _quality(out, store)
+    report = (out / "results.md").read_text()
+    second = _quality(out, store)  # everything is in the store: nothing runs again
+    return out, store, first, second, report
 
 
 def test_study_report_matches_the_tracking_store(study):
     from hdet_track.compare import comparison_rows
     from hdet_track.readers.mlflow import MLflowReader
 
-    out, store, stdout = study
-    report = (out / "results.md").read_text()
+    out, store, first, _, report = study
     reader = MLflowReader(store)
     runs = reader.list_runs("hdet-quality")
-    assert sorted(r.name for r in runs) == ["hdet", "hdet-no-auto-lr", "onecycle-lr0.05", "onecycle-lr0.5"]
-    every = [line for line in report.splitlines() if line.startswith("| independent | 0 |")]
-    assert len(every) == 4
+    names = sorted(r.name for r in runs)
+    assert names == sorted(["onecycle-lr0.05", "onecycle-lr0.5", "hdet-drift-lr0.05", "hdet-drift-lr0.5", "prodigy"])
+    every = [line for line in report.splitlines() if line.startswith("| image | independent | 0 |")]
+    every += [line for line in report.splitlines() if line.startswith("| image | shared | 0 | prodigy")]
+    assert len(every) == len(runs)
+    rows = {}
     for summary in runs:
         row = comparison_rows([reader.read(summary.run_id)])[0]
+        rows[row.name] = row
         line = next(x for x in every if f"`{summary.run_id[:8]}`" in x)
         cells = [c.strip() for c in line.strip("|").split("|")]
-        assert cells[2] == row.name
-        val = float(cells[4]) if cells[4] != "n/a" else math.nan
-        assert val == pytest.approx(row.final_val_loss, rel=1e-3) or (
-            math.isnan(val) and math.isnan(row.final_val_loss)
-        )
-        assert cells[6] == (str(row.diverged_at_step) if row.diverged else "-")
-    assert re.search(r"\| independent \| 0\.5 \| \d/1 \| \d/1 \| 0\.(05|5) \|", report)
-    assert "![loss curves](loss_curves.png)" in report
-    # the set-up is read from the task and the logged runs, not typed in: digits' MLP, warm-up steps // 4
+        assert f"{cells[3]}-lr{cells[4]}" == row.name or cells[3] == row.name == "prodigy"
+        shown = float(cells[5]) if cells[5] not in ("-", "n/a") else math.nan
+        assert shown == pytest.approx(row.final_val_loss, rel=1e-3) or not math.isfinite(row.final_val_loss)
+        assert cells[7] == (str(row.diverged_at_step) if row.diverged else "-")
+    # the set-up is read from the task, not typed in
     assert "an MLP 64-256-256-10, SGD (momentum 0.9, Nesterov, weight decay 0.0005)" in report
-    assert "auto-LR warm-up 12 steps" in report
-    assert (out / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "lr_sensitivity.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "planned run(s) are not in the store" not in report
 
 
-def test_study_ends_with_json_result_lines(study):
-    *_, stdout = study
-    lines = [json.loads(x) for x in stdout.strip().splitlines()[-2:]]
-    assert [x["bench"] for x in lines] == [
-        "quality_independent_hdet_final_val_loss_vs_best_onecycle",
-        "quality_independent_hdet_diverged_seeds_at_aggressive_lr",
-    ]
-    for x in lines:
-        assert set(x) == {"bench", "value", "unit", "target", "pass"} and isinstance(x["pass"], bool)
+def test_study_json_lines_are_the_store_s_numbers(study):
+    from hdet_track.compare import comparison_rows
+    from hdet_track.readers.mlflow import MLflowReader
+
+    out, store, first, second, _ = study
+    lines = {x["bench"]: x for x in map(json.loads, [s for s in first.splitlines() if s.startswith("{")])}
+    assert set(lines) == {"quality.lr_sensitivity", "quality.divergences", "quality.vs_one_run_methods"}
+    reader = MLflowReader(store)
+    rows = {r.name: comparison_rows([reader.read(r.run_id)])[0] for r in reader.list_runs("hdet-quality")}
+
+    def val(name):
+        r = rows[name]
+        return math.inf if r.diverged or not math.isfinite(r.final_val_loss) else r.final_val_loss
+
+    bar = min(val("onecycle-lr0.05"), val("onecycle-lr0.5"))
+    worst = max(val("hdet-drift-lr0.05"), val("hdet-drift-lr0.5")) / bar
+    got = lines["quality.lr_sensitivity"]
+    assert got["mode"] == "independent"
+    assert (got["value"] is None and worst == math.inf) or got["value"] == pytest.approx(worst, rel=1e-9)
+    assert got["pass"] == (worst <= 1.03)
+    div = sum(rows[n].diverged for n in ("hdet-drift-lr0.05", "hdet-drift-lr0.5"))
+    assert lines["quality.divergences"]["value"] == div and lines["quality.divergences"]["pass"] == (div == 0)
+    # the second invocation found every run and printed the same lines
+    assert second.count(" skip ") == 5 and " run fashion" not in second and " run digits" not in second
+    assert [s for s in second.splitlines() if s.startswith("{")] == [s for s in first.splitlines() if s.startswith("{")]

@@ -28,14 +28,36 @@ DEFAULT_LRS = {"digits": (0.05, 0.5), "fashion-mnist": (0.05, 0.5), "text": (2e-
 DEVICES = ("auto", "cpu", "cuda")
 
 
+OPTIMIZERS = ("task", "schedulefree", "prodigy")
+
+
 @dataclass(frozen=True)
 class RunSpec:
-    """One run of the ablation."""
+    """One run of the ablation.
+
+    ``optimizer``: ``"task"`` (the task's own optimizer under ``HDETScheduler``), or a one-run method
+    with its own schedule, trained as plain data-parallel (DDP) job and tracked alongside:
+    ``"schedulefree"`` (``schedulefree.SGDScheduleFree`` with the task's momentum and weight decay for
+    the image tasks, ``AdamWScheduleFree`` for text; lr ``max_lr``) or ``"prodigy"``
+    (``prodigyopt.Prodigy`` at lr 1.0 with ``CosineAnnealingLR`` over the budget; ``max_lr`` unused).
+    ``controller``: ``"drift"`` (the default) or ``"paper"``. ``auto_lr_warmup``: ``None`` keeps each
+    controller's setting in the demo: none for ``"drift"`` (it acts from the first sync), a quarter of
+    the steps for ``"paper"`` (as in the paper's ablation).
+    ``tags``: extra tags on the tracked run (e.g. a study's resume key).
+    """
 
     name: str
     max_lr: float
     spread: float
     auto_lr: bool
+    optimizer: str = "task"
+    controller: str = "drift"
+    auto_lr_warmup: int | None = None
+    tags: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"Expected optimizer to be one of {', '.join(OPTIMIZERS)}, but got {self.optimizer!r}")
 
 
 @dataclass(frozen=True)
@@ -107,7 +129,37 @@ def _track(cfg: AblationConfig, spec: RunSpec):
         return WandbTracker(run_name=spec.name)
     from hdet_track.tracking.mlflow import MLflowTracker
 
-    return MLflowTracker(run_name=spec.name)
+    return MLflowTracker(run_name=spec.name, tags=dict(spec.tags) or None)
+
+
+def _one_run_optimizer(task, model: nn.Module, spec: RunSpec, steps: int):
+    """(optimizer, LR scheduler or None) of a one-run method, with the task's momentum/weight decay."""
+    own = task.optimizer(model.parameters(), spec.max_lr).defaults
+    if spec.optimizer == "schedulefree":
+        import schedulefree
+
+        if task.kind == "text":
+            opt = schedulefree.AdamWScheduleFree(
+                model.parameters(), lr=spec.max_lr, weight_decay=own.get("weight_decay", 0.0)
+            )
+        else:
+            opt = schedulefree.SGDScheduleFree(
+                model.parameters(),
+                lr=spec.max_lr,
+                momentum=own.get("momentum", 0.9),
+                weight_decay=own.get("weight_decay", 0.0),
+            )
+        return opt, None
+    from prodigyopt import Prodigy
+
+    opt = Prodigy(model.parameters(), lr=1.0, weight_decay=own.get("weight_decay", 0.0))
+    return opt, torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
+
+
+def _set_mode(opt, training: bool) -> None:
+    """Schedule-Free keeps two sequences: train() before steps, eval() (the averaged point) to evaluate."""
+    if hasattr(opt, "eval") and hasattr(opt, "train"):
+        opt.train() if training else opt.eval()
 
 
 def train_one(cfg: AblationConfig, spec: RunSpec) -> dict:
@@ -122,16 +174,29 @@ def train_one(cfg: AblationConfig, spec: RunSpec) -> dict:
         net = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     else:
         net = model
-    opt = task.optimizer(model.parameters(), spec.max_lr)
+    own_schedule = None
+    if spec.optimizer == "task":
+        opt = task.optimizer(model.parameters(), spec.max_lr)
+        tracked, averaged = opt, model
+    else:
+        # a one-run method steps its own schedule; HDETScheduler (spread 0, no auto-LR) only carries the
+        # tracking on a placeholder parameter, so its logged "lr" series is not this optimizer's LR (that
+        # one is logged as "optimizer_lr"); with DDP gradients the replicas stay identical anyway
+        opt, own_schedule = _one_run_optimizer(task, model, spec, cfg.steps)
+        tracked, averaged = torch.optim.SGD([nn.Parameter(torch.zeros(1, device=device))], lr=spec.max_lr), None
+    warmup = spec.auto_lr_warmup
+    if warmup is None:
+        warmup = cfg.steps // 4 if spec.auto_lr and spec.controller == "paper" else 0
     sched = HDETScheduler(
-        opt,
+        tracked,
         max_lr=spec.max_lr,
         total_steps=cfg.steps,
         spread=spec.spread,
         sync_every=cfg.sync_every,
         auto_lr=spec.auto_lr,
-        auto_lr_warmup=cfg.steps // 4 if spec.auto_lr else 0,
-        model=model,
+        controller=spec.controller,
+        auto_lr_warmup=warmup,
+        model=averaged,
         seed=cfg.seed,
         track=_track(cfg, spec),
         compare_group=cfg.compare_group,
@@ -142,17 +207,25 @@ def train_one(cfg: AblationConfig, spec: RunSpec) -> dict:
     started = time.monotonic()
     diverged_at = None
     try:
+        _set_mode(opt, True)
         for k in range(1, cfg.steps + 1):
             inputs, targets = task.batch(batches, cfg.batch_size)
             loss = task.loss(net(inputs), targets)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
+            if own_schedule is not None:
+                own_schedule.step()
+            if tracked is not opt:
+                tracked.step()  # the placeholder has no gradient: a no-op that keeps torch's step-order check quiet
             sched.step(loss)
             report = sched.last_sync
             if report is not None and report.step == k:
-                val_loss, val_acc = task.evaluate(model)
-                sched.log_metrics({"val_loss": val_loss, "val_accuracy": val_acc}, step=k)
+                val_loss, val_acc = _evaluate(task, model, opt)
+                metrics = {"val_loss": val_loss, "val_accuracy": val_acc}
+                if spec.optimizer != "task":
+                    metrics["optimizer_lr"] = float(opt.param_groups[0]["lr"])
+                sched.log_metrics(metrics, step=k)
                 if rank == 0:
                     _progress(spec.name, k, cfg.steps, report.window_losses, val_loss, started)
     except NonFiniteReplicasError as exc:
@@ -161,7 +234,7 @@ def train_one(cfg: AblationConfig, spec: RunSpec) -> dict:
         sched.close("FAILED", f"diverged: every replica non-finite at step {exc.step}")
         if rank == 0:
             print(f"\n[{spec.name}] diverged at step {exc.step}", flush=True)
-    val_loss, val_acc = task.evaluate(model)
+    val_loss, val_acc = _evaluate(task, model, opt)
     if diverged_at is None:
         sched.log_metrics({"val_loss": val_loss, "val_accuracy": val_acc}, step=cfg.steps)
         sched.close()
@@ -175,6 +248,14 @@ def train_one(cfg: AblationConfig, spec: RunSpec) -> dict:
         "diverged_at": diverged_at,
         "world": world,
     }
+
+
+def _evaluate(task, model: nn.Module, opt) -> tuple[float, float]:
+    _set_mode(opt, False)
+    try:
+        return task.evaluate(model)
+    finally:
+        _set_mode(opt, True)
 
 
 def _progress(name: str, k: int, steps: int, losses: list[float], val_loss: float, started: float) -> None:
@@ -223,4 +304,5 @@ __all__ = [
     "choose_device",
     "DataError",
     "DEFAULT_LRS",
+    "OPTIMIZERS",
 ]
