@@ -97,3 +97,21 @@ def test_plain_loop_example_runs_two_replicas_into_one_run(tmp_path):
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
     assert runs[0].data.tags["hdet.world_size"] == "2"
     assert {"hdet/replica_00/lr", "hdet/replica_01/lr", "val_accuracy"} <= set(runs[0].data.metrics)
+
+
+def test_wrapping_halfway_decays_the_paper_base_over_the_remaining_syncs_only():
+    """Issue #12: wrap() at step 50 of 100 (sync every 10) decays the paper controller's base by
+    div_factor / final_div_factor over the 5 syncs left, not over all 10 (which would decay it by
+    only about the square root of the intended ratio)."""
+    from hdet_track.schedule import decay_gamma
+
+    opt = make()
+    orig = OneCycleLR(opt, 0.3, total_steps=100, div_factor=25.0, final_div_factor=1e4)
+    for _ in range(50):
+        opt.step()
+        orig.step()
+    sched = hdet_track.wrap(orig, sync_every=10, auto_lr=True, controller="paper")
+    assert sched.gamma == pytest.approx(decay_gamma(25.0, 1e4, 5))
+    assert (1 - sched.gamma) ** 5 == pytest.approx(25.0 / 1e4)
+    fresh = HDETScheduler(make(), 0.3, total_steps=100, sync_every=10, auto_lr=True, controller="paper")
+    assert fresh.gamma == pytest.approx(decay_gamma(25.0, 1e4, 10)) and fresh.gamma < sched.gamma
