@@ -2,7 +2,8 @@
 
 Readers are cached per source (``st.cache_resource``), run lists for a few seconds
 (``st.cache_data``), and runs in the session: a RUNNING run is re-read incrementally (only new
-archive chunks), a finished one is kept as is.
+archive chunks), a finished one is kept as is. A huge run is read as an overview (the archive's
+summaries); a zoomed step range is read at full resolution, one range per run kept at a time.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 import streamlit as st
 
 from hdet_track.readers import HDETRun, ReaderError, RunSummary, default_source, open_reader
+from hdet_track.summaries import full_rows_limit
 
 LIVE_SECONDS = 2.0
 
@@ -33,15 +35,43 @@ def list_experiments(source: str) -> list[str]:
     return reader.experiments() if hasattr(reader, "experiments") else []
 
 
-def load_run(run_id: str) -> HDETRun:
-    """The run, re-read incrementally while it is live."""
+def load_run(run_id: str, steps: tuple[int, int] | None = None) -> HDETRun:
+    """The run (or its step range ``steps``), re-read incrementally while it is live."""
     source = current_source()
-    cache: dict[tuple[str, str], HDETRun] = st.session_state.setdefault("_runs", {})
-    key = (source, run_id)
+    cache: dict[tuple[str, str, tuple[int, int] | None], HDETRun] = st.session_state.setdefault("_runs", {})
+    key = (source, run_id, steps)
     previous = cache.get(key)
     if previous is None or previous.live:
-        cache[key] = get_reader(source).read(run_id, previous=previous)
+        if previous is None and steps is not None:  # a new range: start from the whole run's read
+            for other in [k for k in cache if k[:2] == key[:2] and k[2] is not None]:
+                del cache[other]
+            previous = cache.get((source, run_id, None))
+        cache[key] = get_reader(source).read(run_id, previous=previous, steps=steps)
     return cache[key]
+
+
+def step_range(run: HDETRun) -> tuple[int, int] | None:
+    """A step-range slider for a run read as an overview (None: the whole run, or a run read in full)."""
+    if run.aggregates is None or not run.overview or not len(run.aggregates):
+        return None
+    first, last = int(run.aggregates.first_step.min()), run.last_step
+    per_step = max(1, run.world_size)
+    lo, hi = st.slider(
+        f"Step range (every step once it spans at most {full_rows_limit() // per_step:,} steps)",
+        first,
+        last,
+        (first, last),
+        key=f"range_{run.run_id}",
+    )
+    return None if (lo, hi) == (first, last) else (int(lo), int(hi))
+
+
+def resolution_caption(run: HDETRun) -> None:
+    """Say on the page when its charts show a summary."""
+    if run.overview:
+        st.caption(f"Huge run: {run.resolution_note()}.")
+    elif run.view is not None:
+        st.caption(f"Every step of steps {run.view[0]:,} to {run.view[1]:,}.")
 
 
 def current_source() -> str:

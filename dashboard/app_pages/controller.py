@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import streamlit as st
-from hdet_track.dashboard.state import live_every, load_run, selected_run
+from hdet_track.dashboard.state import live_every, load_run, resolution_caption, selected_run, step_range
 
 from hdet_track.viz import plot_controller
 
@@ -17,10 +17,12 @@ if run is not None:
     targets = run.series_keys(name) or [name]
     target = c2.selectbox("Target", list(range(len(targets))), format_func=lambda t: targets[t])
     log_y = c3.toggle("log scale", value=False)
+    steps = step_range(run)
 
     @st.fragment(run_every=live_every(run))
     def charts() -> None:
-        fresh = load_run(run.run_id)
+        fresh = load_run(run.run_id, steps)
+        resolution_caption(fresh)
         series = fresh.controller_series(name, target)
         if len(series["step"]):
             m1, m2, m3, m4 = st.columns(4)

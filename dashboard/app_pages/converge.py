@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import streamlit as st
-from hdet_track.dashboard.state import live_every, load_run, selected_run
+from hdet_track.dashboard.state import live_every, load_run, resolution_caption, selected_run, step_range
 
 from hdet_track.viz import guard_rows, plot_divergence, plot_sync_heatmap, plot_sync_loss
 
 st.header("Converge")
 run = selected_run()
 if run is not None:
+    steps = step_range(run)
 
     @st.fragment(run_every=live_every(run))
     def charts() -> None:
-        fresh = load_run(run.run_id)
+        fresh = load_run(run.run_id, steps)
+        resolution_caption(fresh)
         st.plotly_chart(plot_sync_loss(fresh), key="sync_loss")
         actions = guard_rows(fresh)
         if actions:

@@ -12,6 +12,10 @@ run = selected_run()
 if run is not None:
     keys = run.series_keys("lr") or ["lr"]
     key = st.selectbox("Param group", keys)
+    if run.overview:
+        st.caption(
+            f"Huge run: the schedule is the mean LR of every {run.resolution:,} steps (from the archive's summaries)."
+        )
     c1, c2 = st.columns(2)
     c1.download_button("schedule.csv", schedule_csv(run, key), file_name=f"{run.run_id}-{key}.csv", mime="text/csv")
     c2.download_button(

@@ -1,6 +1,8 @@
 """``HDETRun``: one run rebuilt from a tracker, whatever the backend; and the reader protocol.
 
-A run is columnar (numpy arrays) so that a 100,000-step, 8-replica run loads and slices fast.
+A run is columnar (numpy arrays) so that a 100,000-step, 8-replica run loads and slices fast. A huge
+run (more rows than :func:`~hdet_track.summaries.full_rows_limit`) is read as an overview: the
+archive's per-bucket summaries, with full rows only for a zoomed step range.
 Nothing here imports a tracker, Streamlit or the scheduler.
 """
 
@@ -20,6 +22,7 @@ from .. import names
 from ..errors import HDETError
 from ..events import ControllerDecision, Converge, Guard, RunEnd, RunStart, UnknownSchemaError, event_from_dict
 from ..record import ExploredSpec
+from ..summaries import LEVELS, OVERVIEW_BUCKETS, SUMMARY_DIR, BucketTable, full_rows_limit, parse_piece_name
 
 __all__ = [
     "HDETRun",
@@ -125,6 +128,11 @@ class HDETRun:
         metrics: other metric series (``val_loss``, the means ``loss``/``lr``...): key -> (steps, values).
         live: the run is still running.
         warnings: what could not be read (a truncated chunk, an unknown schema...).
+        aggregates: the archive's per-bucket aggregates of the steps table (None for archives written
+            before 0.3, and runs without an archive).
+        overview: the steps were not read (too many rows for the step range): per-step series are
+            per-bucket aggregates of ``aggregates`` (see :attr:`resolution`).
+        view: the step range read (inclusive), or None for the whole run.
     """
 
     run_id: str
@@ -143,6 +151,11 @@ class HDETRun:
     warnings: list[str] = field(default_factory=list)
     chunks: tuple[str, ...] = ()  # archive chunks already read (for incremental re-reads)
     start_time: float = 0.0
+    aggregates: BucketTable | None = None
+    overview: bool = False
+    view: tuple[int, int] | None = None
+    row_chunks: tuple[str, ...] = ()  # steps chunks whose rows are in ``steps``
+    _cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     # ------------------------------------------------------------------ facts
     @property
@@ -159,6 +172,8 @@ class HDETRun:
             return self.start.world_size
         if len(self.steps):
             return int(self.steps.replica.max()) + 1
+        if self.aggregates is not None and len(self.aggregates):
+            return int(self.aggregates.replica.max()) + 1
         ws = self.tags.get("hdet.world_size")
         return int(ws) if ws and ws.isdigit() else 1
 
@@ -185,16 +200,21 @@ class HDETRun:
     def explored_names(self) -> list[str]:
         """``"lr"`` and the other explored hyperparameters (from the run's start, else its series)."""
         found = [e.name for e in self.explored]
-        if not found and len(self.steps):
-            found = sorted({names.parse_series_key(k)[0] for k in self.steps.values}, key=lambda n: (n != "lr", n))
+        if not found:
+            found = sorted({names.parse_series_key(k)[0] for k in self._value_keys()}, key=lambda n: (n != "lr", n))
         return found
+
+    def _value_keys(self) -> list[str]:
+        if len(self.steps) or self.aggregates is None:
+            return list(self.steps.values)
+        return [c[2:] for c in self.aggregates.columns if c.startswith("v:")]
 
     def series_keys(self, name: str) -> list[str]:
         """The series keys of hyperparameter ``name`` (one per target: ``lr``, ``lr/pg1``, ...)."""
         for e in self.explored:
             if e.name == name:
                 return list(e.series_keys)
-        return [k for k in self.steps.values if names.parse_series_key(k)[0] == name]
+        return [k for k in self._value_keys() if names.parse_series_key(k)[0] == name]
 
     def spread(self, name: str) -> float:
         """The spread hyperparameter ``name`` was explored with (0 when unknown)."""
@@ -203,12 +223,19 @@ class HDETRun:
     @property
     def last_step(self) -> int:
         candidates = [int(self.steps.step[-1])] if len(self.steps) else []
+        if self.aggregates is not None and len(self.aggregates):
+            candidates.append(int(self.aggregates.last_step.max()))
         candidates += [int(s[-1]) for s, _ in self.metrics.values() if len(s)]
         return max(candidates) if candidates else 0
 
     # ------------------------------------------------------------------ series
     def replica_series(self, key: str, replica: int) -> tuple[np.ndarray, np.ndarray]:
-        """(steps, values) of one replica; ``key`` is ``"loss"`` or a series key (``"lr"``...)."""
+        """(steps, values) of one replica; ``key`` is ``"loss"`` or a series key (``"lr"``...).
+
+        In an overview, two points per bucket: its min at the bucket's first step and its max at its
+        last step (a bucket with a non-finite value starts with NaN, a gap)."""
+        if self.overview:
+            return self._bucket_envelope(key, replica)
         mask = self.steps.replica == replica
         column = self.steps.loss if key == "loss" else self.steps.values.get(key)
         if column is None:
@@ -216,7 +243,10 @@ class HDETRun:
         return self.steps.step[mask], column[mask]
 
     def mean_series(self, key: str) -> tuple[np.ndarray, np.ndarray]:
-        """(steps, mean over replicas) of ``loss`` or a series key; falls back to a logged metric."""
+        """(steps, mean over replicas) of ``loss`` or a series key; falls back to a logged metric. In an
+        overview: the mean of every finite value of the bucket, at the bucket's middle step."""
+        if self.overview and self._bucket_column(key) in self.aggregates.columns:  # type: ignore[union-attr]
+            return self._bucket_mean(key)
         column = self.steps.loss if key == "loss" else self.steps.values.get(key)
         if column is None or not len(self.steps):
             return self.metrics.get(key, (np.zeros(0, dtype=np.int64), np.zeros(0)))
@@ -230,7 +260,10 @@ class HDETRun:
     def median_series(self, key: str) -> tuple[np.ndarray, np.ndarray]:
         """(steps, median over replicas) of ``loss`` or a series key, a non-finite value counting as the
         largest: one exploring replica that blows up (and is repaired at the next sync) moves the mean
-        but not the median; the median is non-finite once half the replicas are."""
+        but not the median; the median is non-finite once half the replicas are. In an overview: the
+        median over replicas of each replica's bucket mean (infinite when the bucket had a non-finite value)."""
+        if self.overview and self._bucket_column(key) in self.aggregates.columns:  # type: ignore[union-attr]
+            return self._bucket_median(key)
         column = self.steps.loss if key == "loss" else self.steps.values.get(key)
         if column is None or not len(self.steps):
             return self.metrics.get(key, (np.zeros(0, dtype=np.int64), np.zeros(0)))
@@ -262,9 +295,121 @@ class HDETRun:
         return out
 
     def final_loss(self) -> float:
+        if self.overview and self.aggregates is not None and "loss" in self.aggregates.columns:
+            t = self.aggregates.at(min(self.aggregates.levels))
+            last = t.stat("loss", "last")[t.last_step == t.last_step.max()]
+            last = last[np.isfinite(last)]
+            return float(last.mean()) if len(last) else math.nan
         steps, values = self.mean_series("loss")
         finite = values[np.isfinite(values)] if len(values) else values
         return float(finite[-1]) if len(finite) else math.nan
+
+    # ------------------------------------------------------------------ overview (per-bucket aggregates)
+    @property
+    def resolution(self) -> int | None:
+        """Steps per bucket of the per-step series (None: every step)."""
+        return int(self._buckets().level[0]) if self.overview and len(self._buckets()) else None
+
+    def resolution_note(self) -> str:
+        """What the per-step series show, for figure titles and captions ("" at full resolution)."""
+        level = self.resolution
+        if level is None:
+            return ""
+        rows = int(self._buckets().rows.sum())
+        return f"summary: min/max and mean per {level:,} steps of {rows:,} rows; zoom in for every step"
+
+    @staticmethod
+    def _bucket_column(key: str) -> str:
+        return "loss" if key == "loss" else f"v:{key}"
+
+    def _buckets(self) -> BucketTable:
+        """The summary at the finest level with at most OVERVIEW_BUCKETS buckets in view."""
+        if "buckets" not in self._cache:
+            summary = self.aggregates if self.aggregates is not None else BucketTable()
+            lo, hi = self.view if self.view is not None else (None, None)
+            chosen = BucketTable()
+            for level in summary.levels:
+                chosen = summary.at(level, lo, hi)
+                if len(np.unique(chosen.bucket)) <= OVERVIEW_BUCKETS:
+                    break
+            self._cache["buckets"] = chosen
+        return self._cache["buckets"]
+
+    def _bucket_envelope(self, key: str, replica: int) -> tuple[np.ndarray, np.ndarray]:
+        t = self._buckets()
+        column = self._bucket_column(key)
+        if column not in t.columns:
+            return np.zeros(0, dtype=np.int64), np.zeros(0)
+        m = t.replica == replica
+        n = int(m.sum())
+        x = np.empty(2 * n, dtype=np.int64)
+        y = np.empty(2 * n)
+        x[0::2], x[1::2] = t.first_step[m], t.last_step[m]
+        y[0::2], y[1::2] = t.stat(column, "min")[m], t.stat(column, "max")[m]
+        y[0::2][t.stat(column, "count")[m] < t.rows[m]] = np.nan
+        return x, y
+
+    def _bucket_groups(self) -> tuple[np.ndarray, np.ndarray]:
+        """(middle step of each bucket in view, index of each summary row's bucket)."""
+        t = self._buckets()
+        buckets, inverse = np.unique(t.bucket, return_inverse=True)
+        first = np.full(len(buckets), np.iinfo(np.int64).max)
+        last = np.full(len(buckets), np.iinfo(np.int64).min)
+        np.minimum.at(first, inverse, t.first_step)
+        np.maximum.at(last, inverse, t.last_step)
+        return (first + last) // 2, inverse
+
+    def _bucket_mean(self, key: str) -> tuple[np.ndarray, np.ndarray]:
+        t = self._buckets()
+        column = self._bucket_column(key)
+        steps, inverse = self._bucket_groups()
+        sums = np.bincount(inverse, weights=t.stat(column, "sum"), minlength=len(steps))
+        counts = np.bincount(inverse, weights=t.stat(column, "count"), minlength=len(steps))
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return steps, np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
+
+    def _bucket_median(self, key: str) -> tuple[np.ndarray, np.ndarray]:
+        t = self._buckets()
+        column = self._bucket_column(key)
+        steps, inverse = self._bucket_groups()
+        count = t.stat(column, "count")
+        with np.errstate(invalid="ignore", divide="ignore"):
+            means = np.where(count < t.rows, np.inf, t.stat(column, "sum") / count)
+        order = np.lexsort((means, inverse))
+        values = means[order]
+        _, starts, counts = np.unique(inverse[order], return_index=True, return_counts=True)
+        lo, hi = values[starts + (counts - 1) // 2], values[starts + counts // 2]
+        with np.errstate(invalid="ignore", over="ignore"):
+            return steps, (lo + hi) / 2
+
+    def multiplier_grid(self, name: str = "lr") -> tuple[list[int], np.ndarray]:
+        """(window start steps, multiplier [replica, window]) of hyperparameter ``name``. At full
+        resolution: one window per sync (the multiplier each replica held from that step); in an
+        overview: one column per bucket (the multiplier each replica held at the bucket's first step)."""
+        n = self.world_size
+        if self.overview:
+            t = self._buckets()
+            first = t.stat(f"m:{name}", "first")
+            if first is None or not len(t):
+                return [], np.zeros((0, 0))
+            steps, inverse = self._bucket_groups()
+            starts = np.full(len(steps), np.iinfo(np.int64).max)
+            np.minimum.at(starts, inverse, t.first_step)
+            grid = np.full((n, len(steps)), np.nan)
+            grid[t.replica, inverse] = first
+            return [int(s) for s in starts], grid
+        table = self.steps
+        column = table.multipliers.get(name)
+        if column is None or not len(table):
+            return [], np.zeros((0, 0))
+        sync_steps = sorted({c.step for c in self.converge})
+        starts = [1] + [s + 1 for s in sync_steps if s < int(table.step[-1])]
+        starts = sorted({int(table.step[0])} | {s for s in starts if s >= int(table.step[0])})  # a zoomed range
+        grid = np.full((n, len(starts)), np.nan)
+        for j, start in enumerate(starts):
+            lo, hi = np.searchsorted(table.step, start, "left"), np.searchsorted(table.step, start, "right")
+            grid[table.replica[lo:hi], j] = column[lo:hi]
+        return starts, grid
 
     def summary(self) -> RunSummary:
         return RunSummary(
@@ -294,8 +439,16 @@ class RunReader(Protocol):
     def list_runs(self, experiment: str | None = None) -> list[RunSummary]:
         """Runs at the source (newest first), with enough facts for a run list."""
 
-    def read(self, run_id: str, previous: HDETRun | None = None) -> HDETRun:
-        """The whole run; with ``previous`` (a live run read before), only what is new is fetched."""
+    def read(
+        self,
+        run_id: str,
+        previous: HDETRun | None = None,
+        steps: tuple[int, int] | None = None,
+        max_rows: int | None = None,
+    ) -> HDETRun:
+        """The run; with ``previous`` (a live run read before), only what is new is fetched. Full rows
+        when the step range ``steps`` (None: the whole run) holds at most ``max_rows`` rows, else an
+        overview from the archive's summaries."""
 
 
 # ---------------------------------------------------------------------- parsing archive chunks
@@ -340,31 +493,173 @@ def _floats(column: Any) -> np.ndarray:
     return column.to_numpy(zero_copy_only=False).astype(np.float64, copy=False)
 
 
+def _is_piece(name: str) -> bool:
+    return f"/{SUMMARY_DIR}/" in f"/{name}"
+
+
+def _scope(name: str) -> str:
+    """The archive a file belongs to (a W&B run resumed in a new directory numbers its chunks anew)."""
+    if _is_piece(name):
+        return f"/{name}".rsplit(f"/{SUMMARY_DIR}/", 1)[0][1:]
+    return name.rsplit("/", 1)[0] if "/" in name else ""
+
+
+def _chunk_name(scope: str, base: str) -> str:
+    return f"{scope}/{base}" if scope else base
+
+
+def _chunk_index(name: str) -> int:
+    tail = name.rsplit("/", 1)[-1].removesuffix(".parquet").rsplit("-", 1)[-1]
+    return int(tail) if tail.isdigit() else -1
+
+
+def _rows_of(table: StepTable, lo: int | None, hi: int | None) -> StepTable:
+    if lo is None and hi is None:
+        return table
+    mask = np.ones(len(table), dtype=bool)
+    if lo is not None:
+        mask &= table.step >= lo
+    if hi is not None:
+        mask &= table.step <= hi
+    return StepTable(
+        table.step[mask],
+        table.replica[mask],
+        table.loss[mask],
+        {k: v[mask] for k, v in table.values.items()},
+        {k: v[mask] for k, v in table.multipliers.items()},
+    )
+
+
 def read_archive(
-    run: HDETRun, names: Sequence[str], fetch: Callable[[str], bytes | None], previous: HDETRun | None
+    run: HDETRun,
+    names: Sequence[str],
+    fetch: Callable[[str], bytes | None],
+    previous: HDETRun | None,
+    steps: tuple[int, int] | None = None,
+    max_rows: int | None = None,
 ) -> None:
     """Fold the archive chunks ``names`` into ``run``. With ``previous`` (the same run read before,
-    e.g. while live), only the chunks it has not read are fetched; ``fetch`` returns a chunk's bytes
-    (or None after adding a warning)."""
+    e.g. while live, or its overview before a zoom), only what it has not read is fetched; ``fetch``
+    returns a chunk's bytes (or None after adding a warning).
+
+    An archive with summaries (``summary/`` pieces) is summarised from them into ``run.aggregates``;
+    when the step range ``steps`` (inclusive; None for the whole run) holds at most ``max_rows`` rows
+    (default :func:`~hdet_track.summaries.full_rows_limit`) its full rows are read into ``run.steps``,
+    otherwise the run is an overview (``run.overview``). An archive without summaries is read in full.
+    """
+    max_rows = full_rows_limit() if max_rows is None else max_rows
     reuse = previous is not None and previous.run_id == run.run_id and set(previous.chunks) <= set(names)
-    known = set(previous.chunks) if reuse and previous is not None else set()
-    chunks, fetched = [], set()
-    for name in names:
-        if name in known:
+    prev = previous if reuse else None
+    known = set(prev.chunks) if prev is not None else set()
+    step_names = [n for n in names if not _is_piece(n) and n.rsplit("/", 1)[-1].startswith("steps-")]
+    pieces = [n for n in names if _is_piece(n) and parse_piece_name(n) is not None]
+    others = [n for n in names if n not in set(step_names) and not _is_piece(n)]
+    if prev is not None:
+        run.start, run.end = prev.start, prev.end
+        run.converge, run.controller = list(prev.converge), list(prev.controller)
+        run.guard = list(prev.guard)
+    consumed = set(known)
+
+    def parse(chosen: list[str]) -> tuple[list[StepTable], list[Any], list[str]]:
+        chunks, fetched = [], []
+        for name in chosen:
+            data = fetch(name)
+            if data is not None:
+                chunks.append((name.rsplit("/", 1)[-1], data))
+                fetched.append(name)
+        tables, events = parse_chunks(chunks, run)
+        return tables, events, fetched
+
+    _, events, fetched = parse([n for n in others if n not in known])
+    consumed.update(fetched)
+    apply_events(run, events)
+
+    if not pieces and (prev is None or prev.aggregates is None):  # written before 0.3: every row
+        whole = prev if prev is not None and prev.view is None else None
+        have = set(whole.row_chunks) if whole is not None else set()
+        tables, _, fetched = parse([n for n in step_names if n not in have])
+        consumed.update(fetched)
+        run.steps = StepTable.concat([whole.steps, *tables] if whole is not None else tables)
+        run.row_chunks = tuple(sorted(have | set(fetched)))
+        run.chunks = tuple(sorted(consumed))
+        if steps is not None:
+            run.steps, run.view = _rows_of(run.steps, *steps), steps
+        return
+
+    # -- the summaries: the widest rollups first, then pieces, then chunks summarised here
+    covered: dict[str, tuple[int, int]] = dict(prev.aggregates.chunks) if prev and prev.aggregates else {}
+    by_scope: dict[str, set[int]] = {}
+    for name in covered:
+        by_scope.setdefault(_scope(name), set()).add(_chunk_index(name))
+    parts: list[BucketTable | None] = [prev.aggregates if prev is not None else None]
+    wanted = {(_scope(n), _chunk_index(n)) for n in step_names if n not in covered}
+    ranked = sorted(
+        (n for n in pieces if n not in known), key=lambda n: -(parse_piece_name(n)[1] - parse_piece_name(n)[0])
+    )
+    for name in ranked:
+        lo, hi = parse_piece_name(name)  # type: ignore[misc]
+        scope = _scope(name)
+        done = by_scope.setdefault(scope, set())
+        if not any(s == scope and lo <= i <= hi for s, i in wanted) or any(lo <= i <= hi for i in done):
             continue
         data = fetch(name)
-        if data is not None:
-            chunks.append((name.rsplit("/", 1)[-1], data))
-            fetched.add(name)
-    tables, events = parse_chunks(chunks, run)
-    if reuse and previous is not None:
-        tables = [previous.steps, *tables]
-        run.start, run.end = previous.start, previous.end
-        run.converge, run.controller = list(previous.converge), list(previous.controller)
-        run.guard = list(previous.guard)
-    run.steps = StepTable.concat(tables)
-    apply_events(run, events)
-    run.chunks = tuple(sorted(known | fetched))
+        if data is None:
+            continue
+        try:
+            import pyarrow.parquet as pq
+
+            piece = BucketTable.from_arrow(pq.read_table(io.BytesIO(data)))
+        except Exception as exc:  # noqa: BLE001 - truncated or foreign file: its chunks are summarised here
+            run.warnings.append(f"skipped unreadable summary {name}: {type(exc).__name__}: {exc}")
+            continue
+        piece.chunks = {_chunk_name(scope, base): r for base, r in piece.chunks.items()}
+        parts.append(piece)
+        consumed.add(name)
+        done.update(range(lo, hi + 1))
+        wanted = {(s, i) for s, i in wanted if not (s == scope and lo <= i <= hi)}
+    levels = sorted({level for p in parts if p is not None for level in p.levels}) or list(LEVELS)
+    read_rows: dict[str, StepTable] = {}
+    missing = [n for n in step_names if (_scope(n), _chunk_index(n)) in wanted]
+    for name in missing:  # no summary (an older writer, a lost upload): summarise its rows here
+        tables, _, fetched = parse([name])
+        consumed.update(fetched)
+        for table in tables:
+            read_rows[name] = table
+            parts.append(_summarize(table, name, levels))
+    run.aggregates = BucketTable.merge(parts)
+    run.chunks = tuple(sorted(consumed | set(run.aggregates.chunks)))
+
+    # -- full rows of the step range when they are few enough; an overview otherwise
+    lo, hi = steps if steps is not None else (None, None)
+    run.view = steps
+    finest = run.aggregates.at(min(run.aggregates.levels), lo, hi) if len(run.aggregates) else run.aggregates
+    if int(finest.rows.sum()) > max_rows:
+        run.overview = True
+        return
+    ranges = run.aggregates.chunks
+    in_range = [
+        n
+        for n in step_names
+        if n in read_rows
+        or n not in ranges
+        or ((lo is None or ranges[n][1] >= lo) and (hi is None or ranges[n][0] <= hi))
+    ]
+    same = prev is not None and not prev.overview and prev.view == steps
+    have = set(prev.row_chunks) if same and prev is not None else set()
+    tables = [prev.steps] if same and prev is not None else []
+    todo = [n for n in in_range if n not in have and n not in read_rows]
+    fetched_tables, _, fetched = parse(todo)
+    tables += [read_rows[n] for n in in_range if n in read_rows and n not in have] + fetched_tables
+    run.steps = _rows_of(StepTable.concat(tables), lo, hi)
+    run.row_chunks = tuple(sorted(have | set(fetched) | (set(read_rows) & set(in_range))))
+
+
+def _summarize(table: StepTable, name: str, levels: Sequence[int]) -> BucketTable:
+    columns = {"loss": table.loss}
+    columns |= {f"v:{k}": v for k, v in table.values.items()}
+    columns |= {f"m:{k}": v for k, v in table.multipliers.items()}
+    span = (int(table.step.min()), int(table.step.max())) if len(table) else (0, -1)
+    return BucketTable.summarize(table.step, table.replica, columns, levels, {name: span})
 
 
 def apply_events(run: HDETRun, events: Iterable[Any]) -> None:

@@ -17,6 +17,7 @@ import numpy as np
 
 from .. import names
 from ..events import ControllerDecision, Converge
+from ..summaries import SUMMARY_DIR
 from ..tracking.archive import ARTIFACT_DIR
 from .base import HDETRun, ReaderError, RunNotFoundError, RunSummary, StepTable, read_archive
 
@@ -104,7 +105,16 @@ class MLflowReader:
             )
         return out
 
-    def read(self, run_id: str, previous: HDETRun | None = None) -> HDETRun:
+    def read(
+        self,
+        run_id: str,
+        previous: HDETRun | None = None,
+        steps: tuple[int, int] | None = None,
+        max_rows: int | None = None,
+    ) -> HDETRun:
+        """The run (see :class:`~hdet_track.readers.base.RunReader`): every row when the step range
+        ``steps`` (inclusive; None: the whole run) holds at most ``max_rows`` rows, else an overview
+        from the archive's summaries (``run.overview``)."""
         from mlflow.exceptions import MlflowException
 
         try:
@@ -121,13 +131,16 @@ class MLflowReader:
             start_time=(info.info.start_time or 0) / 1000.0,
         )
         try:
-            files = [f.path for f in self.client.list_artifacts(run_id, ARTIFACT_DIR)]
+            listed = self.client.list_artifacts(run_id, ARTIFACT_DIR)
+            files = [f.path for f in listed if not f.is_dir]
+            if any(f.is_dir and f.path.rsplit("/", 1)[-1] == SUMMARY_DIR for f in listed):
+                files += [f.path for f in self.client.list_artifacts(run_id, f"{ARTIFACT_DIR}/{SUMMARY_DIR}")]
         except Exception as exc:  # noqa: BLE001 - no artifact store, permissions...
             run.warnings.append(f"could not list the event archive: {type(exc).__name__}: {exc}")
             files = []
         files = sorted(f for f in files if f.endswith(".parquet"))
         if files:
-            self._read_archive(run, files, previous)
+            self._read_archive(run, files, previous, steps, max_rows)
         else:
             if "hdet.schema_version" not in run.tags:
                 run.warnings.append("no HDET events in this run: only its metric histories are shown")
@@ -138,7 +151,14 @@ class MLflowReader:
         return run
 
     # ------------------------------------------------------------------ archive
-    def _read_archive(self, run: HDETRun, files: list[str], previous: HDETRun | None) -> None:
+    def _read_archive(
+        self,
+        run: HDETRun,
+        files: list[str],
+        previous: HDETRun | None,
+        steps: tuple[int, int] | None,
+        max_rows: int | None,
+    ) -> None:
         with tempfile.TemporaryDirectory() as tmp:
 
             def fetch(path: str) -> bytes | None:
@@ -148,7 +168,7 @@ class MLflowReader:
                     run.warnings.append(f"could not download {path}: {type(exc).__name__}: {exc}")
                     return None
 
-            read_archive(run, files, fetch, previous)
+            read_archive(run, files, fetch, previous, steps, max_rows)
 
     # ------------------------------------------------------------------ metric histories
     def _history(self, run_id: str, key: str) -> tuple[np.ndarray, np.ndarray]:
@@ -246,6 +266,6 @@ class MLflowReader:
         for key in latest:
             if key.startswith("hdet/"):
                 continue
-            if key in ("loss", "lr") and len(run.steps):
+            if key in ("loss", "lr") and (len(run.steps) or run.aggregates is not None):
                 continue
             run.metrics[key] = self._history(run.run_id, key)

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import names
+from ..summaries import SUMMARY_DIR
 from .base import HDETRun, RunNotFoundError, RunSummary, StepTable, read_archive
 from .wandb_records import WandbFormatError, read_wandb_file
 
@@ -77,7 +78,15 @@ class WandbReader:
             out.append(s)
         return sorted(out, key=lambda s: s.start_time, reverse=True)
 
-    def read(self, run_id: str, previous: HDETRun | None = None, summary_only: bool = False) -> HDETRun:
+    def read(
+        self,
+        run_id: str,
+        previous: HDETRun | None = None,
+        summary_only: bool = False,
+        steps: tuple[int, int] | None = None,
+        max_rows: int | None = None,
+    ) -> HDETRun:
+        """The run; ``steps`` and ``max_rows`` as in :meth:`MLflowReader.read`."""
         dirs = self._dirs()
         if run_id not in dirs:
             raise RunNotFoundError(f"Expected a W&B run {run_id!r} under {self.root}, but found {sorted(dirs)}")
@@ -121,8 +130,13 @@ class WandbReader:
             for d in dirs[run_id]
             for f in sorted((d / "files" / "hdet_events").glob("*.parquet"))
         }
+        chunks |= {
+            f"{d.name}/{SUMMARY_DIR}/{f.name}": f
+            for d in dirs[run_id]
+            for f in sorted((d / "files" / "hdet_events" / SUMMARY_DIR).glob("*.parquet"))
+        }
         if chunks:
-            read_archive(run, list(chunks), lambda name: chunks[name].read_bytes(), previous)
+            read_archive(run, list(chunks), lambda name: chunks[name].read_bytes(), previous, steps, max_rows)
         else:
             run.warnings.append("no event archive: rebuilt from the run's history")
             self._read_history(run, history)

@@ -5,7 +5,11 @@ Two kinds of chunk, numbered in order:
   ``v:<series>`` for every explored value (``v:lr``, ``v:lr_pg1``, ``v:weight_decay``...) and
   ``m:<name>`` for every multiplier;
 - ``events-NNNNNN.parquet``: every other event; columns ``kind``, ``step``, ``json``
-  (the event's ``to_dict()``).
+  (the event's ``to_dict()``);
+- ``summary/part-NNNNNN.parquet``: exact per-bucket aggregates of steps chunk NNNNNN, and every
+  ``rollup_every`` chunks ``summary/rollup-AAAAAA-BBBBBB.parquet``, the aggregates of every chunk this
+  archive wrote so far (:mod:`hdet_track.summaries`): a reader opens a huge run from those. They sit in
+  a subfolder so that readers before 0.3 skip them.
 """
 
 from __future__ import annotations
@@ -20,8 +24,9 @@ from pathlib import Path
 import numpy as np
 
 from ..events import Event, StepRecord
+from ..summaries import LEVELS, SUMMARY_DIR, BucketTable, part_name, rollup_name
 
-__all__ = ["EventArchive", "StepBlock", "ARTIFACT_DIR"]
+__all__ = ["EventArchive", "StepBlock", "ARTIFACT_DIR", "artifact_dir"]
 
 ARTIFACT_DIR = "hdet_events"
 
@@ -83,11 +88,23 @@ class StepBlock:
         )
 
 
+def artifact_dir(path: str | os.PathLike) -> str:
+    """The artifact folder of an archive file (``hdet_events`` or ``hdet_events/summary``)."""
+    return f"{ARTIFACT_DIR}/{SUMMARY_DIR}" if Path(path).parent.name == SUMMARY_DIR else ARTIFACT_DIR
+
+
 class EventArchive:
-    """Buffers events and writes them as numbered Parquet chunks under ``directory``."""
+    """Buffers events and writes them as numbered Parquet chunks under ``directory``, with the
+    summaries of each steps chunk under ``directory/summary`` (``levels``: steps per bucket)."""
 
     def __init__(
-        self, directory: str | os.PathLike, chunk_rows: int = 200_000, chunk_seconds: float = 15.0, start_index: int = 0
+        self,
+        directory: str | os.PathLike,
+        chunk_rows: int = 200_000,
+        chunk_seconds: float = 15.0,
+        start_index: int = 0,
+        levels: tuple[int, ...] = LEVELS,
+        rollup_every: int = 16,
     ) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -98,6 +115,15 @@ class EventArchive:
         self._other: list[Event] = []
         self._index = start_index
         self._last_write = time.monotonic()
+        self.levels = tuple(levels)
+        self.rollup_every = rollup_every
+        self._rollup: BucketTable | None = None  # everything this archive wrote, up to the last rollup
+        self._parts: list[BucketTable] = []  # pieces written since
+        self._first_index: int | None = None
+
+    def artifact_dir(self, path: str | os.PathLike) -> str:
+        """Where a written file goes in the run's artifacts: ``hdet_events`` or ``hdet_events/summary``."""
+        return artifact_dir(path)
 
     def add(self, events: Iterable[Event]) -> None:
         events = list(events)
@@ -143,6 +169,7 @@ class EventArchive:
             path = self.directory / f"steps-{self._index:06d}.parquet"
             pq.write_table(table, path)
             written.append(path)
+            written += self._write_summaries(table, path.name)
         if self._other:
             self._index += 1
             evs = self._other
@@ -158,4 +185,32 @@ class EventArchive:
             written.append(path)
         self._blocks, self._rows, self._other = [], 0, []
         self._last_write = time.monotonic()
+        return written
+
+    def _write_summaries(self, table, name: str) -> list[Path]:  # noqa: ANN001 - the chunk's pyarrow.Table
+        import pyarrow.parquet as pq
+
+        step = table.column("step").to_numpy()
+        columns = {
+            c: table.column(c).to_numpy(zero_copy_only=False)
+            for c in table.column_names
+            if c == "loss" or c.startswith(("v:", "m:"))
+        }
+        piece = BucketTable.summarize(
+            step, table.column("replica").to_numpy(), columns, self.levels, {name: (int(step.min()), int(step.max()))}
+        )
+        folder = self.directory / SUMMARY_DIR
+        folder.mkdir(exist_ok=True)
+        path = folder / part_name(self._index)
+        pq.write_table(piece.to_arrow(), path)
+        written = [path]
+        if self._first_index is None:
+            self._first_index = self._index
+        self._parts.append(piece)
+        if len(self._parts) >= self.rollup_every:
+            self._rollup = BucketTable.merge([self._rollup, *self._parts])
+            self._parts = []
+            path = folder / rollup_name(self._first_index, self._index)
+            pq.write_table(self._rollup.to_arrow(), path)
+            written.append(path)
         return written

@@ -13,7 +13,7 @@ from typing import Any
 from .. import names
 from ..events import RunEnd, RunStart
 from ._common import run_params, run_tags
-from .archive import ARTIFACT_DIR, EventArchive
+from .archive import ARTIFACT_DIR, EventArchive, artifact_dir
 from .base import Batch, Tracker
 
 __all__ = ["MLflowTracker", "DEFAULT_EXPERIMENT"]
@@ -187,7 +187,7 @@ class MLflowTracker(Tracker):
         while self._pending:
             path = self._pending[0]
             try:
-                self._client.log_artifact(self._run_id, str(path), ARTIFACT_DIR)
+                self._client.log_artifact(self._run_id, str(path), artifact_dir(path))
             except Exception:
                 if strict:
                     raise

@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import plotly.graph_objects as go
 
+from ..readers.base import HDETRun
+
 MAX_POINTS = 2000
 PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
 
@@ -41,6 +43,12 @@ def downsample(x: np.ndarray, y: np.ndarray, max_points: int = MAX_POINTS) -> tu
             keep.extend(sorted({int(a), int(b)}))
     order = np.array(sorted(set(keep)), dtype=int)
     return x[order], y[order]
+
+
+def titled(title: str, run: HDETRun) -> str:
+    """``title`` with a second line saying when the per-step series are a summary (a huge run)."""
+    note = run.resolution_note()
+    return f"{title}<br><sup>{note}</sup>" if note else title
 
 
 def empty_figure(message: str, title: str = "") -> go.Figure:

@@ -28,7 +28,8 @@ def plot_compare(
                 x=s,
                 y=v,
                 mode="lines",
-                name=f"{run.name} ({run.schedule or '?'})",
+                name=f"{run.name} ({run.schedule or '?'})"
+                + ("" if run.resolution is None else f", mean per {run.resolution:,} steps"),
                 line={"color": color(i), "dash": "dash" if run.schedule == "onecycle" else "solid"},
             )
         )

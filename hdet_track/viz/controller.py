@@ -9,7 +9,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from ..readers.base import HDETRun
-from ._common import MAX_POINTS, downsample, empty_figure
+from ._common import MAX_POINTS, downsample, empty_figure, titled
 
 __all__ = ["plot_controller"]
 
@@ -62,7 +62,9 @@ def plot_controller(run: HDETRun, name: str = "lr", target: int = 0, log_y: bool
                 x=info.used_steps,
                 y=info.used,
                 mode="lines",
-                name="used (mean over replicas)",
+                name="used (mean over replicas)"
+                if run.resolution is None
+                else f"used (mean per {run.resolution:,} steps)",
                 line={"color": "#999", "width": 1},
             ),
             row=1,
@@ -106,7 +108,7 @@ def plot_controller(run: HDETRun, name: str = "lr", target: int = 0, log_y: bool
     if log_y:
         fig.update_yaxes(type="log", row=1, col=1)
     fig.update_layout(
-        title=f"Controller drift: {name}" + (f" (target {target})" if target else ""),
+        title=titled(f"Controller drift: {name}" + (f" (target {target})" if target else ""), run),
         height=700,
         legend={"orientation": "h", "y": -0.08},
         margin={"l": 60, "r": 20, "t": 70, "b": 40},

@@ -9,7 +9,7 @@ import numpy as np
 import plotly.graph_objects as go
 
 from ..readers.base import HDETRun
-from ._common import MAX_POINTS, color, downsample, empty_figure, layout
+from ._common import MAX_POINTS, color, downsample, empty_figure, layout, titled
 
 __all__ = ["plot_sync_loss", "plot_divergence", "plot_sync_heatmap", "guard_rows"]
 
@@ -70,6 +70,11 @@ def plot_sync_loss(run: HDETRun, log_y: bool = True, max_points: int = MAX_POINT
     if not len(steps):
         return empty_figure("No loss recorded in this run", "Loss and sync points")
     info = _get_sync_info(run)
+    if run.view is not None:  # a zoomed range: the syncs in it
+        inside = [s for s in info.steps if run.view[0] <= s <= run.view[1]]
+        left = [x for x in info.left_out if run.view[0] <= x[0] <= run.view[1]]
+        guard = [g for g in info.guard if run.view[0] <= g[0] <= run.view[1]]
+        info = info._replace(steps=inside, left_out=left, guard=guard)
     s, v = downsample(steps, loss, max_points)
     fig = go.Figure(go.Scatter(x=s, y=v, mode="lines", name="mean loss", line={"color": "black"}))
     if info.steps:
@@ -102,7 +107,7 @@ def plot_sync_loss(run: HDETRun, log_y: bool = True, max_points: int = MAX_POINT
             annotation_text=action,
             annotation_hovertext=reason,
         )
-    return layout(fig, "Loss with converge points", "loss", log_y)
+    return layout(fig, titled("Loss with converge points", run), "loss", log_y)
 
 
 def plot_divergence(run: HDETRun) -> go.Figure:

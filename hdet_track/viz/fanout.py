@@ -10,7 +10,7 @@ import plotly.graph_objects as go
 
 from ..names import parse_series_key
 from ..readers.base import HDETRun
-from ._common import MAX_POINTS, color, downsample, empty_figure, layout
+from ._common import MAX_POINTS, color, downsample, empty_figure, layout, titled
 
 __all__ = ["plot_fanout", "plot_permutations", "plot_replica_loss"]
 
@@ -23,6 +23,8 @@ class FanoutInfo(NamedTuple):
     low: np.ndarray  # base * (1 - spread)
     high: np.ndarray
     spread: float
+    title: str
+    base_name: str
 
 
 def _get_fanout_info(run: HDETRun, key: str = "lr", max_points: int = MAX_POINTS) -> FanoutInfo:
@@ -36,7 +38,9 @@ def _get_fanout_info(run: HDETRun, key: str = "lr", max_points: int = MAX_POINTS
     steps, base = run.mean_series(key)
     steps, base = downsample(steps, base, max_points)
     spread = run.spread(name)
-    return FanoutInfo(key, replicas, steps, base, base * (1 - spread), base * (1 + spread), spread)
+    title = titled(f"Fan-out: {key} per replica", run)
+    base_name = "base (mean)" if run.resolution is None else f"base (mean per {run.resolution:,} steps)"
+    return FanoutInfo(key, replicas, steps, base, base * (1 - spread), base * (1 + spread), spread, title, base_name)
 
 
 def _get_fanout_plot(info: FanoutInfo, log_y: bool) -> go.Figure:
@@ -76,11 +80,11 @@ def _get_fanout_plot(info: FanoutInfo, log_y: bool) -> go.Figure:
                 x=info.base_steps,
                 y=info.base,
                 mode="lines",
-                name="base (mean)",
+                name=info.base_name,
                 line={"color": "black", "dash": "dash", "width": 2},
             )
         )
-    return layout(fig, f"Fan-out: {info.key} per replica", info.key, log_y)
+    return layout(fig, info.title, info.key, log_y)
 
 
 def plot_fanout(run: HDETRun, key: str = "lr", log_y: bool = False, max_points: int = MAX_POINTS) -> go.Figure:
@@ -95,17 +99,7 @@ class PermutationInfo(NamedTuple):
 
 
 def _get_permutation_info(run: HDETRun, name: str = "lr") -> PermutationInfo:
-    table = run.steps
-    column = table.multipliers.get(name)
-    if column is None or not len(table):
-        return PermutationInfo(name, [], np.zeros((0, 0)))
-    sync_steps = sorted({c.step for c in run.converge})
-    starts = [1] + [s + 1 for s in sync_steps if s < int(table.step[-1])]
-    grid = np.full((run.world_size, len(starts)), np.nan)
-    for j, start in enumerate(starts):
-        rows = np.flatnonzero(table.step == start)
-        for i in rows:
-            grid[int(table.replica[i]), j] = column[i]
+    starts, grid = run.multiplier_grid(name)
     return PermutationInfo(name, starts, grid)
 
 
@@ -124,9 +118,10 @@ def plot_permutations(run: HDETRun, name: str = "lr") -> go.Figure:
             colorbar={"title": "multiplier"},
         )
     )
+    per = "per window" if run.resolution is None else f"at the first step of every {run.resolution:,}"
     fig.update_layout(
-        title=f"Multiplier of {name} held by each replica, per window",
-        xaxis_title="window start step",
+        title=titled(f"Multiplier of {name} held by each replica, {per}", run),
+        xaxis_title="window start step" if run.resolution is None else "bucket start step",
         margin={"l": 80, "r": 20, "t": 50, "b": 40},
     )
     return fig
@@ -146,4 +141,4 @@ def plot_replica_loss(run: HDETRun, log_y: bool = True, max_points: int = MAX_PO
         fig.add_trace(go.Scatter(x=s, y=v, mode="lines", name="mean", line={"color": "black", "width": 2}))
     if not fig.data:
         return empty_figure("No loss recorded in this run", "Loss per replica")
-    return layout(fig, "Training loss per replica", "loss", log_y)
+    return layout(fig, titled("Training loss per replica", run), "loss", log_y)
