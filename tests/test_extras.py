@@ -135,8 +135,9 @@ def make_env(dists: list[md.Distribution], env_dir: Path) -> Path:
         assert dist.files is not None, f"{dist.metadata['Name']} has no RECORD"
         for rel in dist.files:
             src = (SITE / rel).resolve() if not Path(rel).is_absolute() else Path(rel)
-            if ".." in Path(rel).parts or "__pycache__" in Path(rel).parts or not src.is_file():
-                continue  # scripts (written below) and byte code (rebuilt on import)
+            if ".." in Path(rel).parts or not src.is_file():
+                continue  # scripts: written below
+            # byte code too: its header records the source's mtime and size, which a link keeps
             dst = site / rel
             dst.parent.mkdir(parents=True, exist_ok=True)
             if not dst.exists():
