@@ -104,12 +104,17 @@ def closure(requirements: list[str], extra: str = "") -> list[md.Distribution]:
     return list(found.values())
 
 
-def project_requirements(extra: str) -> list[str]:
-    """What pyproject.toml declares for the project with ``extra`` (the source, not a stale install)."""
+def _project() -> dict:
+    """pyproject.toml's [project] table: the source, not a possibly stale install's metadata."""
     import tomllib
 
     with open(ROOT / "pyproject.toml", "rb") as f:
-        project = tomllib.load(f)["project"]
+        return tomllib.load(f)["project"]
+
+
+def project_requirements(extra: str) -> list[str]:
+    """What pyproject.toml declares for the project with ``extra``."""
+    project = _project()
     return list(project["dependencies"]) + (list(project["optional-dependencies"][extra]) if extra else [])
 
 
@@ -170,15 +175,10 @@ def _promise(extra: str, work: Path) -> str:
     return extra
 
 
-def _declared_extras() -> set[str]:
-    import tomllib
-
-    with open(ROOT / "pyproject.toml", "rb") as f:
-        return set(tomllib.load(f)["project"]["optional-dependencies"])
-
-
 def test_each_extra_alone_delivers_what_it_promises(tmp_path):
-    assert set(PROMISES) - {""} == _declared_extras() - {"dev", "all"}, "every extra needs a promise here"
+    assert set(PROMISES) - {""} == set(_project()["optional-dependencies"]) - {"dev", "all"}, (
+        "every extra needs a promise here"
+    )
     extras = sorted(PROMISES)
     for e in extras:
         (tmp_path / (e or "core")).mkdir()
