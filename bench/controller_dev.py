@@ -9,10 +9,15 @@ in both modes; its score is the worst final validation loss / bar over those 6 r
 counts as infinite). The lowest worst case wins; within 0.01 of the design values' worst case the
 design values stay.
 
+Round 2 (``--round 2``, the default; stated in docs/controller.md before its runs): the tested-LR
+ceiling against the first revision, seeds 100-102, the study's divergence rule (the median over
+replicas of the training loss above 10x its first value; a recovered blow-up counts); the score is
+the number of divergences, then the worst ratio of seed means. ``--round 1`` re-derives round 1.
+
 Runs are untracked (only final validation losses enter the rule) and appended to ``--out`` as JSON
 lines, so an interrupted grid continues where it stopped.
 
-Run: .venv/bin/python bench/controller_dev.py --out docs/controller_dev.jsonl   (about an hour on 2 cores)
+Run: .venv/bin/python bench/controller_dev.py --out docs/controller_dev.jsonl   (about 30 min per round on 2 cores)
      .venv/bin/python bench/controller_dev.py --dataset digits --steps 100 --replicas 2 \
          --modes independent --lrs 0.1 --candidates design --out /tmp/dev.jsonl   (a smoke run)
 """
@@ -29,24 +34,39 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 from hdet_track import HDETScheduler, NonFiniteReplicasError  # noqa: E402
+from hdet_track.compare import diverged_at  # noqa: E402
 from hdet_track.controller import DriftController  # noqa: E402
 from hdet_track.examples.tasks import ImageTask, load_task  # noqa: E402
 from hdet_track.launch import launch_local  # noqa: E402
 
-# The candidates of docs/controller.md: the design values and one-knob alternatives.
-CANDIDATES: dict[str, dict] = {
-    "design": {},
-    "step-half": {"step": 0.5 * 0.5 * math.log((1 + 0.5) / (1 - 0.5))},  # half of half the log range at spread 0.5
-    "dead-zone-1.0": {"dead_zone": 1.0},
-    "dead-zone-2.5": {"dead_zone": 2.5},
-    "forget-0.8": {"forget": 0.8},
-    "two-sided": {"one_sided": False},
+# The candidates of docs/controller.md. Round 1: the first revision's design values (no ceiling)
+# and one-knob alternatives. Round 2: the tested-LR ceiling against the first revision.
+ROUNDS: dict[int, dict[str, dict]] = {
+    1: {
+        "design": {"ceiling": False},
+        "step-half": {
+            "ceiling": False,
+            "step": 0.5 * 0.5 * math.log((1 + 0.5) / (1 - 0.5)),
+        },  # half of half the log range
+        "dead-zone-1.0": {"ceiling": False, "dead_zone": 1.0},
+        "dead-zone-2.5": {"ceiling": False, "dead_zone": 2.5},
+        "forget-0.8": {"ceiling": False, "forget": 0.8},
+        "two-sided": {"ceiling": False, "one_sided": False},
+    },
+    2: {
+        "design": {"ceiling": False},
+        "ceiling": {"ceiling": True},
+        "step-guard": {"ceiling": False, "step_guard": 10.0},
+    },
 }
+SEEDS = {1: (100,), 2: (100, 101, 102)}
+CANDIDATES: dict[str, dict] = {k: v for r in ROUNDS.values() for k, v in r.items()}
 REFERENCE_LRS = (0.02, 0.05, 0.1, 0.2, 0.5)
 CANDIDATE_LRS = (0.02, 0.1, 0.5)
 MODES = ("shared", "independent")
@@ -64,9 +84,11 @@ class DevRun:
     spread: float = 0.5
     batch: int = 64
     seed: int = 100
+    round: int = 1
 
     def key(self) -> str:
-        return f"{self.dataset}/{self.mode}/{self.arm}/{self.max_lr:g}/{self.steps}/{self.replicas}/{self.seed}"
+        key = f"{self.dataset}/{self.mode}/{self.arm}/{self.max_lr:g}/{self.steps}/{self.replicas}/{self.seed}"
+        return key if self.round == 1 else f"r{self.round}/{key}"
 
 
 def dev_task(dataset: str, seed: int):
@@ -92,12 +114,13 @@ def train(run: DevRun) -> dict:
         spread=run.spread if hdet else 0.0,
         sync_every=run.sync_every,
         auto_lr=hdet,
-        controller=DriftController(**CANDIDATES[run.arm]) if hdet else "drift",
+        controller=DriftController(**ROUNDS[run.round][run.arm]) if hdet else "drift",
         model=model,
         seed=run.seed,
     )
     batches = torch.Generator().manual_seed(run.seed * 1000 + rank)
-    diverged_at = None
+    stopped_at = None
+    losses: list[float] = []
     try:
         for _ in range(run.steps):
             inputs, targets = task.batch(batches, run.batch)
@@ -106,18 +129,27 @@ def train(run: DevRun) -> dict:
             loss.backward()
             opt.step()
             sched.step(loss)
+            losses.append(float(loss.detach()))
     except NonFiniteReplicasError as exc:
-        diverged_at = exc.step
+        stopped_at = exc.step
     val_loss, val_acc = task.evaluate(model)
-    if diverged_at is not None or not math.isfinite(val_loss):
+    # The study's rule (hdet_track.compare): the median over replicas of the training loss blew up.
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, losses)
+    length = min(len(x) for x in every)
+    median = np.median(np.array([x[:length] for x in every], dtype=float), axis=0)
+    blew_up_at = diverged_at(np.arange(1, length + 1), median)
+    diverged = stopped_at if stopped_at is not None else blew_up_at
+    if stopped_at is not None or not math.isfinite(val_loss):
         val_loss = math.inf
     ctrl = sched.controller
     return {
         "val_loss": val_loss,
         "val_accuracy": val_acc,
-        "diverged_at": diverged_at,
+        "diverged_at": diverged,
+        "stopped_at": stopped_at,
         "final_drift": math.exp(ctrl._drift.get("lr", [0.0])[0]) if hdet else 1.0,
-        "rollbacks": int(getattr(ctrl, "rollbacks", 0)),
+        "guard_events": int(getattr(ctrl, "guard_events", 0)),
     }
 
 
@@ -132,44 +164,68 @@ def _worker(run: DevRun) -> dict:
         dist.destroy_process_group()
 
 
-def select(results: dict[str, dict], dataset: str, steps: int, replicas: int, seed: int) -> dict:
-    """The rule of docs/controller.md over finished runs: bar, each candidate's worst ratio, winner."""
+def select(results: dict[str, dict], dataset: str, steps: int, replicas: int, round_: int = 1) -> dict:
+    """The rule of docs/controller.md over finished runs: bar, each candidate's score, winner.
 
-    def val(mode: str, arm: str, lr: float) -> float | None:
-        r = results.get(DevRun(dataset, mode, arm, lr, steps, replicas, seed=seed).key())
-        return None if r is None else r["val_loss"]
+    Round 1 (one seed): the worst final val loss / bar over (mode, max_lr), a divergence (training
+    stopped) infinite; the lowest wins, the design values within 0.01. Round 2 (three seeds, the
+    study's divergence rule): the number of diverged runs, then the worst ratio of seed means.
+    """
+    seeds = SEEDS[round_]
+    candidates = ROUNDS[round_]
 
-    bar = {
-        m: min((v for lr in REFERENCE_LRS if (v := val(m, "onecycle", lr)) is not None), default=None) for m in MODES
-    }
-    worst = {}
-    for name in CANDIDATES:
-        ratios = []
+    def runs(mode: str, arm: str, lr: float) -> list[dict] | None:
+        rs = [results.get(DevRun(dataset, mode, arm, lr, steps, replicas, seed=s, round=round_).key()) for s in seeds]
+        return None if any(r is None for r in rs) else rs
+
+    def mean_val(rs: list[dict]) -> float:
+        if round_ > 1 and any(r["diverged_at"] is not None for r in rs):
+            return math.inf
+        return float(np.mean([r["val_loss"] for r in rs]))
+
+    bar = {}
+    for m in MODES:
+        means = [mean_val(rs) for lr in REFERENCE_LRS if (rs := runs(m, "onecycle", lr)) is not None]
+        bar[m] = min(means) if len(means) == len(REFERENCE_LRS) else None
+    score = {}
+    for name in candidates:
+        ratios, diverged = [], 0
         for m in MODES:
             for lr in CANDIDATE_LRS:
-                v = val(m, name, lr)
-                if v is None or bar[m] is None:
+                rs = runs(m, name, lr)
+                if rs is None or bar[m] is None:
                     break
-                ratios.append(v / bar[m])
+                diverged += sum(r["diverged_at"] is not None for r in rs) if round_ > 1 else 0
+                ratios.append(mean_val(rs) / bar[m])
         if len(ratios) == len(MODES) * len(CANDIDATE_LRS):
-            worst[name] = max(ratios)
+            finite = [x for x in ratios if math.isfinite(x)]
+            worst_finite = max(finite) if finite else math.inf
+            score[name] = {"diverged": diverged, "worst_ratio": max(ratios), "worst_finite_ratio": worst_finite}
     winner = None
-    if "design" in worst and len(worst) == len(CANDIDATES):
-        best = min(worst, key=worst.get)
-        winner = "design" if worst["design"] - worst[best] <= 0.01 else best
-    return {"bar": bar, "worst_ratio": worst, "winner": winner}
+    if len(score) == len(candidates):
+        key = (
+            (lambda n: (score[n]["diverged"], score[n]["worst_finite_ratio"]))
+            if round_ > 1
+            else (lambda n: (0, score[n]["worst_ratio"]))
+        )
+        best = min(score, key=key)
+        d_best, w_best = key(best)
+        d_design, w_design = key("design")
+        winner = "design" if (d_best == d_design and w_design - w_best <= 0.01) else best
+    return {"round": round_, "bar": bar, "score": score, "winner": winner}
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--round", type=int, default=2, choices=sorted(ROUNDS))
     p.add_argument("--dataset", default="fashion-mnist", choices=["fashion-mnist", "digits"])
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--lrs", type=float, nargs="+", default=None, help="default: the rule's max_lr values per arm")
-    p.add_argument("--candidates", nargs="+", default=list(CANDIDATES), choices=list(CANDIDATES))
+    p.add_argument("--candidates", nargs="+", default=None, choices=list(CANDIDATES), help="default: the round's")
     p.add_argument("--no-onecycle", action="store_true")
     p.add_argument("--steps", type=int, default=800)
     p.add_argument("--replicas", type=int, default=4)
-    p.add_argument("--seed", type=int, default=100)
+    p.add_argument("--seeds", type=int, nargs="+", default=None, help="default: the round's")
     p.add_argument("--out", required=True, help="JSON-lines file; runs already in it are not repeated")
     args = p.parse_args()
 
@@ -179,17 +235,16 @@ def main() -> int:
         for line in out.read_text().splitlines():
             rec = json.loads(line)
             done[rec["key"]] = rec
+    seeds = args.seeds or SEEDS[args.round]
+    candidates = args.candidates or list(ROUNDS[args.round])
     plan = []
-    for mode in args.modes:
-        if not args.no_onecycle:
+    for seed in seeds:
+        for mode in args.modes:
+            arms = [] if args.no_onecycle else [("onecycle", lr) for lr in args.lrs or REFERENCE_LRS]
+            arms += [(name, lr) for name in candidates for lr in args.lrs or CANDIDATE_LRS]
             plan += [
-                DevRun(args.dataset, mode, "onecycle", lr, args.steps, args.replicas, seed=args.seed)
-                for lr in args.lrs or REFERENCE_LRS
-            ]
-        for name in args.candidates:
-            plan += [
-                DevRun(args.dataset, mode, name, lr, args.steps, args.replicas, seed=args.seed)
-                for lr in args.lrs or CANDIDATE_LRS
+                DevRun(args.dataset, mode, arm, lr, args.steps, args.replicas, seed=seed, round=args.round)
+                for arm, lr in arms
             ]
     for run in plan:
         if run.key() in done:
@@ -200,11 +255,12 @@ def main() -> int:
         done[rec["key"]] = rec
         with out.open("a") as f:
             f.write(json.dumps(rec) + "\n")
+        state = f"diverged at {res['diverged_at']}, " if res["diverged_at"] is not None else ""
         print(
-            f"{run.key():<48} val_loss {res['val_loss']:.4f} drift x{res['final_drift']:.3g} ({rec['wall_s']} s)",
+            f"{run.key():<52} {state}val_loss {res['val_loss']:.4f} drift x{res['final_drift']:.3g} ({rec['wall_s']} s)",
             flush=True,
         )
-    outcome = select(done, args.dataset, args.steps, args.replicas, args.seed)
+    outcome = select(done, args.dataset, args.steps, args.replicas, args.round)
     print(json.dumps({"bench": "controller_dev.selection", **outcome}))
     return 0
 

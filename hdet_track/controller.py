@@ -132,7 +132,8 @@ class WindowStats:
     ``counts[r]``/``sums[r]``: how many losses replica r gave and their float64 sum; ``finite[r]``:
     whether its parameters are finite; ``perms[name][r]``: its multiplier index during the window;
     ``values[name][r][t]``: its value of target t at the sync; ``references[name][t]``: the
-    reference of target t at the sync.
+    reference of target t at the sync; ``peaks[name][t]``: the highest reference of target t from
+    this step to the end (OneCycle's max_lr during its ramp-up; None: the references themselves).
     """
 
     step: int
@@ -143,6 +144,7 @@ class WindowStats:
     perms: dict[str, list[int]]
     values: dict[str, list[list[float]]]
     references: dict[str, list[float]]
+    peaks: dict[str, list[float]] | None = None
 
     @property
     def window_losses(self) -> list[float]:
@@ -194,9 +196,16 @@ class Controller:
     def update(self, stats: WindowStats, health: Health) -> Decision:
         return Decision()
 
-    def rolled_back(self, stats: WindowStats) -> Decision:
-        """Called instead of :meth:`update` when :meth:`health` asked for a rollback."""
+    step_guard: float | None = None  # when set, the scheduler gathers every step's losses for check_step
+
+    def rolled_back(self, stats: WindowStats, reason: str | None = None) -> Decision:
+        """Called instead of :meth:`update` when :meth:`health` (or :meth:`check_step`) asked for a rollback."""
         return Decision()
+
+    def check_step(self, losses: Sequence[float], firsts: Sequence[float]) -> str | None:
+        """Between syncs, with ``step_guard`` set: the replicas' losses at this step and at the
+        window's first step; a reason to roll back now, or None."""
+        return None
 
     def base(self, name: str, target: int, reference: float) -> float:
         return reference
@@ -357,6 +366,13 @@ class DriftController(Controller):
             other hyperparameters move both ways). Evidence that smaller steps did better within a
             window is biased (less noise now, less progress later; Wu et al., 2018), evidence that
             larger ones did better is not biased that way, and a blow-up is unambiguous.
+        step_guard: check every step (one all-gather of two floats per rank): when a replica's loss
+            is not finite or exceeds ``step_guard`` times the median of the window's first losses,
+            converge at once and roll back (with shared gradients one replica's blow-up reaches
+            every replica within a step, long before the next sync). None: syncs only.
+        ceiling: the LR's drift never rises so far that the base LR at a later step (OneCycle's
+            peak during the ramp-up) would exceed the highest LR a healthy replica has trained
+            with so far: the base only goes where a replica has been. Upward moves only.
     """
 
     name = "drift"
@@ -374,6 +390,8 @@ class DriftController(Controller):
         max_rollbacks: int = 8,
         warmup: int = 0,
         one_sided: bool = True,
+        ceiling: bool = True,
+        step_guard: float | None = None,
     ) -> None:
         inf = math.inf
         self.guard = check_number("guard", guard, 1.0, inf, low_open=True, high_open=True)
@@ -389,6 +407,13 @@ class DriftController(Controller):
         self.warmup = check_int("warmup", warmup, 0)
         self.rollback = bool(rollback)
         self.one_sided = bool(one_sided)
+        self.ceiling = bool(ceiling)
+        self.step_guard = (
+            None
+            if step_guard is None
+            else check_number("step_guard", step_guard, 1.0, inf, low_open=True, high_open=True)
+        )
+        self._tested: dict[str, list[float]] = {}  # per name: the highest value a healthy replica used
         self._drift: dict[str, list[float]] = {}
         self._evidence: dict[str, list[float]] = {}  # per name: [accumulated sum S, its variance V]
         self.rollbacks = 0  # consecutive
@@ -429,13 +454,32 @@ class DriftController(Controller):
         logs = [math.log(m) for m in self.ctx.multipliers[name]]
         return (max(logs) - min(logs)) / 2
 
-    def _move(self, name: str, change: float, refs: list[float]) -> list[tuple[float, float, bool]]:
-        """Add ``change`` to the drift of every target, within max_drift and the bounds; returns
-        ``(before, after, clipped)`` per target."""
+    def _ceilings(self, name: str, stats: WindowStats, ok: list[int]) -> list[float]:
+        """The highest drift per target that keeps every later base within the values healthy
+        replicas have trained with (``inf`` where the rule does not apply)."""
+        n = self.ctx.num_targets[name]
+        tested = self._tested.setdefault(name, [0.0] * n)
+        for r in ok:
+            for t in range(n):
+                v = stats.values[name][r][t]
+                if math.isfinite(v):
+                    tested[t] = max(tested[t], v)
+        if not (self.ceiling and name == "lr"):
+            return [math.inf] * n
+        peaks = (stats.peaks or stats.references)[name]
+        return [math.log(tested[t] / peaks[t]) if tested[t] > 0 and peaks[t] > 0 else -math.inf for t in range(n)]
+
+    def _move(
+        self, name: str, change: float, refs: list[float], ceilings: list[float] | None = None
+    ) -> list[tuple[float, float, bool]]:
+        """Add ``change`` to the drift of every target, within max_drift, the bounds and (upward
+        only) ``ceilings``; returns ``(before, after, clipped)`` per target."""
         out = []
         cap = math.log(self.max_drift)
         for t, d in enumerate(self._drift[name]):
             low, high = -cap, cap
+            if ceilings is not None and change > 0:
+                high = min(high, max(d, ceilings[t]))
             if name != "lr" or self.ctx.lr_bounds_given:
                 ref = refs[t]
                 lo_b, hi_b = self.ctx.bounds[name][t]
@@ -450,9 +494,10 @@ class DriftController(Controller):
 
     def update(self, stats: WindowStats, health: Health) -> Decision:
         self.rollbacks = 0
-        if stats.step < self.warmup:
-            return Decision()
         ok = [r for r, h in enumerate(health.healthy) if h]
+        if stats.step < self.warmup:
+            self._ceilings("lr", stats, ok)  # what healthy replicas used counts from the first sync
+            return Decision()
         means = stats.window_losses
         se = window_noise(stats.losses[ok]) if ok else math.nan
         z_ok = [(means[r] - float(np.mean([means[q] for q in ok]))) / se if se > 0 else 0.0 for r in ok]
@@ -486,7 +531,7 @@ class DriftController(Controller):
                 guard.append(GuardAction("backoff", blown, f"replicas {blown} with the highest LR blew up", change))
             self._evidence[name] = [s, v]
             refs = stats.references[name]
-            moved = self._move(name, change, refs)
+            moved = self._move(name, change, refs, self._ceilings(name, stats, ok))
             updates[name] = [
                 ControllerUpdate(
                     delta=after - before,
@@ -501,7 +546,23 @@ class DriftController(Controller):
             ]
         return Decision(weights, updates, guard)
 
-    def rolled_back(self, stats: WindowStats) -> Decision:
+    def check_step(self, losses: Sequence[float], firsts: Sequence[float]) -> str | None:
+        if self.step_guard is None:
+            return None
+        bad = [r for r, x in enumerate(losses) if not math.isfinite(x)]
+        if bad:
+            return f"step guard: replicas {bad} non-finite"
+        start = [x for x in firsts if math.isfinite(x)]
+        ref = float(np.median(start)) if start else math.nan
+        if not (math.isfinite(ref) and ref > 0):
+            return None  # the ratio test needs positive losses
+        high = [r for r, x in enumerate(losses) if x > self.step_guard * ref]
+        if high:
+            top = max(losses[r] for r in high)
+            return f"step guard: replicas {high} at loss {top:.4g} > {self.step_guard:g} x {ref:.4g}"
+        return None
+
+    def rolled_back(self, stats: WindowStats, reason: str | None = None) -> Decision:
         self.rollbacks += 1
         self.guard_events += 1
         x = self._log_mults("lr", stats)
@@ -519,7 +580,7 @@ class DriftController(Controller):
             ]
         }
         n = len(stats.counts)
-        reason = f"every replica blown up or non-finite (rollback {self.rollbacks} in a row)"
+        reason = f"{reason or 'every replica blown up or non-finite'} (rollback {self.rollbacks} in a row)"
         return Decision(None, updates, [GuardAction("rollback", list(range(n)), reason, -cut)])
 
     def _base_from(self, name: str, target: int, reference: float, drift: float) -> float:
@@ -544,6 +605,7 @@ class DriftController(Controller):
             "evidence": dict(self._evidence),
             "rollbacks": self.rollbacks,
             "guard_events": self.guard_events,
+            "tested": dict(self._tested),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -551,6 +613,7 @@ class DriftController(Controller):
         self._evidence = {k: [float(x) for x in v] for k, v in state["evidence"].items()}
         self.rollbacks = int(state.get("rollbacks", 0))
         self.guard_events = int(state.get("guard_events", 0))
+        self._tested = {k: [float(x) for x in v] for k, v in state.get("tested", {}).items()}
 
 
 CONTROLLERS = {"paper": PaperController, "drift": DriftController}

@@ -26,7 +26,7 @@ from torch.optim.lr_scheduler import OneCycleLR, _enable_get_lr_call
 from . import collectives
 from ._checks import check_int, check_number
 from .averager import ReplicaAverager
-from .controller import Controller, ControllerContext, Decision, PaperController, WindowStats, make_controller
+from .controller import Controller, ControllerContext, Decision, Health, PaperController, WindowStats, make_controller
 from .errors import CheckpointMismatchError, NonFiniteReplicasError
 from .explore import Hyperparam, resolve_explore
 from .names import series_key
@@ -353,8 +353,9 @@ class HDETScheduler(OneCycleLR):
         self._window.append(self._checked_loss(loss))
         self._trace.append(self._onecycle)
         k = self.last_epoch + 1
-        if k % self.sync_every == 0 or k == self.total_steps:
-            record = self._sync(k)
+        blown = self._step_guard()
+        if blown is not None or k % self.sync_every == 0 or k == self.total_steps:
+            record = self._sync(k, blown)
             super().step()
             self._synced(record)
         else:
@@ -380,6 +381,16 @@ class HDETScheduler(OneCycleLR):
         self.last_sync = record
         for cb in self._callbacks:
             cb.on_sync(record)
+
+    def _step_guard(self) -> str | None:
+        """With the controller's ``step_guard``: gather this step's and the window's first losses;
+        a reason to converge and roll back now (the same decision on every rank), or None."""
+        ctrl = self._controller
+        if ctrl is None or ctrl.step_guard is None:
+            return None
+        now, first = (math.nan if x is None else float(x) for x in (self._window[-1], self._window[0]))
+        rows = collectives.all_gather_rows([now, first], self._group)
+        return ctrl.check_step([r[0] for r in rows], [r[1] for r in rows])
 
     def _checked_loss(self, loss: float | torch.Tensor | None) -> float | torch.Tensor | None:
         if loss is None:
@@ -432,7 +443,7 @@ class HDETScheduler(OneCycleLR):
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
     # ------------------------------------------------------------------ the sync
-    def _sync(self, step: int) -> SyncRecord:
+    def _sync(self, step: int, blown: str | None = None) -> SyncRecord:
         n = self._world_size
         finite = self._averager.local_finite()
         row = self._window_row()
@@ -446,15 +457,16 @@ class HDETScheduler(OneCycleLR):
             perms={k: list(v) for k, v in self._perm.items()},
             values={name: self.replica_values(name) for name in self._explore_names},
             references={"lr": list(self._onecycle)} | {k: list(v) for k, v in self._reference.items()},
+            peaks={"lr": self._onecycle_peaks()} | {k: list(v) for k, v in self._reference.items()},
         )
         window = self._window_tables()  # as training used them, before anything changes
         ctrl = self._controller or Controller()
-        health = ctrl.health(stats)
+        health = ctrl.health(stats) if blown is None else Health([False] * n, [blown] * n, ctrl.rollback)
         measure = self.measure_divergence or any(cb.needs_divergence for cb in self._callbacks)
         divergences = [math.nan] * n
         if health.rollback and self._averager.has_consensus and ctrl.rollbacks < ctrl.max_rollbacks:
             self._averager.restore()
-            decision = ctrl.rolled_back(stats)
+            decision = ctrl.rolled_back(stats, blown)
         elif not any(health.healthy):
             record = self._record(stats, window, health, divergences, Decision(), self._perm)
             for cb in self._callbacks:  # the diverged window is part of the run's record
@@ -469,6 +481,11 @@ class HDETScheduler(OneCycleLR):
             self._perm[name] = draw_permutation(n, self._gens[name])
         self._window, self._trace = [], []
         return self._record(stats, window, health, divergences, decision, self._perm)
+
+    def _onecycle_peaks(self) -> list[float]:
+        """OneCycle's highest LR per group from the current step to the end: max_lr until the peak."""
+        rising = self.last_epoch < self._schedule_phases[0]["end_step"]
+        return [float(g["max_lr"]) if rising else lr for g, lr in zip(self.optimizer.param_groups, self._onecycle)]
 
     def _window_tables(self) -> dict[str, dict[str, np.ndarray]]:
         """Per series key: the base at every step of the window and every replica's value."""

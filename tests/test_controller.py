@@ -31,8 +31,11 @@ def context(names=("lr",), lr_bounds_given=False):
     )
 
 
-def stats(losses, step=20, perm=(0, 1, 2, 3), names=("lr",), finite=None, refs=None):
+def stats(losses, step=20, perm=(0, 1, 2, 3), names=("lr",), finite=None, refs=None, c=None, peaks=None):
+    """One sync's evidence; replica r's value is its multiplier times the base (from ``c``'s drift)."""
     losses = np.asarray(losses, dtype=float)
+    refs = refs or {n: [0.1] for n in names}
+    base = {n: c.base(n, 0, refs[n][0]) if c is not None else refs[n][0] for n in names}
     return WindowStats(
         step=step,
         losses=losses,
@@ -40,8 +43,9 @@ def stats(losses, step=20, perm=(0, 1, 2, 3), names=("lr",), finite=None, refs=N
         sums=[float(row.sum()) for row in losses],
         finite=list(finite) if finite is not None else [True] * len(losses),
         perms={n: list(perm) for n in names},
-        values={n: [[0.0]] * len(losses) for n in names},
-        references=refs or {n: [0.1] for n in names},
+        values={n: [[base[n] * RHO[p]] for p in perm] for n in names},
+        references=refs,
+        peaks=peaks,
     )
 
 
@@ -87,7 +91,7 @@ def test_drift_goes_up_when_higher_lr_replicas_do_better_and_decisions_are_loss_
         c = controller()
         for k in range(1, 4):
             # replica r holds multiplier r (perm identity): the higher the LR, the lower the loss
-            st = stats(s * windows([1.0, 0.98, 0.96, 0.94], seed=k), step=20 * k)
+            st = stats(s * windows([1.0, 0.98, 0.96, 0.94], seed=k), step=20 * k, c=c)
             d = c.update(st, c.health(st))
         decisions.append(c.drift["lr"] + d.weights + [u.velocity for u in d.updates["lr"]])
     assert decisions[0][0] > 0.5  # a clear signal: full steps up
@@ -172,23 +176,76 @@ def test_rollback_cuts_the_drift_at_least_by_min_backoff_and_halves_later_steps(
     assert c.drift["lr"][0] == pytest.approx(-math.log(RHO[3] / RHO[0]))  # log 3 > log 2
     assert c.rollbacks == 1
     before = c.drift["lr"][0]
-    st = stats(windows([1.0, 0.9, 0.8, 0.7], seed=3))
+    st = stats(windows([1.0, 0.9, 0.8, 0.7], seed=3), c=c)
     c.update(st, c.health(st))
     assert c.rollbacks == 0  # a healthy sync ends the streak
     full = (math.log(RHO[3]) - math.log(RHO[0])) / 2
     assert 0 < c.drift["lr"][0] - before <= full / 2 + 1e-12  # up again, at half the step
 
 
+def test_ceiling_keeps_the_base_within_tested_lrs_during_the_ramp_up():
+    """Strong evidence for a higher LR early in the ramp-up (OneCycle's LR 0.04, its peak 1.0): the
+    replicas have only used up to 0.06, so a raised drift would take the peak past anything tried."""
+    up = [1.0, 0.9, 0.8, 0.7]
+    c = controller()
+    for k in range(1, 4):
+        st = stats(windows(up, seed=k), step=20 * k, refs={"lr": [0.04]}, peaks={"lr": [1.0]}, c=c)
+        d = c.update(st, c.health(st))
+    assert c.drift["lr"] == [0.0] and d.updates["lr"][0].clipped
+    assert d.updates["lr"][0].velocity < -3  # the evidence (higher did better) is there; only the move is held
+    # Near the peak the top replica has used 0.9 x 1.5 = 1.35: the base may now rise to that.
+    st = stats(windows(up, seed=7), step=100, refs={"lr": [0.9]}, peaks={"lr": [1.0]}, c=c)
+    c.update(st, c.health(st))
+    assert c.drift["lr"][0] == pytest.approx(math.log(1.35))
+    # Without the rule the first sync already moves a full step (the first revision).
+    old = controller(ceiling=False)
+    st = stats(windows(up, seed=1), step=20, refs={"lr": [0.04]}, peaks={"lr": [1.0]}, c=old)
+    old.update(st, old.health(st))
+    assert old.drift["lr"][0] == pytest.approx((math.log(RHO[3]) - math.log(RHO[0])) / 2)
+
+
+def test_ceiling_after_the_peak_is_one_notch_per_sync_and_ignores_blown_up_replicas():
+    c = controller()
+    st = stats(windows([1.0, 0.9, 0.8, 0.7], seed=1), c=c)  # peaks = references: past OneCycle's peak
+    c.update(st, c.health(st))
+    assert c.drift["lr"][0] == pytest.approx(math.log(RHO[3]))  # the top replica's LR, not the full step
+    # The top replica blew up: its LR does not count as tried, and the drift is backed off.
+    c = controller()
+    losses = windows([1.0, 0.9, 0.8, 0.7], seed=2, start=1.0)
+    losses[3, 1:] = 50.0
+    st = stats(losses, c=c)
+    c.update(st, c.health(st))
+    assert c.state_dict()["tested"]["lr"] == [pytest.approx(0.1 * RHO[2])]
+    assert c.drift["lr"][0] < 0
+
+
+def test_step_guard_threshold_non_finite_and_off_by_default():
+    firsts = [1.0, 1.2, 0.8, 1.1]  # median 1.05
+    c = controller(step_guard=10.0)
+    assert c.check_step([1.0, 2.0, 10.4, 0.9], firsts) is None  # 10.4 < 10 x 1.05
+    reason = c.check_step([1.0, 2.0, 10.6, 0.9], firsts)
+    assert reason.startswith("step guard: replicas [2]")
+    assert c.check_step([1.0, math.nan, 0.5, 0.9], firsts).startswith("step guard: replicas [1] non-finite")
+    assert c.check_step([1.0, 50.0, 0.5, 0.9], [-1.0, -2.0, -1.0, -1.0]) is None  # ratios need positive losses
+    assert controller().check_step([1.0, math.inf, 1.0, 1.0], firsts) is None  # off unless step_guard is set
+    st = stats(windows([1.0] * N))
+    d = c.rolled_back(st, reason)
+    assert d.guard[0].kind == "rollback" and d.guard[0].reason.startswith("step guard: replicas [2]")
+    assert c.drift["lr"][0] < 0
+    with pytest.raises(ValueError, match=r"step_guard in \(1.0, inf\)"):
+        DriftController(step_guard=0.5)
+
+
 def test_drift_stays_within_max_drift_and_explicit_bounds():
     c = controller(max_drift=4.0)
     for k in range(1, 20):
-        st = stats(windows([1.0, 0.9, 0.8, 0.7], seed=k), step=20 * k)
+        st = stats(windows([1.0, 0.9, 0.8, 0.7], seed=k), step=20 * k, c=c)
         c.update(st, c.health(st))
     assert c.drift["lr"][0] == pytest.approx(math.log(4.0))
     bounded = DriftController()
     bounded.bind(context(lr_bounds_given=True))
     for k in range(1, 20):
-        st = stats(windows([1.0, 0.9, 0.8, 0.7], seed=k), step=20 * k, refs={"lr": [0.5]})
+        st = stats(windows([1.0, 0.9, 0.8, 0.7], seed=k), step=20 * k, refs={"lr": [0.5]}, c=bounded)
         d = bounded.update(st, bounded.health(st))
     assert d.updates["lr"][0].base_after == pytest.approx(1.0)  # lr_bounds (1e-7, 1.0) given: the base stays in
 
@@ -196,11 +253,11 @@ def test_drift_stays_within_max_drift_and_explicit_bounds():
 def test_state_dict_round_trip():
     a = controller()
     for k in range(1, 5):
-        st = stats(windows([1.0, 0.95, 0.9, 0.85], seed=k), step=20 * k)
+        st = stats(windows([1.0, 0.95, 0.9, 0.85], seed=k), step=20 * k, c=a)
         a.update(st, a.health(st))
     b = controller()
     b.load_state_dict(a.state_dict())
-    st = stats(windows([1.0, 0.97, 0.9, 0.88], seed=9), step=100)
+    st = stats(windows([1.0, 0.97, 0.9, 0.88], seed=9), step=100, c=a)
     assert a.update(st, a.health(st)) == b.update(st, b.health(st))
     assert a.drift == b.drift
 

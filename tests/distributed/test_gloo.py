@@ -152,3 +152,20 @@ def test_finite_blowup_is_left_out_reset_and_shown(tmp_path, victim):
     assert [r["action"] for r in rows[1:]] == (["backoff"] if victim == 3 else [])
     crosses = [t for t in plot_sync_loss(run).data if t.name == "replica left out and reset"]
     assert list(crosses[0].x) == [10] and "blown up" in crosses[0].text[0]
+
+
+def test_step_guard_rolls_back_at_the_blow_up_step_with_shared_gradients():
+    res = run_ranks(workers.step_guard_blowup, WORLD, 2)
+    steps = [r.step for r in res[0]["records"]]
+    assert steps == [8, 10, 20, 30]  # converged at once at step 8; the sync schedule is unchanged
+    guard = res[0]["records"][0]
+    assert guard.rolled_back and [a.kind for a in guard.guard] == ["rollback"]
+    assert guard.guard[0].reason.startswith("step guard: replicas [2]")
+    for r in range(WORLD):  # every replica is back at the consensus kept at the start, state cleared
+        assert torch.equal(res[r]["params_after_guard"], res[r]["start"])
+        assert all(n == 0 for n in res[r]["state_sizes"])
+    assert all(torch.isfinite(res[r]["final_params"]).all() for r in range(WORLD))
+    assert all(torch.equal(res[0]["final_params"], res[r]["final_params"]) for r in range(WORLD))
+    assert res[0]["drift"] < 0  # the LR was cut
+    later = res[0]["records"][1:]
+    assert not any(r.rolled_back for r in later) and all(r.left_out == [] for r in later)

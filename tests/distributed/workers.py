@@ -352,3 +352,46 @@ def finite_blowup(rank: int, world: int, uri: str, victim: int) -> dict:
     out["final_params"] = flat_params(model)
     out["run_ids"] = sched.run_ids
     return out
+
+
+def step_guard_blowup(rank: int, world: int, victim: int) -> dict:
+    """DDP (shared gradients): replica ``victim``'s weights are scaled 50x after step 7, so its loss at
+    step 8 explodes and its gradient reaches every replica. With ``step_guard`` the scheduler must
+    converge at step 8 (not wait for the sync at 10), restore the consensus kept at the start and go on."""
+    from hdet_track.controller import DriftController
+
+    model = make_model()
+    start = flat_params(model)
+    net = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    sched = HDETScheduler(
+        opt,
+        max_lr=0.05,
+        total_steps=30,
+        spread=0.3,
+        sync_every=10,
+        auto_lr=True,
+        controller=DriftController(step_guard=10.0),
+        model=model,
+    )
+    out: dict = {"records": [], "start": start}
+    for step in range(30):
+        x, y = batch(rank, step)
+        loss = F.cross_entropy(net(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if rank == victim and step == 6:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(50.0)
+        sched.step(loss)
+        rec = sched.last_sync
+        if rec is not None and (not out["records"] or out["records"][-1].step != rec.step):
+            out["records"].append(rec)
+            if rec.step == 8:
+                out["params_after_guard"] = flat_params(model)
+                out["state_sizes"] = [len(opt.state.get(p, {})) for p in model.parameters()]
+    out["final_params"] = flat_params(model)
+    out["drift"] = sched.controller.drift["lr"][0]
+    return out
