@@ -22,7 +22,7 @@ from hdet_track.tracking.base import is_secret, redact
 from hdet_track.tracking.mlflow import MLflowTracker
 
 
-def train(tracker, steps=40, sync_every=10, log_every=1, spread=0.3, auto_lr=True, controller="paper", **kw):
+def train(tracker, steps=40, sync_every=10, log_every=1, spread=0.3, auto_lr=True, controller="paper", loss=None, **kw):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.1), nn.Linear(8, 2))
     opt = torch.optim.SGD(
@@ -52,7 +52,7 @@ def train(tracker, steps=40, sync_every=10, log_every=1, spread=0.3, auto_lr=Tru
     for k in range(1, steps + 1):
         opt.step()
         seen.append((k, opt.param_groups[0]["lr"], opt.param_groups[1]["lr"], opt.param_groups[0]["weight_decay"]))
-        sched.step(1.0 / k)
+        sched.step(1.0 / k if loss is None else loss(k))
     assert sched.flush(timeout=120)  # the run ended at total_steps; wait until it is written
     return sched, seen
 
@@ -117,6 +117,42 @@ def test_log_every_thins_replica_series_not_sync_or_archive(sqlite_uri, tmp_path
     assert sorted(history(client, tracker.run_id, "hdet/sync/divergence")) == [10, 20, 30, 40]
     assert len(read_steps_artifact(client, tracker.run_id, tmp_path)) == 40
     assert client.get_experiment_by_name("hdet") is not None  # the default experiment name
+
+
+@pytest.mark.parametrize("budget", ["default", "none"])
+def test_point_budget_thins_fast_series_but_keeps_guard_syncs_last_step_and_archive(
+    sqlite_uri, tmp_path, monkeypatch, budget
+):
+    """2,000 steps and 1,000 syncs in well under a second: far past the default budget of 200
+    points per second. The histories are thinned (never below their floors), a sync where the guard
+    rolled back is still logged, and the archive keeps every step; HDET_POINTS_PER_SECOND=0 keeps all."""
+    if budget == "none":
+        monkeypatch.setenv("HDET_POINTS_PER_SECOND", "0")
+    tracker = MLflowTracker(tracking_uri=sqlite_uri)
+    train(tracker, steps=2000, sync_every=2, controller="drift", loss=lambda k: math.nan if k == 1001 else 1.0 / k)
+    client = MlflowClient(sqlite_uri)
+    syncs = history(client, tracker.run_id, "hdet/sync/divergence")
+    lr = history(client, tracker.run_id, "lr")
+    rollback = history(client, tracker.run_id, "hdet/sync/rollback")
+    assert rollback[1002] == 1.0  # the guard's sync
+    assert 2000 in syncs and 2000 in lr  # the run's last step
+    if budget == "default":
+        assert 20 <= len(syncs) <= 1000 // 4
+        assert 320 <= len(lr) <= 2000 // 2
+        assert sorted(rollback) == sorted(syncs)  # one decision per sync: all series of a sync or none
+    else:
+        assert len(syncs) == 1000 and len(lr) == 2000
+    assert len(read_steps_artifact(client, tracker.run_id, tmp_path)) == 2000
+
+
+def test_bad_points_per_second_names_the_variable(monkeypatch):
+    from hdet_track.tracking.hub import default_points_per_second
+
+    monkeypatch.setenv("HDET_POINTS_PER_SECOND", "-3")
+    with pytest.raises(ValueError, match="HDET_POINTS_PER_SECOND .* but got '-3'"):
+        default_points_per_second()
+    monkeypatch.setenv("HDET_POINTS_PER_SECOND", "inf")
+    assert default_points_per_second() is None
 
 
 def test_onecycle_baseline_has_same_keys_and_schedule_tag(sqlite_uri):

@@ -19,7 +19,7 @@ from ..record import SyncRecord
 from .archive import StepBlock
 from .base import Batch, Point
 
-__all__ = ["RecordItem", "PointBudget", "expand", "materialize", "metric_points"]
+__all__ = ["RecordItem", "PointBudget", "Strides", "expand", "materialize", "metric_points", "sync_point_count"]
 
 
 @dataclass(frozen=True)
@@ -32,48 +32,70 @@ class RecordItem:
     mean_stride: int  # `loss`/`lr` means: steps kept where step % stride == 0 (and the run's last step)
     replica_stride: int  # per-replica series likewise
     last_step: int = 0  # the run's total_steps
+    sync_points: bool = True  # whether this sync's series (hdet/sync/..., hdet/controller/...) are logged
+
+
+@dataclass(frozen=True)
+class Strides:
+    mean: int  # steps between points of `loss`/`lr`
+    replica: int  # steps between points of each per-replica series
+    sync: int  # syncs between points of the sync and controller series
 
 
 class PointBudget:
-    """How densely the metric histories sample the per-step series.
+    """How densely the metric histories sample the run.
 
-    The event archive keeps every step; metric histories cost the backend about 0.1 ms per point,
-    so per-step series are kept at power-of-two strides such that they cost at most
-    ``points_per_second`` (half for the means ``loss``/``lr``, half for the per-replica series),
-    but never fewer than ``min_mean_points`` / ``min_replica_points`` points over the whole run,
-    and at least every ``log_every``-th step is dropped.
+    The event archive keeps every step and every sync; the metric histories serve MLflow's and
+    W&B's UIs and cost the backend about 0.1 ms per point (CPU taken from training when it shares
+    the cores). They are kept at power-of-two strides such that together they cost at most
+    ``points_per_second``: half for the means ``loss``/``lr``, a quarter for the per-replica series,
+    a quarter for the sync and controller series. A run still gets at least ``min_mean_points``
+    points of each mean, ``min_replica_points`` of each per-replica series and ``min_sync_points``
+    syncs over its whole length (a fixed cost per run: at most about 1,000 points in all with 4
+    replicas), a sync where the guard acted or a replica was left out is always logged, and at
+    most every ``log_every``-th step. ``points_per_second=None``: no budget.
     """
 
     def __init__(
         self,
         total_steps: int,
-        points_per_second: float = 200.0,
+        points_per_second: float | None = 200.0,
         log_every: int = 1,
-        min_mean_points: int = 1000,
-        min_replica_points: int = 200,
+        min_mean_points: int = 320,
+        min_replica_points: int = 50,
+        min_sync_points: int = 20,
+        sync_every: int = 1,
     ) -> None:
         self.total_steps = max(int(total_steps), 1)
-        self.points_per_second = float(points_per_second)
+        self.points_per_second = None if points_per_second is None else float(points_per_second)
         self.log_every = log_every
         self.min_mean_points = min_mean_points
         self.min_replica_points = min_replica_points
+        self.min_sync_points = min_sync_points
+        self.sync_every = max(int(sync_every), 1)
 
     @staticmethod
     def _pow2(x: float) -> int:
         return 1 if x <= 1 else 1 << math.ceil(math.log2(x))
 
-    def _stride(self, points_per_step: int, steps_per_second: float, min_points: int) -> int:
-        budget = self._pow2(points_per_step * steps_per_second / (self.points_per_second / 2))
-        detail = max(1, 1 << int(math.log2(max(self.total_steps // max(min_points, 1), 1))))
-        return max(self.log_every, min(budget, detail))
+    def _stride(self, points: float, per_second: float, share: float, total: int, min_points: int) -> int:
+        """Power-of-two stride over ``total`` units, ``points`` per unit and ``per_second`` units per
+        second, within ``share`` of the budget or ``min_points`` units over the run."""
+        if self.points_per_second is None or not math.isfinite(self.points_per_second):
+            return 1
+        budget = self._pow2(points * per_second / (self.points_per_second * share))
+        detail = max(1, 1 << int(math.log2(max(total // max(min_points, 1), 1))))
+        return min(budget, detail)
 
-    def strides(self, record: SyncRecord, seconds: float) -> tuple[int, int]:
+    def strides(self, record: SyncRecord, seconds: float) -> Strides:
         steps = len(record.steps)
         rate = steps / seconds if seconds > 0 else float(steps)
         n, keys = record.losses.shape[0], len(record.values)
-        return (
-            self._stride(2, rate, self.min_mean_points),
-            self._stride(n * (1 + keys), rate, self.min_replica_points),
+        syncs = -(-self.total_steps // self.sync_every)
+        return Strides(
+            max(self.log_every, self._stride(2, rate, 0.5, self.total_steps, self.min_mean_points)),
+            max(self.log_every, self._stride(n * (1 + keys), rate, 0.25, self.total_steps, self.min_replica_points)),
+            self._stride(sync_point_count(record), rate / max(steps, 1), 0.25, syncs, self.min_sync_points),
         )
 
 
@@ -180,11 +202,19 @@ def _sync_points(rec: SyncRecord, ts: int) -> list[Point]:
     return points
 
 
+def sync_point_count(rec: SyncRecord) -> int:
+    """How many metric points one sync logs (:func:`_sync_points`)."""
+    n = rec.losses.shape[0]
+    per_target = sum(len(u) * 5 + n for u in rec.updates.values())
+    return 4 + n + per_target
+
+
 def expand(item: RecordItem) -> Batch:
     """Everything a backend writes for one record."""
     rec = item.record
+    sync = _sync_points(rec, int(item.end_time * 1000)) if item.sync_points else []
     return Batch(
-        points=_step_points(item) + _sync_points(rec, int(item.end_time * 1000)),
+        points=_step_points(item) + sync,
         events=_events(rec),
         steps=[_steps_block(rec)],
     )

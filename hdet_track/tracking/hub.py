@@ -11,6 +11,7 @@ are replayed, oldest first, once a retry succeeds. Nothing raises into the train
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -144,6 +145,22 @@ def default_shutdown_timeout() -> float:
     return value
 
 
+def default_points_per_second() -> float | None:
+    """``$HDET_POINTS_PER_SECOND``: the metric histories' budget (default 200; ``0`` or ``inf``: none)."""
+    text = os.environ.get("HDET_POINTS_PER_SECOND", "").strip()
+    if not text:
+        return 200.0
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise ValueError(
+            f"Expected HDET_POINTS_PER_SECOND to be a number of points per second >= 0 (0 or inf: no budget), but got {text!r}"
+        )
+    return None if value == 0 or math.isinf(value) else value
+
+
 class TrackingHub:
     """Rank 0's background writer. Create with the trackers, then :meth:`start`."""
 
@@ -156,11 +173,14 @@ class TrackingHub:
         flush_seconds: float = 1.0,
         retry_seconds: float = 2.0,
         shutdown_timeout: float | None = None,
+        points_per_second: float | None | str = "env",
     ) -> None:
         if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1:
             raise ValueError(f"Expected log_every to be an integer >= 1, but got {log_every!r}")
         self.trackers = list(trackers)
         self.log_every = log_every
+        self.points_per_second = default_points_per_second() if points_per_second == "env" else points_per_second
+        self._syncs = 0
         self.flush_seconds = flush_seconds
         self.shutdown_timeout = default_shutdown_timeout() if shutdown_timeout is None else shutdown_timeout
         directory = Path(spill_dir) if spill_dir is not None else None
@@ -276,6 +296,12 @@ class TrackingHub:
                         )
                 return
 
+    def _make_budget(self, total_steps: int, start: RunStart | None = None) -> PointBudget:
+        sync_every = int((start.config if start is not None else {}).get("sync_every", 1) or 1)
+        return PointBudget(
+            total_steps, points_per_second=self.points_per_second, log_every=self.log_every, sync_every=sync_every
+        )
+
     def _drain(self) -> bool:
         batch = Batch()
         flushes: list[threading.Event] = []
@@ -283,13 +309,24 @@ class TrackingHub:
         while self._queue:
             kind, item = self._queue.popleft()
             if kind == "start":
-                self._budget = PointBudget(item.total_steps or 1, log_every=self.log_every)
+                self._budget = self._make_budget(item.total_steps or 1, item)
                 batch.events.append(item)
             elif kind == "record":
                 record, when = item
-                budget = self._budget or PointBudget(record.step, log_every=self.log_every)
-                mean_stride, replica_stride = budget.strides(record, when - self._window_start)
-                item = RecordItem(record, self._window_start, when, mean_stride, replica_stride, budget.total_steps)
+                budget = self._budget or self._make_budget(record.step)
+                strides = budget.strides(record, when - self._window_start)
+                eventful = bool(record.guard or record.left_out or record.rolled_back)
+                last = record.step >= budget.total_steps
+                item = RecordItem(
+                    record,
+                    self._window_start,
+                    when,
+                    strides.mean,
+                    strides.replica,
+                    budget.total_steps,
+                    sync_points=self._syncs % strides.sync == 0 or eventful or last,
+                )
+                self._syncs += 1
                 batch.records.append(item)
                 self._window_start = when
             elif kind == "metrics":
