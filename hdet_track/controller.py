@@ -390,7 +390,7 @@ class DriftController(Controller):
         max_rollbacks: int = 8,
         warmup: int = 0,
         one_sided: bool = True,
-        ceiling: bool = True,
+        ceiling: bool = False,
         step_guard: float | None = None,
     ) -> None:
         inf = math.inf

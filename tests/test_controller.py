@@ -187,7 +187,7 @@ def test_ceiling_keeps_the_base_within_tested_lrs_during_the_ramp_up():
     """Strong evidence for a higher LR early in the ramp-up (OneCycle's LR 0.04, its peak 1.0): the
     replicas have only used up to 0.06, so a raised drift would take the peak past anything tried."""
     up = [1.0, 0.9, 0.8, 0.7]
-    c = controller()
+    c = controller(ceiling=True)
     for k in range(1, 4):
         st = stats(windows(up, seed=k), step=20 * k, refs={"lr": [0.04]}, peaks={"lr": [1.0]}, c=c)
         d = c.update(st, c.health(st))
@@ -205,12 +205,12 @@ def test_ceiling_keeps_the_base_within_tested_lrs_during_the_ramp_up():
 
 
 def test_ceiling_after_the_peak_is_one_notch_per_sync_and_ignores_blown_up_replicas():
-    c = controller()
+    c = controller(ceiling=True)
     st = stats(windows([1.0, 0.9, 0.8, 0.7], seed=1), c=c)  # peaks = references: past OneCycle's peak
     c.update(st, c.health(st))
     assert c.drift["lr"][0] == pytest.approx(math.log(RHO[3]))  # the top replica's LR, not the full step
     # The top replica blew up: its LR does not count as tried, and the drift is backed off.
-    c = controller()
+    c = controller(ceiling=True)
     losses = windows([1.0, 0.9, 0.8, 0.7], seed=2, start=1.0)
     losses[3, 1:] = 50.0
     st = stats(losses, c=c)
