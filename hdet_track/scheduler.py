@@ -1,10 +1,11 @@
 """``HDETScheduler``: OneCycleLR with fan-out, converge and an auto-LR controller.
 
-The scheduler wires the parts and keeps the window between two syncs:
+The scheduler owns OneCycle's schedule and the replicas' permutations, and wires the parts:
 
 - the schedule math (:mod:`hdet_track.schedule`: multipliers, permutations, replica values),
 - the controller that decides the next base (:mod:`hdet_track.controller`),
-- the averager that converges the replicas (:mod:`hdet_track.averager` over :mod:`hdet_track.collectives`),
+- the converge step at each sync (:mod:`hdet_track.converge`: the window, health, rollback, averaging
+  by :mod:`hdet_track.averager` over :mod:`hdet_track.collectives`, the controller's decision),
 - its callbacks, which receive one :class:`~hdet_track.record.SyncRecord` per sync
   (tracking is one: :class:`hdet_track.tracking.recorder.Recorder`, built when ``track`` is set).
 """
@@ -17,7 +18,6 @@ import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -26,19 +26,13 @@ from torch.optim.lr_scheduler import OneCycleLR, _enable_get_lr_call
 from . import collectives
 from ._checks import check_int, check_number
 from .averager import ReplicaAverager
-from .controller import Controller, ControllerContext, Decision, Health, PaperController, WindowStats, make_controller
-from .errors import CheckpointMismatchError, NonFiniteReplicasError
+from .controller import Controller, ControllerContext, PaperController, make_controller
+from .converge import Converger
+from .errors import CheckpointMismatchError
 from .explore import Hyperparam, resolve_explore
 from .names import series_key
 from .record import ExploredSpec, RunInfo, SchedulerCallback, SyncRecord
-from .schedule import (
-    _check_spread,
-    draw_permutation,
-    multipliers,
-    permutation_generator,
-    replica_value_table,
-    replica_values,
-)
+from .schedule import _check_spread, multipliers, permutation_generator, replica_values
 
 __all__ = ["HDETScheduler", "SyncReport"]
 
@@ -211,8 +205,6 @@ class HDETScheduler(OneCycleLR):
             recorder.attach_info(lambda: self.run_info(gather=False))
         self._config = config
         self._onecycle: list[float] = []
-        self._window: list[float | torch.Tensor | None] = []  # this replica's losses since the last sync
-        self._trace: list[list[float]] = []  # OneCycle's LR per group at each step of the window
         self._started = False
         self._resumed_runs: dict[str, str] = {}
         self.measure_divergence = False
@@ -237,7 +229,16 @@ class HDETScheduler(OneCycleLR):
         self._onecycle_keys = frozenset(set(self.__dict__) - before - {"optimizer"})  # what OneCycleLR keeps
         self._div = (float(div_factor), float(final_div_factor))
         keep = self._controller is not None and self._controller.rollback
-        self._averager = ReplicaAverager(self._sync_tensors, optimizer, process_group, keep_consensus=keep)
+        self._converger = Converger(
+            ReplicaAverager(self._sync_tensors, optimizer, process_group, keep_consensus=keep),
+            self._controller,
+            names=self._explore_names,
+            multipliers=self._rho,
+            bounds={name: self._bounds(name) for name in self._explore_names},
+            series_keys={name: self._series_keys(name) for name in self._explore_names},
+            generators=self._gens,
+            callbacks=self._callbacks,
+        )
         self._bind_controller()
         self._hdet_ready = True
         self._apply_explored()
@@ -350,10 +351,9 @@ class HDETScheduler(OneCycleLR):
             )
         if not self._started:
             self._start()
-        self._window.append(self._checked_loss(loss))
-        self._trace.append(self._onecycle)
+        self._converger.append(self._checked_loss(loss), self._onecycle)
         k = self.last_epoch + 1
-        blown = self._step_guard()
+        blown = self._converger.step_guard()
         if blown is not None or k % self.sync_every == 0 or k == self.total_steps:
             record = self._sync(k, blown)
             super().step()
@@ -369,7 +369,7 @@ class HDETScheduler(OneCycleLR):
         it before a checkpoint, so that the checkpoint holds one consensus that every replica resumes
         from. Returns the sync's record (None right after a sync: nothing to converge).
         """
-        if not self._window:
+        if not self._converger.losses:
             return None
         record = self._sync(self.last_epoch)
         self._refresh()  # the next step's values, from the new drift and permutations
@@ -381,16 +381,6 @@ class HDETScheduler(OneCycleLR):
         self.last_sync = record
         for cb in self._callbacks:
             cb.on_sync(record)
-
-    def _step_guard(self) -> str | None:
-        """With the controller's ``step_guard``: gather this step's and the window's first losses;
-        a reason to converge and roll back now (the same decision on every rank), or None."""
-        ctrl = self._controller
-        if ctrl is None or ctrl.step_guard is None:
-            return None
-        now, first = (math.nan if x is None else float(x) for x in (self._window[-1], self._window[0]))
-        rows = collectives.all_gather_rows([now, first], self._group)
-        return ctrl.check_step([r[0] for r in rows], [r[1] for r in rows])
 
     def _checked_loss(self, loss: float | torch.Tensor | None) -> float | torch.Tensor | None:
         if loss is None:
@@ -408,20 +398,6 @@ class HDETScheduler(OneCycleLR):
         if isinstance(loss, (int, float)) and not isinstance(loss, bool):
             return float(loss)
         raise ValueError(f"Expected loss to be a float or a one-element tensor, but got {type(loss).__name__}")
-
-    def _window_row(self) -> list[float]:
-        """``[loss sum (float64), losses given, every step's loss (nan where none)]``: one device sync."""
-        given = [x for x in self._window if x is not None]
-        if not given:
-            return [math.nan, 0.0] + [math.nan] * len(self._window)
-        device = next((x.device for x in given if isinstance(x, torch.Tensor)), torch.device("cpu"))
-        stacked = torch.stack(
-            [torch.as_tensor(x, dtype=torch.float64).reshape(()).to(device=device, dtype=torch.float64) for x in given]
-        )
-        values = iter(stacked.cpu().tolist())
-        return [float(stacked.sum()), float(len(given))] + [
-            math.nan if x is None else next(values) for x in self._window
-        ]
 
     def _bounds(self, name: str) -> list[tuple[float, float]] | None:
         """What replica values of ``name`` are clipped to (the LR is not clipped, only its base)."""
@@ -444,97 +420,28 @@ class HDETScheduler(OneCycleLR):
 
     # ------------------------------------------------------------------ the sync
     def _sync(self, step: int, blown: str | None = None) -> SyncRecord:
-        n = self._world_size
-        finite = self._averager.local_finite()
-        row = self._window_row()
-        rows = collectives.all_gather_rows([1.0 if finite else 0.0, *row], self._group)
-        stats = WindowStats(
-            step=step,
-            losses=np.array([r[3:] for r in rows], dtype=np.float64).reshape(n, len(self._window)),
-            counts=[int(r[2]) for r in rows],
-            sums=[r[1] for r in rows],
-            finite=[r[0] == 1.0 for r in rows],
-            perms={k: list(v) for k, v in self._perm.items()},
+        """Converge with the window's schedule; the next window's permutations come back in the record."""
+        record = self._converger.sync(
+            step,
+            perms=self._perm,
             values={name: self.replica_values(name) for name in self._explore_names},
             references={"lr": list(self._onecycle)} | {k: list(v) for k, v in self._reference.items()},
             peaks={"lr": self._onecycle_peaks()} | {k: list(v) for k, v in self._reference.items()},
+            measure=self.measure_divergence,
+            blown=blown,
         )
-        window = self._window_tables()  # as training used them, before anything changes
-        ctrl = self._controller or Controller()
-        health = ctrl.health(stats) if blown is None else Health([False] * n, [blown] * n, ctrl.rollback)
-        measure = self.measure_divergence or any(cb.needs_divergence for cb in self._callbacks)
-        divergences = [math.nan] * n
-        if health.rollback and self._averager.has_consensus and ctrl.rollbacks < ctrl.max_rollbacks:
-            self._averager.restore()
-            decision = ctrl.rolled_back(stats, blown)
-        elif not any(health.healthy):
-            record = self._record(stats, window, health, divergences, Decision(), self._perm)
-            for cb in self._callbacks:  # the diverged window is part of the run's record
-                cb.on_sync(record)
-            raise NonFiniteReplicasError(step, n, stats.window_losses)
-        else:
-            divergence = self._averager.average(health.healthy, measure=measure)
-            if measure:
-                divergences = [r[0] for r in collectives.all_gather_rows([divergence], self._group)]
-            decision = ctrl.update(stats, health)
-        for name in self._explore_names:
-            self._perm[name] = draw_permutation(n, self._gens[name])
-        self._window, self._trace = [], []
-        return self._record(stats, window, health, divergences, decision, self._perm)
+        self._perm = {k: list(v) for k, v in record.next_permutations.items()}
+        return record
 
     def _onecycle_peaks(self) -> list[float]:
         """OneCycle's highest LR per group from the current step to the end: max_lr until the peak."""
         rising = self.last_epoch < self._schedule_phases[0]["end_step"]
         return [float(g["max_lr"]) if rising else lr for g, lr in zip(self.optimizer.param_groups, self._onecycle)]
 
-    def _window_tables(self) -> dict[str, dict[str, np.ndarray]]:
-        """Per series key: the base at every step of the window and every replica's value."""
-        onecycle = np.array(self._trace, dtype=np.float64).reshape(len(self._trace), -1)
-        bases, values, mults = {}, {}, {}
-        for name in self._explore_names:
-            if name == "lr":
-                base = np.array([self._bases_at("lr", refs) for refs in self._trace]).reshape(onecycle.shape)
-            else:
-                base = np.tile(self.base_values(name), (len(self._trace), 1))
-            table = replica_value_table(base, self._rho[name], self._perm[name], self._bounds(name))
-            for t, key in enumerate(self._series_keys(name)):
-                bases[key] = base[:, t]
-                values[key] = table[:, :, t]
-            mults[name] = np.array([self._rho[name][p] for p in self._perm[name]], dtype=np.float64)
-        return {"onecycle": {"": onecycle}, "bases": bases, "values": values, "multipliers": mults}
-
-    def _bases_at(self, name: str, refs: list[float]) -> list[float]:
-        if self._controller is None:
-            return list(refs)
-        return [self._controller.base(name, t, ref) for t, ref in enumerate(refs)]
-
     def _series_keys(self, name: str) -> list[str]:
         if name == "lr":
             return [series_key("lr", g, f"pg{g}") for g in range(len(self.optimizer.param_groups))]
         return [series_key(name, t, label) for t, label in enumerate(self._hps[name].labels())]
-
-    def _record(self, stats, window, health, divergences, decision, next_perms) -> SyncRecord:  # noqa: ANN001
-        steps = np.arange(stats.step - stats.losses.shape[1] + 1, stats.step + 1, dtype=np.int64)
-        return SyncRecord(
-            step=stats.step,
-            steps=steps,
-            losses=stats.losses,
-            values=window["values"],
-            multipliers=window["multipliers"],
-            onecycle=window["onecycle"][""],
-            bases=window["bases"],
-            permutations=stats.perms,
-            next_permutations={k: list(v) for k, v in next_perms.items()},
-            window_losses=stats.window_losses,
-            divergences=divergences,
-            left_out=[r for r, h in enumerate(health.healthy) if not h],
-            reasons=[health.reasons[r] for r, h in enumerate(health.healthy) if not h],
-            weights=decision.weights,
-            updates=decision.updates,
-            guard=decision.guard,
-            controller=self._controller.name if self._controller is not None else "",
-            rank=self._rank,
-        )
 
     # ------------------------------------------------------------------ callbacks and tracking
     def run_info(self, gather: bool = True) -> RunInfo:
@@ -654,7 +561,7 @@ class HDETScheduler(OneCycleLR):
 
         Only plain Python values and tensors, so ``torch.load(weights_only=True)`` reads it.
         """
-        window = {"losses": [None if x is None else float(x) for x in self._window], "onecycle": list(self._trace)}
+        window = self._converger.window_state()
         runs = self._recorder.run_ids(wait=30.0) if self._recorder is not None else {}
         state = {
             "format": _FORMAT,
@@ -667,7 +574,7 @@ class HDETScheduler(OneCycleLR):
             if self._controller is None
             else {"name": self._controller.name, "state": self._controller.state_dict()},
             "window": window,
-            "averager": self._averager.state_dict(),
+            "averager": self._converger.averager.state_dict(),
             "runs": {k: v for k, v in runs.items() if v},
         }
         if all_ranks:
@@ -707,9 +614,8 @@ class HDETScheduler(OneCycleLR):
         if self._controller is not None:
             self._controller.load_state_dict(saved["state"])
         window = state.get("windows", {}).get(self._rank, state["window"])  # this rank's own, when saved
-        self._window = list(window["losses"])
-        self._trace = [list(x) for x in window["onecycle"]]
-        self._averager.load_state_dict(state.get("averager", {}))
+        self._converger.load_window(window)
+        self._converger.averager.load_state_dict(state.get("averager", {}))
         self._resumed_runs = dict(state.get("runs", {}))
         self._refresh()
 

@@ -1,0 +1,213 @@
+"""The converge step of :class:`~hdet_track.scheduler.HDETScheduler`: from one window to its record.
+
+Between two syncs a :class:`Converger` keeps this replica's window (its loss and plain OneCycle's
+LRs at every step). At a sync it gathers every replica's window into a
+:class:`~hdet_track.controller.WindowStats` (one all-gather), asks the controller who is healthy,
+then rolls every replica back or averages the healthy ones (:mod:`hdet_track.averager`) and lets
+the controller decide; it draws the next window's permutations and builds the
+:class:`~hdet_track.record.SyncRecord`. The scheduler hands it the schedule as training used it
+(permutations, every replica's values, references) and sets the next window's values.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from . import collectives
+from .averager import ReplicaAverager
+from .controller import Controller, Decision, Health, WindowStats
+from .errors import NonFiniteReplicasError
+from .record import SchedulerCallback, SyncRecord
+from .schedule import draw_permutation, replica_value_table
+
+__all__ = ["Converger"]
+
+
+class Converger:
+    """This replica's window between two syncs, and the sync that converges it.
+
+    Args:
+        averager: averages the replicas over its process group (and keeps the consensus to roll back to).
+        controller: judges health and decides at each sync (None: the basic health rule, no decisions).
+        names: the explored hyperparameters, ``"lr"`` first.
+        multipliers: per name, rho by multiplier index.
+        bounds: per name, what replica values are clipped to (None: not clipped).
+        series_keys: per name, the metric key of each target.
+        generators: per name, the generator the next permutations are drawn from.
+        callbacks: receive the record of a window in which every replica diverged, before the error.
+    """
+
+    def __init__(
+        self,
+        averager: ReplicaAverager,
+        controller: Controller | None,
+        *,
+        names: Sequence[str],
+        multipliers: Mapping[str, list[float]],
+        bounds: Mapping[str, list[tuple[float, float]] | None],
+        series_keys: Mapping[str, list[str]],
+        generators: Mapping[str, np.random.Generator],
+        callbacks: Sequence[SchedulerCallback],
+    ) -> None:
+        self.averager = averager
+        self.controller = controller
+        self.names = list(names)
+        self.multipliers = multipliers
+        self.bounds = bounds
+        self.series_keys = series_keys
+        self.generators = generators
+        self.callbacks = callbacks
+        self.losses: list[float | torch.Tensor | None] = []  # this replica's losses since the last sync
+        self.onecycle: list[list[float]] = []  # OneCycle's LR per group at each step of the window
+
+    def append(self, loss: float | torch.Tensor | None, onecycle: list[float]) -> None:
+        """One step of the window: this replica's loss (None: not given) and OneCycle's LRs."""
+        self.losses.append(loss)
+        self.onecycle.append(onecycle)
+
+    def window_state(self) -> dict[str, list]:
+        """The partial window as plain Python values (for ``HDETScheduler.state_dict``)."""
+        return {"losses": [None if x is None else float(x) for x in self.losses], "onecycle": list(self.onecycle)}
+
+    def load_window(self, window: Mapping[str, list]) -> None:
+        self.losses = list(window["losses"])
+        self.onecycle = [list(x) for x in window["onecycle"]]
+
+    def step_guard(self) -> str | None:
+        """With the controller's ``step_guard``: gather this step's and the window's first losses;
+        a reason to converge and roll back now (the same decision on every rank), or None."""
+        ctrl = self.controller
+        if ctrl is None or ctrl.step_guard is None:
+            return None
+        now, first = (math.nan if x is None else float(x) for x in (self.losses[-1], self.losses[0]))
+        rows = collectives.all_gather_rows([now, first], self.averager.group)
+        return ctrl.check_step([r[0] for r in rows], [r[1] for r in rows])
+
+    def sync(
+        self,
+        step: int,
+        perms: dict[str, list[int]],
+        values: dict[str, list[list[float]]],
+        references: dict[str, list[float]],
+        peaks: dict[str, list[float]],
+        measure: bool = False,
+        blown: str | None = None,
+    ) -> SyncRecord:
+        """Converge the replicas (a collective: every rank calls it after the same step).
+
+        Args:
+            step: the optimizer step of the sync.
+            perms, values, references, peaks: per name, the window's permutation, every replica's
+                values at the sync, the references and their peaks ahead (see ``WindowStats``).
+            measure: measure and gather the replicas' divergence before averaging (also done when
+                a callback ``needs_divergence``).
+            blown: the step guard's reason to roll back now, if any.
+
+        Returns:
+            The sync's record; its ``next_permutations`` are the next window's. The window is emptied.
+
+        Raises:
+            NonFiniteReplicasError: no replica is healthy and no rollback is possible (the callbacks
+                receive the record first).
+        """
+        n = self.averager.world_size
+        finite = self.averager.local_finite()
+        row = self._window_row()
+        rows = collectives.all_gather_rows([1.0 if finite else 0.0, *row], self.averager.group)
+        stats = WindowStats(
+            step=step,
+            losses=np.array([r[3:] for r in rows], dtype=np.float64).reshape(n, len(self.losses)),
+            counts=[int(r[2]) for r in rows],
+            sums=[r[1] for r in rows],
+            finite=[r[0] == 1.0 for r in rows],
+            perms={k: list(v) for k, v in perms.items()},
+            values=values,
+            references=references,
+            peaks=peaks,
+        )
+        window = self._window_tables(perms, references)  # as training used them, before anything changes
+        ctrl = self.controller or Controller()
+        health = ctrl.health(stats) if blown is None else Health([False] * n, [blown] * n, ctrl.rollback)
+        measure = measure or any(cb.needs_divergence for cb in self.callbacks)
+        divergences = [math.nan] * n
+        if health.rollback and self.averager.has_consensus and ctrl.rollbacks < ctrl.max_rollbacks:
+            self.averager.restore()
+            decision = ctrl.rolled_back(stats, blown)
+        elif not any(health.healthy):
+            record = self._record(stats, window, health, divergences, Decision(), perms)
+            for cb in self.callbacks:  # the diverged window is part of the run's record
+                cb.on_sync(record)
+            raise NonFiniteReplicasError(step, n, stats.window_losses)
+        else:
+            divergence = self.averager.average(health.healthy, measure=measure)
+            if measure:
+                divergences = [r[0] for r in collectives.all_gather_rows([divergence], self.averager.group)]
+            decision = ctrl.update(stats, health)
+        drawn = dict(perms) | {name: draw_permutation(n, self.generators[name]) for name in self.names}
+        self.losses, self.onecycle = [], []
+        return self._record(stats, window, health, divergences, decision, drawn)
+
+    def _window_row(self) -> list[float]:
+        """``[loss sum (float64), losses given, every step's loss (nan where none)]``: one device sync."""
+        given = [x for x in self.losses if x is not None]
+        if not given:
+            return [math.nan, 0.0] + [math.nan] * len(self.losses)
+        device = next((x.device for x in given if isinstance(x, torch.Tensor)), torch.device("cpu"))
+        stacked = torch.stack(
+            [torch.as_tensor(x, dtype=torch.float64).reshape(()).to(device=device, dtype=torch.float64) for x in given]
+        )
+        values = iter(stacked.cpu().tolist())
+        return [float(stacked.sum()), float(len(given))] + [
+            math.nan if x is None else next(values) for x in self.losses
+        ]
+
+    def _window_tables(
+        self, perms: Mapping[str, list[int]], references: Mapping[str, list[float]]
+    ) -> dict[str, dict[str, np.ndarray]]:
+        """Per series key: the base at every step of the window and every replica's value."""
+        onecycle = np.array(self.onecycle, dtype=np.float64).reshape(len(self.onecycle), -1)
+        bases, values, mults = {}, {}, {}
+        for name in self.names:
+            rho = self.multipliers[name]
+            if name == "lr":
+                base = np.array([self._bases_at("lr", refs) for refs in self.onecycle]).reshape(onecycle.shape)
+            else:
+                base = np.tile(self._bases_at(name, references[name]), (len(self.onecycle), 1))
+            table = replica_value_table(base, rho, perms[name], self.bounds[name])
+            for t, key in enumerate(self.series_keys[name]):
+                bases[key] = base[:, t]
+                values[key] = table[:, :, t]
+            mults[name] = np.array([rho[p] for p in perms[name]], dtype=np.float64)
+        return {"onecycle": {"": onecycle}, "bases": bases, "values": values, "multipliers": mults}
+
+    def _bases_at(self, name: str, refs: list[float]) -> list[float]:
+        if self.controller is None:
+            return list(refs)
+        return [self.controller.base(name, t, ref) for t, ref in enumerate(refs)]
+
+    def _record(self, stats, window, health, divergences, decision, next_perms) -> SyncRecord:  # noqa: ANN001
+        steps = np.arange(stats.step - stats.losses.shape[1] + 1, stats.step + 1, dtype=np.int64)
+        return SyncRecord(
+            step=stats.step,
+            steps=steps,
+            losses=stats.losses,
+            values=window["values"],
+            multipliers=window["multipliers"],
+            onecycle=window["onecycle"][""],
+            bases=window["bases"],
+            permutations=stats.perms,
+            next_permutations={k: list(v) for k, v in next_perms.items()},
+            window_losses=stats.window_losses,
+            divergences=divergences,
+            left_out=[r for r, h in enumerate(health.healthy) if not h],
+            reasons=[health.reasons[r] for r, h in enumerate(health.healthy) if not h],
+            weights=decision.weights,
+            updates=decision.updates,
+            guard=decision.guard,
+            controller=self.controller.name if self.controller is not None else "",
+            rank=self.averager.rank,
+        )
