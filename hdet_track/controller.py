@@ -369,7 +369,8 @@ class DriftController(Controller):
         step_guard: check every step (one all-gather of two floats per rank): when a replica's loss
             is not finite or exceeds ``step_guard`` times the median of the window's first losses,
             converge at once and roll back (with shared gradients one replica's blow-up reaches
-            every replica within a step, long before the next sync). None: syncs only.
+            every replica within a step, long before the next sync). None: syncs only. The
+            default (10) was chosen on the development split (docs/controller.md, round 2).
         ceiling: the LR's drift never rises so far that the base LR at a later step (OneCycle's
             peak during the ramp-up) would exceed the highest LR a healthy replica has trained
             with so far: the base only goes where a replica has been. Upward moves only.
@@ -391,7 +392,7 @@ class DriftController(Controller):
         warmup: int = 0,
         one_sided: bool = True,
         ceiling: bool = False,
-        step_guard: float | None = None,
+        step_guard: float | None = 10.0,
     ) -> None:
         inf = math.inf
         self.guard = check_number("guard", guard, 1.0, inf, low_open=True, high_open=True)

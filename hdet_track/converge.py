@@ -50,7 +50,7 @@ class Converger:
         multipliers: Mapping[str, list[float]],
         bounds: Mapping[str, list[tuple[float, float]] | None],
         series_keys: Mapping[str, list[str]],
-        generators: Mapping[str, np.random.Generator],
+        generators: Mapping[str, torch.Generator],
         callbacks: Sequence[SchedulerCallback],
     ) -> None:
         self.averager = averager

@@ -227,7 +227,8 @@ def test_step_guard_threshold_non_finite_and_off_by_default():
     assert reason.startswith("step guard: replicas [2]")
     assert c.check_step([1.0, math.nan, 0.5, 0.9], firsts).startswith("step guard: replicas [1] non-finite")
     assert c.check_step([1.0, 50.0, 0.5, 0.9], [-1.0, -2.0, -1.0, -1.0]) is None  # ratios need positive losses
-    assert controller().check_step([1.0, math.inf, 1.0, 1.0], firsts) is None  # off unless step_guard is set
+    assert controller(step_guard=None).check_step([1.0, math.inf, 1.0, 1.0], firsts) is None  # off
+    assert controller().step_guard == 10.0  # on by default (docs/controller.md, round 2)
     st = stats(windows([1.0] * N))
     d = c.rolled_back(st, reason)
     assert d.guard[0].kind == "rollback" and d.guard[0].reason.startswith("step guard: replicas [2]")

@@ -316,7 +316,9 @@ def tracked_resume(
 
 def finite_blowup(rank: int, world: int, uri: str, victim: int) -> dict:
     """Replica ``victim``'s weights are scaled 50x at step 7 (finite, but its loss explodes): the drift
-    controller's guard must leave it out at the sync at 10 and reset it; training goes on."""
+    controller's sync guard (the step guard off, so that the sync's rule is what is tested) must
+    leave it out at the sync at 10 and reset it; training goes on."""
+    from hdet_track.controller import DriftController
     from hdet_track.tracking.mlflow import MLflowTracker
 
     model = make_model()
@@ -328,7 +330,7 @@ def finite_blowup(rank: int, world: int, uri: str, victim: int) -> dict:
         spread=0.3,
         sync_every=10,
         auto_lr=True,
-        controller="drift",
+        controller=DriftController(step_guard=None),
         model=model,
         track=MLflowTracker(tracking_uri=uri, experiment="blowup"),
     )
