@@ -154,8 +154,12 @@ def test_finite_blowup_is_left_out_reset_and_shown(tmp_path, victim):
     assert list(crosses[0].x) == [10] and "blown up" in crosses[0].text[0]
 
 
-def test_step_guard_rolls_back_at_the_blow_up_step_with_shared_gradients():
-    res = run_ranks(workers.step_guard_blowup, WORLD, 2)
+def test_step_guard_rolls_back_at_the_blow_up_step_with_shared_gradients(tmp_path):
+    from hdet_track.readers.mlflow import MLflowReader
+    from hdet_track.viz import guard_rows
+
+    uri = f"sqlite:///{tmp_path / 'step-guard.db'}"
+    res = run_ranks(workers.step_guard_blowup, WORLD, uri, 2)
     steps = [r.step for r in res[0]["records"]]
     assert steps == [8, 10, 20, 30]  # converged at once at step 8; the sync schedule is unchanged
     guard = res[0]["records"][0]
@@ -169,3 +173,8 @@ def test_step_guard_rolls_back_at_the_blow_up_step_with_shared_gradients():
     assert res[0]["drift"] < 0  # the LR was cut
     later = res[0]["records"][1:]
     assert not any(r.rolled_back for r in later) and all(r.left_out == [] for r in later)
+    # the event reaches the store and the dashboard's guard table, at its own step
+    run = MLflowReader(uri).read(res[0]["run_ids"]["mlflow"])
+    assert run.status == "FINISHED" and [c.step for c in run.converge] == [8, 10, 20, 30]
+    (rollback,) = [row for row in guard_rows(run) if row["action"] == "rollback"]
+    assert rollback["step"] == 8 and rollback["reason"].startswith("step guard: replicas [2]")

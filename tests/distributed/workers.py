@@ -356,11 +356,12 @@ def finite_blowup(rank: int, world: int, uri: str, victim: int) -> dict:
     return out
 
 
-def step_guard_blowup(rank: int, world: int, victim: int) -> dict:
+def step_guard_blowup(rank: int, world: int, uri: str, victim: int) -> dict:
     """DDP (shared gradients): replica ``victim``'s weights are scaled 50x after step 7, so its loss at
     step 8 explodes and its gradient reaches every replica. With ``step_guard`` the scheduler must
     converge at step 8 (not wait for the sync at 10), restore the consensus kept at the start and go on."""
     from hdet_track.controller import DriftController
+    from hdet_track.tracking.mlflow import MLflowTracker
 
     model = make_model()
     start = flat_params(model)
@@ -375,6 +376,7 @@ def step_guard_blowup(rank: int, world: int, victim: int) -> dict:
         auto_lr=True,
         controller=DriftController(step_guard=10.0),
         model=model,
+        track=MLflowTracker(tracking_uri=uri, experiment="step-guard"),
     )
     out: dict = {"records": [], "start": start}
     for step in range(30):
@@ -394,6 +396,8 @@ def step_guard_blowup(rank: int, world: int, victim: int) -> dict:
             if rec.step == 8:
                 out["params_after_guard"] = flat_params(model)
                 out["state_sizes"] = [len(opt.state.get(p, {})) for p in model.parameters()]
+    sched.flush()
     out["final_params"] = flat_params(model)
     out["drift"] = sched.controller.drift["lr"][0]
+    out["run_ids"] = sched.run_ids
     return out
