@@ -63,6 +63,7 @@ ROUNDS: dict[int, dict[str, dict]] = {
         "design": {"ceiling": False},
         "ceiling": {"ceiling": True},
         "step-guard": {"ceiling": False, "step_guard": 10.0},
+        "step-guard-own-start": {},  # the default after round 3: the step guard judged from each replica's own start
     },
 }
 SEEDS = {1: (100,), 2: (100, 101, 102)}

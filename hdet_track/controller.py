@@ -367,8 +367,9 @@ class DriftController(Controller):
             window is biased (less noise now, less progress later; Wu et al., 2018), evidence that
             larger ones did better is not biased that way, and a blow-up is unambiguous.
         step_guard: check every step (one all-gather of two floats per rank): when a replica's loss
-            is not finite or exceeds ``step_guard`` times the median of the window's first losses,
-            converge at once and roll back (with shared gradients one replica's blow-up reaches
+            is not finite or exceeds ``step_guard`` times the window's starting loss (the higher
+            of its own first loss and the median of all replicas' first losses), converge at once
+            and roll back (with shared gradients one replica's blow-up reaches
             every replica within a step, long before the next sync). None: syncs only. The
             default (10) was chosen on the development split (docs/controller.md, round 2).
         ceiling: the LR's drift never rises so far that the base LR at a later step (OneCycle's
@@ -557,10 +558,14 @@ class DriftController(Controller):
         ref = float(np.median(start)) if start else math.nan
         if not (math.isfinite(ref) and ref > 0):
             return None  # the ratio test needs positive losses
-        high = [r for r, x in enumerate(losses) if x > self.step_guard * ref]
+        # Each replica against the higher of its own first loss and the median: replicas that see
+        # different data (shards of unequal difficulty) start the window at different losses from
+        # the same consensus, and a replica is never blown up at the consensus itself.
+        refs = [max(f, ref) if math.isfinite(f) else ref for f in firsts]
+        high = [r for r, x in enumerate(losses) if x > self.step_guard * refs[r]]
         if high:
-            top = max(losses[r] for r in high)
-            return f"step guard: replicas {high} at loss {top:.4g} > {self.step_guard:g} x {ref:.4g}"
+            r = max(high, key=lambda q: losses[q] / refs[q])
+            return f"step guard: replicas {high} at loss {losses[r]:.4g} > {self.step_guard:g} x {refs[r]:.4g}"
         return None
 
     def rolled_back(self, stats: WindowStats, reason: str | None = None) -> Decision:

@@ -227,6 +227,9 @@ def test_step_guard_threshold_non_finite_and_off_by_default():
     assert reason.startswith("step guard: replicas [2]")
     assert c.check_step([1.0, math.nan, 0.5, 0.9], firsts).startswith("step guard: replicas [1] non-finite")
     assert c.check_step([1.0, 50.0, 0.5, 0.9], [-1.0, -2.0, -1.0, -1.0]) is None  # ratios need positive losses
+    # a replica whose data is harder starts higher from the same consensus: judged from its own start
+    assert c.check_step([0.3, 0.2, 0.25, 4.2], [0.3, 0.2, 0.25, 4.1]) is None
+    assert c.check_step([0.3, 0.2, 0.25, 42.0], [0.3, 0.2, 0.25, 4.1]).startswith("step guard: replicas [3]")
     assert controller(step_guard=None).check_step([1.0, math.inf, 1.0, 1.0], firsts) is None  # off
     assert controller().step_guard == 10.0  # on by default (docs/controller.md, round 2)
     st = stats(windows([1.0] * N))
