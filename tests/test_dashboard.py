@@ -29,7 +29,7 @@ PAGES = [
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    """A 4-replica HDET run (replica 1 goes NaN at step 9) and a OneCycle baseline in one compare group."""
+    """A 4-replica HDET run (replica 1's weights go NaN after step 9's update) and a OneCycle baseline in one compare group."""
     root = tmp_path_factory.mktemp("dash")
     uri = f"sqlite:///{root / 'dash.db'}"
     run_ranks(workers.tracked_job, 4, uri, "mlflow", "hdet-4", 8)
@@ -90,14 +90,16 @@ def test_every_page_renders_the_hdet_run(monkeypatch, store):
     assert len(perms["data"][0]["y"]) == 4
     at.switch_page("app_pages/converge.py").run()
     assert not at.exception
-    assert any("replica 1 at step 12" in e.value for e in at.error)  # the NaN replica was reset
+    # replica 1's loss is NaN at step 10: the step guard converged at once and rolled every replica back
+    assert any("replica 1 at step 10" in e.value for e in at.error)
+    assert any("rollback at step 10 (step guard: replicas [1] non-finite" in e.value for e in at.error)
     sync_loss = figures(at)[0]
     assert any(t["name"].startswith("replica left out") for t in sync_loss["data"])
     at.switch_page("app_pages/controller.py").run()
     assert not at.exception
     ctl = figures(at)[0]
     assert any(t["name"] == "controller base" for t in ctl["data"])
-    assert at.metric[2].value == "4"  # controller syncs at 6 (the end of warmup), 12, 18 and 24
+    assert at.metric[2].value == "5"  # controller syncs at 6 (the end of warmup), the step guard at 10, 12, 18, 24
     at.switch_page("app_pages/compare.py").run()
     assert not at.exception
     table = at.dataframe[0].value

@@ -108,4 +108,6 @@ def test_ckpt_path_resumes_the_schedule_and_the_run(tmp_path):
         steps, lrs = read.replica_series("lr", r)
         assert list(steps) == list(range(1, 61))
         assert list(lrs) == list(reference.replica_series("lr", r)[1])  # the uninterrupted run's, exactly
-    assert [e.step for e in read.converge] == [20, 30, 40, 60]  # converged at the checkpoint too
+    # converged where the uninterrupted run did (syncs, and any step-guard rollback) and at the checkpoint
+    assert [e.step for e in read.converge] == [e.step for e in reference.converge]
+    assert {20, 30, 40, 60} <= {e.step for e in read.converge}
