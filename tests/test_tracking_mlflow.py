@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -267,7 +268,12 @@ def test_crashing_or_killed_job_ends_failed_or_killed(sqlite_uri, tmp_path, mode
     script = tmp_path / "job.py"
     script.write_text(JOB)
     proc = subprocess.Popen(
-        [sys.executable, str(script), sqlite_uri, mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [sys.executable, str(script), sqlite_uri, mode],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        # a suite started in the background (``cmd &``) inherits SIGINT ignored; a job gets the default
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.default_int_handler),
     )
     run_id = proc.stdout.readline().strip()
     if mode != "raise":

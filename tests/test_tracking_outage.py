@@ -15,7 +15,8 @@ from hdet_track.tracking.mlflow import MLflowTracker
 from .servers import MlflowServer
 
 
-def test_server_outage_loses_nothing(tmp_path):
+def test_server_outage_loses_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("HDET_POINTS_PER_SECOND", "0")  # every point is expected back: no budget thinning
     server = MlflowServer(tmp_path / "srv").start()
     try:
         tracker = MLflowTracker(tracking_uri=server.uri, experiment="outage")
