@@ -22,6 +22,8 @@ __all__ = [
     "average_buckets",
     "average_parameters",
     "all_gather_rows",
+    "PendingRows",
+    "start_gather_rows",
     "all_gather_objects",
     "relative_divergence",
 ]
@@ -145,6 +147,40 @@ def all_gather_rows(row: Sequence[float], group: dist.ProcessGroup | None = None
     out = [torch.empty_like(local) for _ in range(size)]
     dist.all_gather(out, local, group=group)
     return [t.cpu().tolist() for t in out]
+
+
+class PendingRows:
+    """An :func:`all_gather_rows` in flight (see :func:`start_gather_rows`)."""
+
+    def __init__(self, work: dist.Work | None, out: list[torch.Tensor], rows: list[list[float]] | None = None) -> None:
+        self._work = work
+        self._out = out
+        self._rows = rows
+
+    def done(self) -> bool:
+        """Whether :meth:`wait` returns without waiting."""
+        return self._rows is not None or (self._work is not None and self._work.is_completed())
+
+    def wait(self) -> list[list[float]]:
+        """Wait for every rank's row: ``rows[r]`` is rank r's."""
+        if self._rows is None:
+            assert self._work is not None
+            self._work.wait()
+            self._rows = [t.cpu().tolist() for t in self._out]
+        return self._rows
+
+
+def start_gather_rows(row: Sequence[float], group: dist.ProcessGroup | None = None) -> PendingRows:
+    """Start gathering one row of floats from every rank (``async_op``) and return at once: unlike a
+    blocking collective, no rank waits for the slowest here (on an oversubscribed CPU that wait is a
+    scheduler time slice). Every rank must call it at the same point, like :func:`all_gather_rows`;
+    collectives issued later on the same group run after it."""
+    _, size = world(group)
+    if size == 1:
+        return PendingRows(None, [], rows=[[float(x) for x in row]])
+    local = torch.tensor([float(x) for x in row], dtype=torch.float64, device=_collective_device(group))
+    out = [torch.empty_like(local) for _ in range(size)]
+    return PendingRows(dist.all_gather(out, local, group=group, async_op=True), out)
 
 
 def all_gather_objects(obj: object, group: dist.ProcessGroup | None = None) -> list[object]:

@@ -11,6 +11,7 @@ the controller decide; it draws the next window's permutations and builds the
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 
@@ -63,6 +64,7 @@ class Converger:
         self.callbacks = callbacks
         self.losses: list[float | torch.Tensor | None] = []  # this replica's losses since the last sync
         self.onecycle: list[list[float]] = []  # OneCycle's LR per group at each step of the window
+        self._pending: tuple[SyncRecord, collectives.PendingRows] | None = None
 
     def append(self, loss: float | torch.Tensor | None, onecycle: list[float]) -> None:
         """One step of the window: this replica's loss (None: not given) and OneCycle's LRs."""
@@ -103,8 +105,9 @@ class Converger:
             step: the optimizer step of the sync.
             perms, values, references, peaks: per name, the window's permutation, every replica's
                 values at the sync, the references and their peaks ahead (see ``WindowStats``).
-            measure: measure and gather the replicas' divergence before averaging (also done when
-                a callback ``needs_divergence``).
+            measure: measure and gather the replicas' divergence before averaging, into the record.
+                When only a callback ``needs_divergence``, it is gathered in the background instead
+                and the callbacks get the record from :meth:`complete`.
             blown: the step guard's reason to roll back now, if any.
 
         Returns:
@@ -132,8 +135,9 @@ class Converger:
         window = self._window_tables(perms, references)  # as training used them, before anything changes
         ctrl = self.controller or Controller()
         health = ctrl.health(stats) if blown is None else Health([False] * n, [blown] * n, ctrl.rollback)
-        measure = measure or any(cb.needs_divergence for cb in self.callbacks)
+        wanted = any(cb.needs_divergence for cb in self.callbacks)
         divergences = [math.nan] * n
+        gathering: collectives.PendingRows | None = None
         if health.rollback and self.averager.has_consensus and ctrl.rollbacks < ctrl.max_rollbacks:
             self.averager.restore()
             decision = ctrl.rolled_back(stats, blown)
@@ -143,13 +147,34 @@ class Converger:
                 cb.on_sync(record)
             raise NonFiniteReplicasError(step, n, stats.window_losses)
         else:
-            divergence = self.averager.average(health.healthy, measure=measure)
+            divergence = self.averager.average(health.healthy, measure=measure or wanted)
             if measure:
                 divergences = [r[0] for r in collectives.all_gather_rows([divergence], self.averager.group)]
+            elif wanted:  # for the callbacks: gathered while training goes on (see complete())
+                gathering = collectives.start_gather_rows([divergence], self.averager.group)
             decision = ctrl.update(stats, health)
         drawn = dict(perms) | {name: draw_permutation(n, self.generators[name]) for name in self.names}
         self.losses, self.onecycle = [], []
-        return self._record(stats, window, health, divergences, decision, drawn)
+        record = self._record(stats, window, health, divergences, decision, drawn)
+        if gathering is not None:
+            self._pending = (record, gathering)
+        return record
+
+    @property
+    def pending(self) -> bool:
+        """Whether the last sync's divergences are still being gathered for the callbacks."""
+        return self._pending is not None
+
+    def complete(self, wait: bool = True) -> SyncRecord | None:
+        """The last sync's record with the divergences gathered in the background, once (None when
+        nothing is pending). ``wait=False`` (the process is ending): without them unless they arrived."""
+        if self._pending is None:
+            return None
+        record, gathering = self._pending
+        self._pending = None
+        if wait or gathering.done():
+            record = dataclasses.replace(record, divergences=[r[0] for r in gathering.wait()])
+        return record
 
     def _window_row(self) -> list[float]:
         """``[loss sum (float64), losses given, every step's loss (nan where none)]``: one device sync."""

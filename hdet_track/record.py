@@ -183,7 +183,10 @@ class SchedulerCallback:
     """Receives what the scheduler does; subclass and override what you need.
 
     Called on every rank, on the training thread: keep the work small (hand it to a thread).
-    ``needs_divergence`` asks every rank to measure and gather the replicas' divergence.
+    ``needs_divergence`` asks every rank to measure the replicas' divergences at each sync; they are
+    gathered in the background (no rank waits for the others), so :meth:`on_sync` then comes at the
+    start of the next step (the last sync's before the last ``on_step``; at ``close()``,
+    ``flush()``, ``log_metrics()`` or ``state_dict()`` if sooner).
     """
 
     needs_divergence: bool = False

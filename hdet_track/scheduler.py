@@ -202,7 +202,7 @@ class HDETScheduler(OneCycleLR):
         self._callbacks: list[SchedulerCallback] = list(callbacks) + ([recorder] if recorder is not None else [])
         self._recorder = recorder
         if recorder is not None:
-            recorder.attach_info(lambda: self.run_info(gather=False))
+            recorder.attach_info(lambda: self.run_info(gather=False), self._pending_record)
         self._config = config
         self._onecycle: list[float] = []
         self._started = False
@@ -351,6 +351,7 @@ class HDETScheduler(OneCycleLR):
             )
         if not self._started:
             self._start()
+        self._deliver()
         self._converger.append(self._checked_loss(loss), self._onecycle)
         k = self.last_epoch + 1
         blown = self._converger.step_guard()
@@ -360,6 +361,8 @@ class HDETScheduler(OneCycleLR):
             self._synced(record)
         else:
             super().step()
+        if k >= self.total_steps:
+            self._deliver()  # before the run ends at its last step
         for cb in self._callbacks:
             cb.on_step(k)
 
@@ -369,6 +372,7 @@ class HDETScheduler(OneCycleLR):
         it before a checkpoint, so that the checkpoint holds one consensus that every replica resumes
         from. Returns the sync's record (None right after a sync: nothing to converge).
         """
+        self._deliver()
         if not self._converger.losses:
             return None
         record = self._sync(self.last_epoch)
@@ -379,8 +383,21 @@ class HDETScheduler(OneCycleLR):
     def _synced(self, record: SyncRecord) -> None:
         self._apply_explored()
         self.last_sync = record
-        for cb in self._callbacks:
-            cb.on_sync(record)
+        if not self._converger.pending:
+            for cb in self._callbacks:
+                cb.on_sync(record)
+
+    def _pending_record(self) -> SyncRecord | None:
+        return self._converger.complete(wait=False)  # the process is ending: never wait on a collective
+
+    def _deliver(self) -> None:
+        """Hand the callbacks the last sync's record once its divergences, gathered in the
+        background for a callback that ``needs_divergence``, are in (at the next step at the latest)."""
+        record = self._converger.complete()
+        if record is not None:
+            self.last_sync = record
+            for cb in self._callbacks:
+                cb.on_sync(record)
 
     def _checked_loss(self, loss: float | torch.Tensor | None) -> float | torch.Tensor | None:
         if loss is None:
@@ -507,7 +524,7 @@ class HDETScheduler(OneCycleLR):
             close_at_end=False,
         )
         self._config.update(log_every=log_every, compare_group=compare_group, run_name=run_name)
-        self._recorder.attach_info(lambda: self.run_info(gather=False))
+        self._recorder.attach_info(lambda: self.run_info(gather=False), self._pending_record)
         self._callbacks.append(self._recorder)
 
     @property
@@ -522,17 +539,20 @@ class HDETScheduler(OneCycleLR):
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         """Log extra metrics (validation loss, accuracy, ...) into the run, on rank 0; a no-op elsewhere."""
+        self._deliver()
         if self._recorder is not None:
             self._recorder.log_metrics(metrics, max(self.last_epoch, 0) if step is None else step)
 
     def flush(self, timeout: float | None = 60.0) -> bool:
         """Block until what was logged so far reached the trackers (rank 0). True when it did."""
+        self._deliver()
         return True if self._recorder is None else self._recorder.flush(timeout)
 
     def close(self, status: str = "FINISHED", error: str | None = None) -> None:
         """End the job: the tracked run ends with ``status`` (FINISHED, FAILED or KILLED); idempotent."""
         if status not in ("FINISHED", "FAILED", "KILLED"):
             raise ValueError(f"Expected status in ('FINISHED', 'FAILED', 'KILLED'), but got {status!r}")
+        self._deliver()
         for cb in self._callbacks:
             cb.on_close(status, error, max(self.last_epoch, 0))
 
@@ -561,6 +581,7 @@ class HDETScheduler(OneCycleLR):
 
         Only plain Python values and tensors, so ``torch.load(weights_only=True)`` reads it.
         """
+        self._deliver()
         window = self._converger.window_state()
         runs = self._recorder.run_ids(wait=30.0) if self._recorder is not None else {}
         state = {

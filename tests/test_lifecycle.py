@@ -36,7 +36,7 @@ CASES = [
     ("spawn", 2, "sqlite", "raise", 5, 0, "FAILED", "boom on rank 0 before step 5"),
     ("spawn", 2, "wandb", "raise", 80, 1, "FAILED", "boom on rank 1 before step 80"),
     ("torchrun", 2, "sqlite", "raise", 30, 1, "FAILED", "boom on rank 1 before step 30"),
-    ("torchrun", 4, "server", "raise", 50, 0, "FAILED", "boom on rank 0 before step 50"),
+    ("torchrun", 4, "server", "raise", 51, 0, "FAILED", "boom on rank 0 before step 51"),  # right after a sync
     ("torchrun", 2, "sqlite", "sigterm", 40, 0, "KILLED", "terminated by SIGTERM"),
     ("torchrun", 2, "wandb", "exit", 60, 0, "FAILED", "(exit code 3)"),
 ]

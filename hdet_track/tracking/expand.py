@@ -59,7 +59,7 @@ class PointBudget:
     def __init__(
         self,
         total_steps: int,
-        points_per_second: float | None = 200.0,
+        points_per_second: float | None = 100.0,
         log_every: int = 1,
         min_mean_points: int = 320,
         min_replica_points: int = 50,

@@ -53,6 +53,7 @@ class Recorder(SchedulerCallback):
         self.hub: Any = None
         self.started = False
         self._info: Callable[[], RunInfo] | None = None
+        self._pending: Callable[[], SyncRecord | None] | None = None
         if self.trackers:
             lifecycle.install(rank)  # how the run ends when the process does; other ranks leave failure notes
         if rank == 0 and self.trackers:
@@ -61,9 +62,11 @@ class Recorder(SchedulerCallback):
             self.hub = TrackingHub(self.trackers, log_every=self.log_every)  # the run starts at the first step
             lifecycle.register(self)
 
-    def attach_info(self, info: Callable[[], RunInfo]) -> None:
-        """How to describe the job if it ends before its first step (the run is still created)."""
+    def attach_info(self, info: Callable[[], RunInfo], pending: Callable[[], SyncRecord | None] | None = None) -> None:
+        """How to describe the job if it ends before its first step (the run is still created), and
+        how to take the last sync's record if the job ends while its divergences are being gathered."""
         self._info = info
+        self._pending = pending
 
     def end_with_process(self, reason: str) -> None:
         """The process is ending (see :mod:`hdet_track.tracking.lifecycle`)."""
@@ -71,6 +74,9 @@ class Recorder(SchedulerCallback):
             return
         if not self.started and self._info is not None:
             self.on_start(self._info())  # a job that failed before its first step still has a run
+        record = self._pending() if self._pending is not None else None
+        if record is not None:
+            self.on_sync(record)  # without divergences unless they arrived
         self.hub.end_with_process(reason)
 
     def on_start(self, info: RunInfo) -> None:

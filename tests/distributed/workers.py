@@ -32,6 +32,16 @@ def batch(rank: int, step: int, n: int = 32) -> tuple[torch.Tensor, torch.Tensor
     return x, y
 
 
+def sgd_step(net: nn.Module, opt: torch.optim.Optimizer, rank: int, step: int) -> torch.Tensor:
+    """One optimizer step on this rank's batch of ``step``; returns the loss."""
+    x, y = batch(rank, step)
+    loss = F.cross_entropy(net(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss
+
+
 def flat_params(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
 
@@ -76,6 +86,42 @@ def fanout_and_sync(rank: int, world: int, mode: str) -> dict:
         "divergences": divergences,
         "lr_type": type(opt.param_groups[0]["lr"]).__name__,
     }
+
+
+def background_divergence(rank: int, world: int) -> dict:
+    """The same 14 steps (syncs every 4 and at the end) twice: divergences measured at each sync
+    (``measure_divergence``), and for a callback that ``needs_divergence`` (gathered in the
+    background): what that callback receives, and when, next to the scheduler's own steps."""
+    from hdet_track.record import SchedulerCallback
+
+    class Listener(SchedulerCallback):
+        needs_divergence = True
+
+        def __init__(self) -> None:
+            self.events: list[tuple] = []
+
+        def on_sync(self, record) -> None:
+            self.events.append(("sync", record.step, list(record.divergences)))
+
+        def on_step(self, step: int) -> None:
+            self.events.append(("step", step))
+
+    out = {}
+    for how in ("measured", "background"):
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        listener = Listener()
+        sched = HDETScheduler(
+            opt, max_lr=0.3, total_steps=14, spread=0.5, sync_every=4, model=model, seed=3,
+            callbacks=[listener] if how == "background" else [],
+        )  # fmt: skip
+        sched.measure_divergence = how == "measured"
+        seen = []
+        for step in range(14):
+            sched.step(sgd_step(model, opt, rank, step))
+            seen.append((sched.last_sync.step, list(sched.last_sync.divergences)) if sched.last_sync else None)
+        out[how] = {"seen": seen, "events": listener.events, "params": flat_params(model)}
+    return out
 
 
 def controller_direction(rank: int, world: int, prefer: str) -> dict:
@@ -314,89 +360,62 @@ def tracked_resume(
     return {"lrs": lrs, "params": flat_params(model), "run_ids": sched.run_ids}
 
 
-def finite_blowup(rank: int, world: int, uri: str, victim: int) -> dict:
-    """Replica ``victim``'s weights are scaled 50x at step 7 (finite, but its loss explodes): the drift
-    controller's sync guard (the step guard off, so that the sync's rule is what is tested) must
-    leave it out at the sync at 10 and reset it; training goes on."""
+def _blowup_run(rank: int, victim: int, uri: str, experiment: str, step_guard: float | None, ddp: bool, on_step):
+    """30 steps, sync every 10, the drift controller (``step_guard``), tracked in MLflow; replica
+    ``victim``'s weights are scaled 50x after step 7 (finite, but its loss explodes).
+    ``on_step(step, sched, model, opt)`` after every step. Returns the scheduler and the model."""
     from hdet_track.controller import DriftController
     from hdet_track.tracking.mlflow import MLflowTracker
 
     model = make_model()
+    net = DDP(model) if ddp else model
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     sched = HDETScheduler(
-        opt,
-        max_lr=0.05,
-        total_steps=30,
-        spread=0.3,
-        sync_every=10,
-        auto_lr=True,
-        controller=DriftController(step_guard=None),
-        model=model,
-        track=MLflowTracker(tracking_uri=uri, experiment="blowup"),
-    )
-    out: dict = {}
+        opt, max_lr=0.05, total_steps=30, spread=0.3, sync_every=10, auto_lr=True, model=model,
+        controller=DriftController(step_guard=step_guard), track=MLflowTracker(tracking_uri=uri, experiment=experiment),
+    )  # fmt: skip
     for step in range(30):
-        x, y = batch(rank, step)
-        loss = F.cross_entropy(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        loss = sgd_step(net, opt, rank, step)
         if rank == victim and step == 6:
             with torch.no_grad():
                 for p in model.parameters():
                     p.mul_(50.0)
         sched.step(loss)
+        on_step(step, sched, model, opt)
+    sched.flush()
+    return sched, model
+
+
+def finite_blowup(rank: int, world: int, uri: str, victim: int) -> dict:
+    """The drift controller's sync guard (the step guard off, so that the sync's rule is what is
+    tested) must leave the blown-up replica out at the sync at 10 and reset it; training goes on."""
+    out: dict = {}
+
+    def at_sync(step, sched, model, opt) -> None:
         if step == 9:
             out["record"] = sched.last_sync
             out["params_at_sync"] = flat_params(model)
             out["state_sizes"] = [len(opt.state.get(p, {})) for p in model.parameters()]
-    sched.flush()
-    out["final_params"] = flat_params(model)
-    out["run_ids"] = sched.run_ids
-    return out
+
+    sched, model = _blowup_run(rank, victim, uri, "blowup", None, False, at_sync)
+    return out | {"final_params": flat_params(model), "run_ids": sched.run_ids}
 
 
 def step_guard_blowup(rank: int, world: int, uri: str, victim: int) -> dict:
-    """DDP (shared gradients): replica ``victim``'s weights are scaled 50x after step 7, so its loss at
-    step 8 explodes and its gradient reaches every replica. With ``step_guard`` the scheduler must
-    converge at step 8 (not wait for the sync at 10), restore the consensus kept at the start and go on."""
-    from hdet_track.controller import DriftController
-    from hdet_track.tracking.mlflow import MLflowTracker
+    """DDP (shared gradients): the blown-up replica's gradient reaches every replica at step 8. With
+    ``step_guard`` the scheduler must converge at step 8 (not wait for the sync at 10), restore the
+    consensus kept at the start and go on."""
+    out: dict = {"records": [], "start": flat_params(make_model())}
 
-    model = make_model()
-    start = flat_params(model)
-    net = torch.nn.parallel.DistributedDataParallel(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    sched = HDETScheduler(
-        opt,
-        max_lr=0.05,
-        total_steps=30,
-        spread=0.3,
-        sync_every=10,
-        auto_lr=True,
-        controller=DriftController(step_guard=10.0),
-        model=model,
-        track=MLflowTracker(tracking_uri=uri, experiment="step-guard"),
-    )
-    out: dict = {"records": [], "start": start}
-    for step in range(30):
-        x, y = batch(rank, step)
-        loss = F.cross_entropy(net(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if rank == victim and step == 6:
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.mul_(50.0)
-        sched.step(loss)
+    def each_step(step, sched, model, opt) -> None:
         rec = sched.last_sync
         if rec is not None and (not out["records"] or out["records"][-1].step != rec.step):
             out["records"].append(rec)
             if rec.step == 8:
                 out["params_after_guard"] = flat_params(model)
                 out["state_sizes"] = [len(opt.state.get(p, {})) for p in model.parameters()]
-    sched.flush()
+
+    sched, model = _blowup_run(rank, victim, uri, "step-guard", 10.0, True, each_step)
     out["final_params"] = flat_params(model)
     out["drift"] = sched.controller.drift["lr"][0]
     out["run_ids"] = sched.run_ids
