@@ -145,7 +145,8 @@ class Converger:
             record = self._record(stats, window, health, divergences, Decision(), perms)
             for cb in self.callbacks:  # the diverged window is part of the run's record
                 cb.on_sync(record)
-            raise NonFiniteReplicasError(step, n, stats.window_losses)
+            rollbacks = ctrl.rollbacks if health.rollback else None
+            raise NonFiniteReplicasError(step, n, stats.window_losses, health.reasons, rollbacks)
         else:
             divergence = self.averager.average(health.healthy, measure=measure or wanted)
             if measure:

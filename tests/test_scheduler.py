@@ -291,3 +291,29 @@ def test_warm_noisy_init_scale_and_determinism():
     assert float(noise.std()) == pytest.approx(expected_std, rel=0.05)
     with pytest.raises(ValueError, match="nu >= 0"):
         warm_noisy_init(a, nu=-1)
+
+
+def test_step_guard_out_of_rollbacks_says_why_not_non_finite():
+    """A finite blow-up that the step guard keeps rolling back: after max_rollbacks in a row the
+    error names the guard's reason and the rollbacks, not "non-finite"."""
+    from hdet_track.controller import DriftController
+
+    model, opt = make()
+    s = HDETScheduler(
+        opt, 0.1, total_steps=20, sync_every=10, auto_lr=True, model=model,
+        controller=DriftController(step_guard=10.0, max_rollbacks=2),
+    )  # fmt: skip
+    opt.step()
+    s.step(1.0)
+    for _ in range(2):  # each blown step rolls back at once (an early sync)
+        opt.step()
+        s.step(1000.0)
+        assert s.last_sync.guard and s.last_sync.step == s.last_epoch
+        opt.step()
+        s.step(1.0)  # the window after a rollback starts again from 1.0
+    opt.step()
+    with pytest.raises(NonFiniteReplicasError) as info:
+        s.step(1000.0)
+    text = str(info.value)
+    assert "non-finite" not in text and "step guard" in text and "after 2 rollbacks in a row" in text
+    assert info.value.rollbacks == 2 and info.value.step == s.last_epoch + 1
