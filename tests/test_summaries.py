@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from hdet_track.events import Converge, RunStart
-from hdet_track.readers.base import HDETRun, StepTable, read_archive
+from hdet_track.readers.archive import read_archive
+from hdet_track.readers.base import HDETRun, StepTable
 from hdet_track.record import ExploredSpec
 from hdet_track.summaries import BucketTable, parse_piece_name
 from hdet_track.tracking.archive import ARTIFACT_DIR, EventArchive, StepBlock, artifact_dir

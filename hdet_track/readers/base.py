@@ -8,11 +8,9 @@ Nothing here imports a tracker, Streamlit or the scheduler.
 
 from __future__ import annotations
 
-import io
-import json
 import logging
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -20,9 +18,9 @@ import numpy as np
 
 from .. import names
 from ..errors import HDETError
-from ..events import ControllerDecision, Converge, Guard, RunEnd, RunStart, UnknownSchemaError, event_from_dict
+from ..events import ControllerDecision, Converge, Guard, RunEnd, RunStart
 from ..record import ExploredSpec
-from ..summaries import LEVELS, OVERVIEW_BUCKETS, SUMMARY_DIR, BucketTable, full_rows_limit, parse_piece_name
+from ..summaries import OVERVIEW_BUCKETS, BucketTable
 
 __all__ = [
     "HDETRun",
@@ -31,9 +29,6 @@ __all__ = [
     "RunReader",
     "ReaderError",
     "RunNotFoundError",
-    "parse_chunks",
-    "apply_events",
-    "read_archive",
 ]
 
 logger = logging.getLogger(__name__)
@@ -449,232 +444,3 @@ class RunReader(Protocol):
         """The run; with ``previous`` (a live run read before), only what is new is fetched. Full rows
         when the step range ``steps`` (None: the whole run) holds at most ``max_rows`` rows, else an
         overview from the archive's summaries."""
-
-
-# ---------------------------------------------------------------------- parsing archive chunks
-def parse_chunks(chunks: Iterable[tuple[str, bytes]], run: HDETRun) -> tuple[list[StepTable], list[Any]]:
-    """Parse archive chunks (name, Parquet bytes) into step tables and events; bad chunks become
-    warnings on ``run``, never exceptions."""
-    import pyarrow.parquet as pq
-
-    tables: list[StepTable] = []
-    events: list[Any] = []
-    for name, data in chunks:
-        try:
-            table = pq.read_table(io.BytesIO(data))
-        except Exception as exc:  # noqa: BLE001 - truncated or corrupt chunk
-            run.warnings.append(f"skipped unreadable archive chunk {name}: {type(exc).__name__}: {exc}")
-            continue
-        cols = table.column_names
-        if name.startswith("steps-") and {"step", "replica", "loss"} <= set(cols):
-            tables.append(
-                StepTable(
-                    step=table.column("step").to_numpy().astype(np.int64, copy=False),
-                    replica=table.column("replica").to_numpy().astype(np.int32, copy=False),
-                    loss=_floats(table.column("loss")),
-                    values={c[2:]: _floats(table.column(c)) for c in cols if c.startswith("v:")},
-                    multipliers={c[2:]: _floats(table.column(c)) for c in cols if c.startswith("m:")},
-                )
-            )
-        elif name.startswith("events-") and "json" in cols:
-            for text in table.column("json").to_pylist():
-                try:
-                    events.append(event_from_dict(json.loads(text)))
-                except UnknownSchemaError as exc:
-                    run.warnings.append(f"{name}: {exc}")
-                except (ValueError, TypeError, KeyError) as exc:
-                    run.warnings.append(f"{name}: unreadable event ({type(exc).__name__}: {exc})")
-        else:
-            run.warnings.append(f"skipped archive chunk {name}: unexpected columns {cols[:6]}")
-    return tables, events
-
-
-def _floats(column: Any) -> np.ndarray:
-    return column.to_numpy(zero_copy_only=False).astype(np.float64, copy=False)
-
-
-def _is_piece(name: str) -> bool:
-    return f"/{SUMMARY_DIR}/" in f"/{name}"
-
-
-def _scope(name: str) -> str:
-    """The archive a file belongs to (a W&B run resumed in a new directory numbers its chunks anew)."""
-    if _is_piece(name):
-        return f"/{name}".rsplit(f"/{SUMMARY_DIR}/", 1)[0][1:]
-    return name.rsplit("/", 1)[0] if "/" in name else ""
-
-
-def _chunk_name(scope: str, base: str) -> str:
-    return f"{scope}/{base}" if scope else base
-
-
-def _chunk_index(name: str) -> int:
-    tail = name.rsplit("/", 1)[-1].removesuffix(".parquet").rsplit("-", 1)[-1]
-    return int(tail) if tail.isdigit() else -1
-
-
-def _rows_of(table: StepTable, lo: int | None, hi: int | None) -> StepTable:
-    if lo is None and hi is None:
-        return table
-    mask = np.ones(len(table), dtype=bool)
-    if lo is not None:
-        mask &= table.step >= lo
-    if hi is not None:
-        mask &= table.step <= hi
-    return StepTable(
-        table.step[mask],
-        table.replica[mask],
-        table.loss[mask],
-        {k: v[mask] for k, v in table.values.items()},
-        {k: v[mask] for k, v in table.multipliers.items()},
-    )
-
-
-def read_archive(
-    run: HDETRun,
-    names: Sequence[str],
-    fetch: Callable[[str], bytes | None],
-    previous: HDETRun | None,
-    steps: tuple[int, int] | None = None,
-    max_rows: int | None = None,
-) -> None:
-    """Fold the archive chunks ``names`` into ``run``. With ``previous`` (the same run read before,
-    e.g. while live, or its overview before a zoom), only what it has not read is fetched; ``fetch``
-    returns a chunk's bytes (or None after adding a warning).
-
-    An archive with summaries (``summary/`` pieces) is summarised from them into ``run.aggregates``;
-    when the step range ``steps`` (inclusive; None for the whole run) holds at most ``max_rows`` rows
-    (default :func:`~hdet_track.summaries.full_rows_limit`) its full rows are read into ``run.steps``,
-    otherwise the run is an overview (``run.overview``). An archive without summaries is read in full.
-    """
-    max_rows = full_rows_limit() if max_rows is None else max_rows
-    reuse = previous is not None and previous.run_id == run.run_id and set(previous.chunks) <= set(names)
-    prev = previous if reuse else None
-    known = set(prev.chunks) if prev is not None else set()
-    step_names = [n for n in names if not _is_piece(n) and n.rsplit("/", 1)[-1].startswith("steps-")]
-    pieces = [n for n in names if _is_piece(n) and parse_piece_name(n) is not None]
-    others = [n for n in names if n not in set(step_names) and not _is_piece(n)]
-    if prev is not None:
-        run.start, run.end = prev.start, prev.end
-        run.converge, run.controller = list(prev.converge), list(prev.controller)
-        run.guard = list(prev.guard)
-    consumed = set(known)
-
-    def parse(chosen: list[str]) -> tuple[list[StepTable], list[Any], list[str]]:
-        chunks, fetched = [], []
-        for name in chosen:
-            data = fetch(name)
-            if data is not None:
-                chunks.append((name.rsplit("/", 1)[-1], data))
-                fetched.append(name)
-        tables, events = parse_chunks(chunks, run)
-        return tables, events, fetched
-
-    _, events, fetched = parse([n for n in others if n not in known])
-    consumed.update(fetched)
-    apply_events(run, events)
-
-    if not pieces and (prev is None or prev.aggregates is None):  # written before 0.3: every row
-        whole = prev if prev is not None and prev.view is None else None
-        have = set(whole.row_chunks) if whole is not None else set()
-        tables, _, fetched = parse([n for n in step_names if n not in have])
-        consumed.update(fetched)
-        run.steps = StepTable.concat([whole.steps, *tables] if whole is not None else tables)
-        run.row_chunks = tuple(sorted(have | set(fetched)))
-        run.chunks = tuple(sorted(consumed))
-        if steps is not None:
-            run.steps, run.view = _rows_of(run.steps, *steps), steps
-        return
-
-    # -- the summaries: the widest rollups first, then pieces, then chunks summarised here
-    covered: dict[str, tuple[int, int]] = dict(prev.aggregates.chunks) if prev and prev.aggregates else {}
-    by_scope: dict[str, set[int]] = {}
-    for name in covered:
-        by_scope.setdefault(_scope(name), set()).add(_chunk_index(name))
-    parts: list[BucketTable | None] = [prev.aggregates if prev is not None else None]
-    wanted = {(_scope(n), _chunk_index(n)) for n in step_names if n not in covered}
-    ranked = sorted(
-        (n for n in pieces if n not in known), key=lambda n: -(parse_piece_name(n)[1] - parse_piece_name(n)[0])
-    )
-    for name in ranked:
-        lo, hi = parse_piece_name(name)  # type: ignore[misc]
-        scope = _scope(name)
-        done = by_scope.setdefault(scope, set())
-        if not any(s == scope and lo <= i <= hi for s, i in wanted) or any(lo <= i <= hi for i in done):
-            continue
-        data = fetch(name)
-        if data is None:
-            continue
-        try:
-            import pyarrow.parquet as pq
-
-            piece = BucketTable.from_arrow(pq.read_table(io.BytesIO(data)))
-        except Exception as exc:  # noqa: BLE001 - truncated or foreign file: its chunks are summarised here
-            run.warnings.append(f"skipped unreadable summary {name}: {type(exc).__name__}: {exc}")
-            continue
-        piece.chunks = {_chunk_name(scope, base): r for base, r in piece.chunks.items()}
-        parts.append(piece)
-        consumed.add(name)
-        done.update(range(lo, hi + 1))
-        wanted = {(s, i) for s, i in wanted if not (s == scope and lo <= i <= hi)}
-    levels = sorted({level for p in parts if p is not None for level in p.levels}) or list(LEVELS)
-    read_rows: dict[str, StepTable] = {}
-    missing = [n for n in step_names if (_scope(n), _chunk_index(n)) in wanted]
-    for name in missing:  # no summary (an older writer, a lost upload): summarise its rows here
-        tables, _, fetched = parse([name])
-        consumed.update(fetched)
-        for table in tables:
-            read_rows[name] = table
-            parts.append(_summarize(table, name, levels))
-    run.aggregates = BucketTable.merge(parts)
-    run.chunks = tuple(sorted(consumed | set(run.aggregates.chunks)))
-
-    # -- full rows of the step range when they are few enough; an overview otherwise
-    lo, hi = steps if steps is not None else (None, None)
-    run.view = steps
-    finest = run.aggregates.at(min(run.aggregates.levels), lo, hi) if len(run.aggregates) else run.aggregates
-    if int(finest.rows.sum()) > max_rows:
-        run.overview = True
-        return
-    ranges = run.aggregates.chunks
-    in_range = [
-        n
-        for n in step_names
-        if n in read_rows
-        or n not in ranges
-        or ((lo is None or ranges[n][1] >= lo) and (hi is None or ranges[n][0] <= hi))
-    ]
-    same = prev is not None and not prev.overview and prev.view == steps
-    have = set(prev.row_chunks) if same and prev is not None else set()
-    tables = [prev.steps] if same and prev is not None else []
-    todo = [n for n in in_range if n not in have and n not in read_rows]
-    fetched_tables, _, fetched = parse(todo)
-    tables += [read_rows[n] for n in in_range if n in read_rows and n not in have] + fetched_tables
-    run.steps = _rows_of(StepTable.concat(tables), lo, hi)
-    run.row_chunks = tuple(sorted(have | set(fetched) | (set(read_rows) & set(in_range))))
-
-
-def _summarize(table: StepTable, name: str, levels: Sequence[int]) -> BucketTable:
-    columns = {"loss": table.loss}
-    columns |= {f"v:{k}": v for k, v in table.values.items()}
-    columns |= {f"m:{k}": v for k, v in table.multipliers.items()}
-    span = (int(table.step.min()), int(table.step.max())) if len(table) else (0, -1)
-    return BucketTable.summarize(table.step, table.replica, columns, levels, {name: span})
-
-
-def apply_events(run: HDETRun, events: Iterable[Any]) -> None:
-    """Fold parsed events into ``run`` (start, converge, controller, end), in step order."""
-    for ev in events:
-        if isinstance(ev, RunStart):
-            run.start = ev
-        elif isinstance(ev, Converge):
-            run.converge.append(ev)
-        elif isinstance(ev, ControllerDecision):
-            run.controller.append(ev)
-        elif isinstance(ev, Guard):
-            run.guard.append(ev)
-        elif isinstance(ev, RunEnd):
-            run.end = ev
-    run.converge.sort(key=lambda e: e.step)
-    run.controller.sort(key=lambda e: e.step)
-    run.guard.sort(key=lambda e: e.step)

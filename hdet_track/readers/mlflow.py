@@ -19,7 +19,8 @@ from .. import names
 from ..events import ControllerDecision, Converge
 from ..summaries import SUMMARY_DIR
 from ..tracking.archive import ARTIFACT_DIR
-from .base import HDETRun, ReaderError, RunNotFoundError, RunSummary, StepTable, read_archive
+from .archive import read_archive
+from .base import HDETRun, ReaderError, RunNotFoundError, RunSummary, StepTable
 
 __all__ = ["MLflowReader"]
 

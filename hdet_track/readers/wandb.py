@@ -13,7 +13,8 @@ import numpy as np
 
 from .. import names
 from ..summaries import SUMMARY_DIR
-from .base import HDETRun, RunNotFoundError, RunSummary, StepTable, read_archive
+from .archive import read_archive
+from .base import HDETRun, RunNotFoundError, RunSummary, StepTable
 from .wandb_records import WandbFormatError, read_wandb_file
 
 __all__ = ["WandbReader", "find_run_dirs"]
