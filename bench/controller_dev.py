@@ -65,8 +65,11 @@ ROUNDS: dict[int, dict[str, dict]] = {
         "step-guard": {"ceiling": False, "step_guard": 10.0},
         "step-guard-own-start": {},  # the default after round 3: the step guard judged from each replica's own start
     },
+    # Round 4 (independent replicas only): the local step guard, against round 2's bar and its
+    # step-guard-own-start runs (docs/controller.md, "What the step guard costs").
+    4: {"step-guard-local": {"step_guard_scope": "local"}},
 }
-SEEDS = {1: (100,), 2: (100, 101, 102)}
+SEEDS = {1: (100,), 2: (100, 101, 102), 4: (100, 101, 102)}
 CANDIDATES: dict[str, dict] = {k: v for r in ROUNDS.values() for k, v in r.items()}
 REFERENCE_LRS = (0.02, 0.05, 0.1, 0.2, 0.5)
 CANDIDATE_LRS = (0.02, 0.1, 0.5)

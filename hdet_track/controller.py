@@ -145,6 +145,7 @@ class WindowStats:
     values: dict[str, list[list[float]]]
     references: dict[str, list[float]]
     peaks: dict[str, list[float]] | None = None
+    tripped: list[bool] | None = None  # replicas the local step guard reset during the window
 
     @property
     def window_losses(self) -> list[float]:
@@ -197,6 +198,7 @@ class Controller:
         return Decision()
 
     step_guard: float | None = None  # when set, the scheduler gathers every step's losses for check_step
+    step_guard_scope = "all"  # "local": each replica checks its own loss (check_own_step), no collective
 
     def rolled_back(self, stats: WindowStats, reason: str | None = None) -> Decision:
         """Called instead of :meth:`update` when :meth:`health` (or :meth:`check_step`) asked for a rollback."""
@@ -372,6 +374,12 @@ class DriftController(Controller):
             and roll back (with shared gradients one replica's blow-up reaches
             every replica within a step, long before the next sync). None: syncs only. The
             default (10) was chosen on the development split (docs/controller.md, round 2).
+        step_guard_scope: ``"all"`` (the default: the collective check above) or ``"local"``: each
+            replica checks only its own loss against its own first loss of the window, with no
+            collective; a replica that trips restores the kept consensus into itself at once and
+            is left out at the next sync like a replica the sync guard finds blown up. For
+            replicas that train independently between syncs (under DDP a blow-up reaches every
+            replica through the gradients, which only the collective check sees).
         ceiling: the LR's drift never rises so far that the base LR at a later step (OneCycle's
             peak during the ramp-up) would exceed the highest LR a healthy replica has trained
             with so far: the base only goes where a replica has been. Upward moves only.
@@ -394,6 +402,7 @@ class DriftController(Controller):
         one_sided: bool = True,
         ceiling: bool = False,
         step_guard: float | None = 10.0,
+        step_guard_scope: str = "all",
     ) -> None:
         inf = math.inf
         self.guard = check_number("guard", guard, 1.0, inf, low_open=True, high_open=True)
@@ -415,6 +424,9 @@ class DriftController(Controller):
             if step_guard is None
             else check_number("step_guard", step_guard, 1.0, inf, low_open=True, high_open=True)
         )
+        if step_guard_scope not in ("all", "local"):
+            raise ValueError(f"Expected step_guard_scope in ('all', 'local'), but got {step_guard_scope!r}")
+        self.step_guard_scope = step_guard_scope
         self._tested: dict[str, list[float]] = {}  # per name: the highest value a healthy replica used
         self._drift: dict[str, list[float]] = {}
         self._evidence: dict[str, list[float]] = {}  # per name: [accumulated sum S, its variance V]
@@ -437,6 +449,10 @@ class DriftController(Controller):
         typical = float(np.median([m for m in means if math.isfinite(m)])) if finite_means else math.nan
         ref = min(start, typical) if math.isfinite(start) and math.isfinite(typical) else math.nan
         healthy, reasons = list(basic.healthy), list(basic.reasons)
+        for r, tripped in enumerate(stats.tripped or []):
+            if tripped and healthy[r]:
+                healthy[r] = False
+                reasons[r] = "blown up: the local step guard reset it in the window"
         if math.isfinite(ref) and ref > 0:
             for r, m in enumerate(means):
                 if healthy[r] and math.isfinite(m) and m > self.guard * ref:
@@ -566,6 +582,17 @@ class DriftController(Controller):
         if high:
             r = max(high, key=lambda q: losses[q] / refs[q])
             return f"step guard: replicas {high} at loss {losses[r]:.4g} > {self.step_guard:g} x {refs[r]:.4g}"
+        return None
+
+    def check_own_step(self, loss: float, first: float) -> str | None:
+        """``step_guard_scope="local"``: this replica's loss at this step and at the window's first
+        step; a reason to reset this replica now, or None."""
+        if self.step_guard is None:
+            return None
+        if not math.isfinite(loss):
+            return "step guard (local): non-finite loss"
+        if math.isfinite(first) and first > 0 and loss > self.step_guard * first:
+            return f"step guard (local): loss {loss:.4g} > {self.step_guard:g} x {first:.4g}"
         return None
 
     def rolled_back(self, stats: WindowStats, reason: str | None = None) -> Decision:

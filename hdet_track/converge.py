@@ -65,6 +65,7 @@ class Converger:
         self.losses: list[float | torch.Tensor | None] = []  # this replica's losses since the last sync
         self.onecycle: list[list[float]] = []  # OneCycle's LR per group at each step of the window
         self._pending: tuple[SyncRecord, collectives.PendingRows] | None = None
+        self.tripped = False  # the local step guard reset this replica in the window
 
     def append(self, loss: float | torch.Tensor | None, onecycle: list[float]) -> None:
         """One step of the window: this replica's loss (None: not given) and OneCycle's LRs."""
@@ -73,11 +74,16 @@ class Converger:
 
     def window_state(self) -> dict[str, list]:
         """The partial window as plain Python values (for ``HDETScheduler.state_dict``)."""
-        return {"losses": [None if x is None else float(x) for x in self.losses], "onecycle": list(self.onecycle)}
+        window: dict = {
+            "losses": [None if x is None else float(x) for x in self.losses],
+            "onecycle": list(self.onecycle),
+        }
+        return window | ({"tripped": True} if self.tripped else {})
 
     def load_window(self, window: Mapping[str, list]) -> None:
         self.losses = list(window["losses"])
         self.onecycle = [list(x) for x in window["onecycle"]]
+        self.tripped = bool(window.get("tripped", False))
 
     def step_guard(self) -> str | None:
         """With the controller's ``step_guard``: gather this step's and the window's first losses;
@@ -86,6 +92,11 @@ class Converger:
         if ctrl is None or ctrl.step_guard is None:
             return None
         now, first = (math.nan if x is None else float(x) for x in (self.losses[-1], self.losses[0]))
+        if ctrl.step_guard_scope == "local":  # no collective: this replica resets itself
+            if self.averager.has_consensus and ctrl.check_own_step(now, first) is not None:
+                self.averager.restore()
+                self.tripped = True
+            return None
         rows = collectives.all_gather_rows([now, first], self.averager.group)
         return ctrl.check_step([r[0] for r in rows], [r[1] for r in rows])
 
@@ -120,13 +131,14 @@ class Converger:
         n = self.averager.world_size
         finite = self.averager.local_finite()
         row = self._window_row()
-        rows = collectives.all_gather_rows([1.0 if finite else 0.0, *row], self.averager.group)
+        rows = collectives.all_gather_rows([1.0 if finite else 0.0, float(self.tripped), *row], self.averager.group)
         stats = WindowStats(
             step=step,
-            losses=np.array([r[3:] for r in rows], dtype=np.float64).reshape(n, len(self.losses)),
-            counts=[int(r[2]) for r in rows],
-            sums=[r[1] for r in rows],
+            losses=np.array([r[4:] for r in rows], dtype=np.float64).reshape(n, len(self.losses)),
+            counts=[int(r[3]) for r in rows],
+            sums=[r[2] for r in rows],
             finite=[r[0] == 1.0 for r in rows],
+            tripped=[r[1] == 1.0 for r in rows],
             perms={k: list(v) for k, v in perms.items()},
             values=values,
             references=references,
@@ -155,7 +167,7 @@ class Converger:
                 gathering = collectives.start_gather_rows([divergence], self.averager.group)
             decision = ctrl.update(stats, health)
         drawn = dict(perms) | {name: draw_permutation(n, self.generators[name]) for name in self.names}
-        self.losses, self.onecycle = [], []
+        self.losses, self.onecycle, self.tripped = [], [], False
         record = self._record(stats, window, health, divergences, decision, drawn)
         if gathering is not None:
             self._pending = (record, gathering)

@@ -280,3 +280,28 @@ def test_state_dict_round_trip():
 def test_bad_arguments(kw, pattern):
     with pytest.raises(ValueError, match=pattern):
         DriftController(**kw)
+
+
+def test_local_step_guard_checks_own_loss_and_leaves_the_reset_replica_out():
+    c = controller(step_guard=10.0, step_guard_scope="local")
+    assert c.check_own_step(9.9, 1.0) is None
+    assert c.check_own_step(10.1, 1.0).startswith("step guard (local): loss 10.1 > 10 x 1")
+    assert c.check_own_step(math.nan, 1.0) == "step guard (local): non-finite loss"
+    assert c.check_own_step(50.0, -1.0) is None  # the ratio needs a positive start
+    assert controller(step_guard=None, step_guard_scope="local").check_own_step(math.inf, 1.0) is None
+    assert controller().step_guard_scope == "all"
+    with pytest.raises(ValueError, match=r"step_guard_scope in \('all', 'local'\), but got 'ranks'"):
+        DriftController(step_guard_scope="ranks")
+    # at the sync: the replica the local guard reset (the highest LR, 3) is left out, gets no weight,
+    # and the controller backs off one notch, as for a replica the sync guard finds blown up
+    st = stats(windows([1.0, 1.0, 1.0, 1.0], noise=0.001, start=1.0))
+    st = WindowStats(**{**st.__dict__, "tripped": [False, False, False, True]})
+    health = c.health(st)
+    assert health.healthy == [True, True, True, False] and not health.rollback
+    assert health.reasons[3] == "blown up: the local step guard reset it in the window"
+    d = c.update(st, health)
+    assert d.weights[3] == 0.0 and [a.kind for a in d.guard] == ["backoff"]
+    assert c.drift["lr"][0] == pytest.approx(-(math.log(RHO[3]) - math.log(RHO[2])))
+    # every replica reset: roll back
+    st_all = WindowStats(**{**st.__dict__, "tripped": [True] * N})
+    assert c.health(st_all).rollback

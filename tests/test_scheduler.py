@@ -317,3 +317,38 @@ def test_step_guard_out_of_rollbacks_says_why_not_non_finite():
     text = str(info.value)
     assert "non-finite" not in text and "step guard" in text and "after 2 rollbacks in a row" in text
     assert info.value.rollbacks == 2 and info.value.step == s.last_epoch + 1
+
+
+def test_local_step_guard_trip_survives_a_checkpoint():
+    """A replica the local step guard reset mid-window is still left out at the sync after a resume:
+    the flag is part of the partial window in state_dict()."""
+    from hdet_track.controller import DriftController
+
+    def build():
+        model, opt = make()
+        ctrl = DriftController(step_guard=10.0, step_guard_scope="local")
+        return (
+            model,
+            opt,
+            HDETScheduler(opt, 0.1, total_steps=20, sync_every=5, auto_lr=True, model=model, controller=ctrl),
+        )
+
+    losses = [1.0, 1.0, 50.0, 1.0, 1.0, 1.0]  # trips at step 3; the sync at 5 rolls back (no healthy replica)
+    model, opt, s = build()
+    for k, loss in enumerate(losses, 1):
+        opt.step()
+        s.step(loss)
+        if k == 3:
+            state = {"sched": s.state_dict(), "model": model.state_dict(), "opt": opt.state_dict()}
+            assert state["sched"]["window"]["tripped"] is True
+    uninterrupted = (s.last_sync.step, s.last_sync.left_out, [a.kind for a in s.last_sync.guard])
+    model2, opt2, s2 = build()
+    model2.load_state_dict(state["model"])
+    opt2.load_state_dict(state["opt"])
+    s2.load_state_dict(state["sched"])
+    for loss in losses[3:]:
+        opt2.step()
+        s2.step(loss)
+    assert (s2.last_sync.step, s2.last_sync.left_out, [a.kind for a in s2.last_sync.guard]) == uninterrupted
+    assert uninterrupted == (5, [0], ["rollback"])
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values()))

@@ -178,6 +178,25 @@ def test_finite_blowup_is_left_out_reset_and_shown(tmp_path, victim):
     assert list(crosses[0].x) == [10] and "blown up" in crosses[0].text[0]
 
 
+def test_local_step_guard_resets_only_the_blown_replica_and_leaves_it_out(tmp_path):
+    from hdet_track.readers.mlflow import MLflowReader
+
+    uri = f"sqlite:///{tmp_path / 'local.db'}"
+    res = run_ranks(workers.local_step_guard_blowup, WORLD, uri, 3)
+    start = res[0]["start"]
+    assert torch.equal(res[3]["after_8"], start)  # back at the kept consensus (the start) at once
+    assert all(n == 0 for n in res[3]["state_sizes"])  # its optimizer state cleared
+    assert all(not torch.equal(res[r]["after_8"], start) for r in range(3))  # the others go on
+    assert all(all(n > 0 for n in res[r]["state_sizes"]) for r in range(3))
+    assert all(res[r]["sync_at_8"] is None for r in range(WORLD))  # no early sync: no collective
+    rec = res[0]["record"]
+    assert rec.step == 10 and rec.left_out == [3] and "local step guard" in rec.reasons[0]
+    assert rec.weights[3] == 0.0 and [a.kind for a in rec.guard] == ["backoff"]  # rank 3 had the highest LR
+    assert all(torch.equal(res[0]["final_params"], res[r]["final_params"]) for r in range(WORLD))
+    run = MLflowReader(uri).read(res[0]["run_ids"]["mlflow"])
+    assert run.status == "FINISHED" and run.converge[0].left_out == [3]
+
+
 def test_step_guard_rolls_back_at_the_blow_up_step_with_shared_gradients(tmp_path):
     from hdet_track.readers.mlflow import MLflowReader
     from hdet_track.viz import guard_rows

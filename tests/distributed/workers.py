@@ -360,7 +360,9 @@ def tracked_resume(
     return {"lrs": lrs, "params": flat_params(model), "run_ids": sched.run_ids}
 
 
-def _blowup_run(rank: int, victim: int, uri: str, experiment: str, step_guard: float | None, ddp: bool, on_step):
+def _blowup_run(
+    rank: int, victim: int, uri: str, experiment: str, step_guard: float | None, ddp: bool, on_step, scope: str = "all"
+):
     """30 steps, sync every 10, the drift controller (``step_guard``), tracked in MLflow; replica
     ``victim``'s weights are scaled 50x after step 7 (finite, but its loss explodes).
     ``on_step(step, sched, model, opt)`` after every step. Returns the scheduler and the model."""
@@ -372,7 +374,8 @@ def _blowup_run(rank: int, victim: int, uri: str, experiment: str, step_guard: f
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     sched = HDETScheduler(
         opt, max_lr=0.05, total_steps=30, spread=0.3, sync_every=10, auto_lr=True, model=model,
-        controller=DriftController(step_guard=step_guard), track=MLflowTracker(tracking_uri=uri, experiment=experiment),
+        controller=DriftController(step_guard=step_guard, step_guard_scope=scope),
+        track=MLflowTracker(tracking_uri=uri, experiment=experiment),
     )  # fmt: skip
     for step in range(30):
         loss = sgd_step(net, opt, rank, step)
@@ -420,3 +423,20 @@ def step_guard_blowup(rank: int, world: int, uri: str, victim: int) -> dict:
     out["drift"] = sched.controller.drift["lr"][0]
     out["run_ids"] = sched.run_ids
     return out
+
+
+def local_step_guard_blowup(rank: int, world: int, uri: str, victim: int) -> dict:
+    """Independent replicas, ``step_guard_scope="local"``: the blown-up replica resets itself at step 8
+    (no collective, no early sync) and is left out at the sync at 10."""
+    out: dict = {"start": flat_params(make_model()), "records": []}
+
+    def each_step(step, sched, model, opt) -> None:
+        if step == 7:
+            out["after_8"] = flat_params(model)
+            out["state_sizes"] = [len(opt.state.get(p, {})) for p in model.parameters()]
+            out["sync_at_8"] = sched.last_sync
+        if step == 9:
+            out["record"] = sched.last_sync
+
+    sched, model = _blowup_run(rank, victim, uri, "local-guard", 10.0, False, each_step, scope="local")
+    return out | {"final_params": flat_params(model), "run_ids": sched.run_ids}
