@@ -426,6 +426,11 @@ class DriftController(Controller):
         )
         if step_guard_scope not in ("all", "local"):
             raise ValueError(f"Expected step_guard_scope in ('all', 'local'), but got {step_guard_scope!r}")
+        if step_guard_scope == "local" and not rollback:
+            raise ValueError(
+                "Expected rollback=True with step_guard_scope='local' (a replica resets itself to the kept "
+                "consensus), but got rollback=False"
+            )
         self.step_guard_scope = step_guard_scope
         self._tested: dict[str, list[float]] = {}  # per name: the highest value a healthy replica used
         self._drift: dict[str, list[float]] = {}

@@ -384,8 +384,7 @@ class HDETScheduler(OneCycleLR):
         self._apply_explored()
         self.last_sync = record
         if not self._converger.pending:
-            for cb in self._callbacks:
-                cb.on_sync(record)
+            self._notify(record)
 
     def _pending_record(self) -> SyncRecord | None:
         return self._converger.complete(wait=False)  # the process is ending: never wait on a collective
@@ -396,8 +395,11 @@ class HDETScheduler(OneCycleLR):
         record = self._converger.complete()
         if record is not None:
             self.last_sync = record
-            for cb in self._callbacks:
-                cb.on_sync(record)
+            self._notify(record)
+
+    def _notify(self, record: SyncRecord) -> None:
+        for cb in self._callbacks:
+            cb.on_sync(record)
 
     def _checked_loss(self, loss: float | torch.Tensor | None) -> float | torch.Tensor | None:
         if loss is None:

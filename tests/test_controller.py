@@ -292,6 +292,8 @@ def test_local_step_guard_checks_own_loss_and_leaves_the_reset_replica_out():
     assert controller().step_guard_scope == "all"
     with pytest.raises(ValueError, match=r"step_guard_scope in \('all', 'local'\), but got 'ranks'"):
         DriftController(step_guard_scope="ranks")
+    with pytest.raises(ValueError, match="rollback=True with step_guard_scope='local'"):
+        DriftController(step_guard_scope="local", rollback=False)
     # at the sync: the replica the local guard reset (the highest LR, 3) is left out, gets no weight,
     # and the controller backs off one notch, as for a replica the sync guard finds blown up
     st = stats(windows([1.0, 1.0, 1.0, 1.0], noise=0.001, start=1.0))
