@@ -1,13 +1,15 @@
 """``HDETScheduler``: OneCycleLR with fan-out, converge and an auto-LR controller.
 
-The scheduler owns OneCycle's schedule and the replicas' permutations, and wires the parts:
+The scheduler owns OneCycle's schedule and wires the parts:
 
-- the schedule math (:mod:`hdet_track.schedule`: multipliers, permutations, replica values),
+- the fan-out (:mod:`hdet_track.fanout`: each explored hyperparameter's multipliers, permutations
+  and their generators; the pure math is :mod:`hdet_track.schedule`),
 - the controller that decides the next base (:mod:`hdet_track.controller`),
 - the converge step at each sync (:mod:`hdet_track.converge`: the window, health, rollback, averaging
   by :mod:`hdet_track.averager` over :mod:`hdet_track.collectives`, the controller's decision),
-- its callbacks, which receive one :class:`~hdet_track.record.SyncRecord` per sync
-  (tracking is one: :class:`hdet_track.tracking.recorder.Recorder`, built when ``track`` is set).
+- its callbacks (:mod:`hdet_track.callbacks`), which receive one :class:`~hdet_track.record.SyncRecord`
+  per sync (tracking is one: :class:`hdet_track.tracking.recorder.Recorder`, built when ``track`` is set),
+- its checkpoint format (:mod:`hdet_track.checkpoint`).
 """
 
 from __future__ import annotations
@@ -23,21 +25,20 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.lr_scheduler import OneCycleLR, _enable_get_lr_call
 
-from . import collectives
+from . import checkpoint, collectives
 from ._checks import check_int, check_number
 from .averager import ReplicaAverager
+from .callbacks import CallbackList
 from .controller import Controller, ControllerContext, PaperController, make_controller
 from .converge import Converger
-from .errors import CheckpointMismatchError
 from .explore import Hyperparam, resolve_explore
-from .names import series_key
-from .record import ExploredSpec, RunInfo, SchedulerCallback, SyncRecord
-from .schedule import _check_spread, multipliers, permutation_generator, replica_values
+from .fanout import FanOut
+from .record import RunInfo, SchedulerCallback, SyncRecord
+from .schedule import _check_spread
 
 __all__ = ["HDETScheduler", "SyncReport"]
 
 SyncReport = SyncRecord  # the name of hdet-track 0.1
-_FORMAT = 2  # of state_dict()
 
 
 class HDETScheduler(OneCycleLR):
@@ -136,73 +137,37 @@ class HDETScheduler(OneCycleLR):
         self._hdet_ready = False
         config = {k: v for k, v in locals().items() if k not in ("self", "last_epoch", "track") and _plain(v)}
         config["controller"] = getattr(controller, "name", controller)
-        _check_spread("spread", spread)
-        check_int("sync_every", sync_every, 1)
-        check_number("temperature", temperature, 0.0, math.inf, low_open=True, high_open=True)
-        check_number("meta_lr", meta_lr, 0.0, math.inf, low_open=False, high_open=True)
-        check_number("meta_momentum", meta_momentum, 0.0, 1.0, low_open=False, high_open=True)
-        check_number("div_factor", div_factor, 0.0, math.inf, low_open=True, high_open=True)
-        check_number("final_div_factor", final_div_factor, 0.0, math.inf, low_open=True, high_open=True)
-        check_int("log_every", log_every, 1)
-        if not isinstance(auto_lr, bool):
-            raise ValueError(f"Expected auto_lr to be a bool, but got {auto_lr!r}")
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"Expected seed to be an int, but got {seed!r}")
-        if model is not None and not isinstance(model, nn.Module):
-            raise TypeError(f"Expected model to be a torch.nn.Module, but got {type(model).__name__}")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"{type(optimizer).__name__} is not an Optimizer")
         steps = total_steps
         if steps is None and isinstance(epochs, int) and isinstance(steps_per_epoch, int):
             steps = epochs * steps_per_epoch
-        if check_int("auto_lr_warmup", auto_lr_warmup, 0) > (steps if isinstance(steps, int) else math.inf):
-            raise ValueError(
-                f"Expected auto_lr_warmup to be an integer in [0, total_steps={steps}], but got {auto_lr_warmup!r}"
-            )
+        _check_arguments(
+            optimizer, model, steps, spread=spread, sync_every=sync_every, auto_lr=auto_lr, seed=seed,
+            auto_lr_warmup=auto_lr_warmup, temperature=temperature, meta_lr=meta_lr, meta_momentum=meta_momentum,
+            div_factor=div_factor, final_div_factor=final_div_factor, log_every=log_every,
+        )  # fmt: skip
         n_groups = len(optimizer.param_groups)
-        max_lrs = list(max_lr) if isinstance(max_lr, (list, tuple)) else [max_lr] * n_groups
-        if len(max_lrs) != n_groups:
-            raise ValueError(
-                f"max_lr must have the same length as optimizer.param_groups. "
-                f"max_lr has {len(max_lrs)} values, param_groups has {n_groups}."
-            )
-        self._lr_bounds = _resolve_lr_bounds(lr_bounds, [float(m) for m in max_lrs], div_factor, final_div_factor)
+        self._lr_bounds = _resolve_lr_bounds(lr_bounds, max_lr, n_groups, div_factor, final_div_factor)
+        self._lr_bounds_given = lr_bounds is not None
         self._group = process_group
         self._rank, self._world_size = collectives.world(process_group)
-        recorder = None
-        if track not in (False, None):
-            from .tracking.recorder import Recorder
-
-            tracking = {"log_every": log_every, "compare_group": compare_group, "run_name": run_name}
-            recorder = Recorder(track, rank=self._rank, close_at_end=bool(close_at_end), **tracking)
         self._model = model
         self.average_buffers = bool(average_buffers)
         self.spread = float(spread)
         self.sync_every = sync_every
         self.auto_lr = auto_lr
         self.seed = seed
-        self._explore = resolve_explore(
+        explored = resolve_explore(
             explore, optimizer, cycle_momentum=cycle_momentum, use_beta1="betas" in optimizer.defaults
         )
-        self._explore_names = ["lr"] + [hp.name for hp in self._explore]
-        self._hps = {hp.name: hp for hp in self._explore}
-        n = self._world_size
-        self._rho = {"lr": multipliers(n, self.spread)} | {hp.name: multipliers(n, hp.spread) for hp in self._explore}
-        self._reference = {hp.name: hp.read() for hp in self._explore}  # explored values' starting bases
-        self._perm = {name: list(range(n)) for name in self._explore_names}  # rank r starts on multiplier r
-        self._gens = {name: permutation_generator(seed, i) for i, name in enumerate(self._explore_names)}
+        self._fanout = FanOut(self.spread, explored, n_groups, self._world_size, seed)
         paper = {
             "warmup": auto_lr_warmup,
             "temperature": temperature,
             "meta_lr": meta_lr,
             "meta_momentum": meta_momentum,
         }
-        self._controller: Controller | None = make_controller(controller, **paper) if auto_lr else None
-        self._lr_bounds_given = lr_bounds is not None
-        self._callbacks: list[SchedulerCallback] = list(callbacks) + ([recorder] if recorder is not None else [])
-        self._recorder = recorder
-        if recorder is not None:
-            recorder.attach_info(lambda: self.run_info(gather=False), self._pending_record)
+        self._controller: Controller | None = make_controller(controller, **paper) if auto_lr else None  # fmt: skip
+        self._callbacks = CallbackList(callbacks)
         self._config = config
         self._onecycle: list[float] = []
         self._started = False
@@ -228,21 +193,26 @@ class HDETScheduler(OneCycleLR):
         )
         self._onecycle_keys = frozenset(set(self.__dict__) - before - {"optimizer"})  # what OneCycleLR keeps
         self._div = (float(div_factor), float(final_div_factor))
+        fan = self._fanout
         keep = self._controller is not None and self._controller.rollback
         self._converger = Converger(
             ReplicaAverager(self._sync_tensors, optimizer, process_group, keep_consensus=keep),
             self._controller,
-            names=self._explore_names,
-            multipliers=self._rho,
-            bounds={name: self._bounds(name) for name in self._explore_names},
-            series_keys={name: self._series_keys(name) for name in self._explore_names},
-            generators=self._gens,
+            names=fan.names,
+            multipliers=fan.multipliers,
+            bounds={name: fan.bounds(name) for name in fan.names},
+            series_keys={name: fan.series_keys(name) for name in fan.names},
+            generators=fan.generators,
             callbacks=self._callbacks,
         )
+        if track not in (False, None):
+            self._track(
+                track, log_every=log_every, compare_group=compare_group, run_name=run_name, close_at_end=close_at_end
+            )
         self._bind_controller()
         self._hdet_ready = True
         self._apply_explored()
-        if n == 1 and (self.spread > 0 or any(hp.spread > 0 for hp in self._explore)):
+        if self._world_size == 1 and fan.spreading:
             warnings.warn(
                 "HDETScheduler runs on a single replica (no initialised process group, or a group "
                 "of one): spread has no effect; parameters are not averaged.",
@@ -281,7 +251,7 @@ class HDETScheduler(OneCycleLR):
     @property
     def explored_names(self) -> list[str]:
         """``"lr"`` followed by the names of the other explored hyperparameters."""
-        return list(self._explore_names)
+        return list(self._fanout.names)
 
     @property
     def controller(self) -> Controller | None:
@@ -300,18 +270,19 @@ class HDETScheduler(OneCycleLR):
 
     def multiplier(self, name: str = "lr") -> float:
         """This rank's current multiplier of hyperparameter ``name``."""
-        return self._rho[name][self._perm[name][self._rank]]
+        return self._fanout.multiplier(name, self._rank)
 
     def base_values(self, name: str = "lr") -> list[float]:
         """The shared base of ``name`` per target at the current step."""
-        refs = self._onecycle if name == "lr" else self._reference[name]
+        refs = self._onecycle if name == "lr" else self._fanout.references[name]
         if self._controller is None:
             return list(refs)
         return [self._controller.base(name, t, ref) for t, ref in enumerate(refs)]
 
     def replica_values(self, name: str = "lr") -> list[list[float]]:
         """``values[r][t]``: the value of ``name`` replica r uses on target t right now."""
-        return [self._values_for(name, r) for r in range(self._world_size)]
+        bases = self.base_values(name)
+        return [self._fanout.values(name, bases, r) for r in range(self._world_size)]
 
     def onecycle_lrs(self) -> list[float]:
         """What plain OneCycleLR gives each param group at the current step."""
@@ -320,7 +291,7 @@ class HDETScheduler(OneCycleLR):
     def add_callback(self, callback: SchedulerCallback) -> None:
         """Receive :meth:`~hdet_track.record.SchedulerCallback.on_sync` etc. (add on every rank,
         before the first step, if it sets ``needs_divergence``)."""
-        self._callbacks.append(callback)
+        self._callbacks.add(callback)
 
     # ------------------------------------------------------------------ scheduling
     def get_lr(self) -> list[float | torch.Tensor]:
@@ -328,7 +299,7 @@ class HDETScheduler(OneCycleLR):
         self._onecycle = [float(x) for x in onecycle]
         if self._controller is None and self.multiplier("lr") == 1.0:
             return onecycle
-        return replica_values(self.base_values("lr"), self._rho["lr"], self._perm["lr"], self._rank, None)
+        return self._fanout.values("lr", self.base_values("lr"), self._rank)
 
     def step(self, loss: float | torch.Tensor | None = None, epoch: int | None = None) -> None:  # type: ignore[override]
         """Advance one optimizer step; call after ``optimizer.step()``.
@@ -363,8 +334,7 @@ class HDETScheduler(OneCycleLR):
             super().step()
         if k >= self.total_steps:
             self._deliver()  # before the run ends at its last step
-        for cb in self._callbacks:
-            cb.on_step(k)
+        self._callbacks.on_step(k)
 
     def sync_now(self) -> SyncRecord | None:
         """Converge now instead of at the next multiple of ``sync_every`` (the schedule of later
@@ -398,8 +368,7 @@ class HDETScheduler(OneCycleLR):
             self._notify(record)
 
     def _notify(self, record: SyncRecord) -> None:
-        for cb in self._callbacks:
-            cb.on_sync(record)
+        self._callbacks.on_sync(record)
 
     def _checked_loss(self, loss: float | torch.Tensor | None) -> float | torch.Tensor | None:
         if loss is None:
@@ -418,16 +387,8 @@ class HDETScheduler(OneCycleLR):
             return float(loss)
         raise ValueError(f"Expected loss to be a float or a one-element tensor, but got {type(loss).__name__}")
 
-    def _bounds(self, name: str) -> list[tuple[float, float]] | None:
-        """What replica values of ``name`` are clipped to (the LR is not clipped, only its base)."""
-        return None if name == "lr" else [self._hps[name].bounds] * len(self._reference[name])
-
-    def _values_for(self, name: str, rank: int) -> list[float]:
-        return replica_values(self.base_values(name), self._rho[name], self._perm[name], rank, self._bounds(name))
-
     def _apply_explored(self) -> None:
-        for hp in self._explore:
-            hp.write(self._values_for(hp.name, self._rank))
+        self._fanout.write(self.base_values, self._rank)
 
     def _sync_tensors(self) -> list[torch.Tensor]:
         if self._model is not None:
@@ -442,14 +403,14 @@ class HDETScheduler(OneCycleLR):
         """Converge with the window's schedule; the next window's permutations come back in the record."""
         record = self._converger.sync(
             step,
-            perms=self._perm,
-            values={name: self.replica_values(name) for name in self._explore_names},
-            references={"lr": list(self._onecycle)} | {k: list(v) for k, v in self._reference.items()},
-            peaks={"lr": self._onecycle_peaks()} | {k: list(v) for k, v in self._reference.items()},
+            perms=self._fanout.perm,
+            values={name: self.replica_values(name) for name in self._fanout.names},
+            references={"lr": list(self._onecycle)} | {k: list(v) for k, v in self._fanout.references.items()},
+            peaks={"lr": self._onecycle_peaks()} | {k: list(v) for k, v in self._fanout.references.items()},
             measure=self.measure_divergence,
             blown=blown,
         )
-        self._perm = {k: list(v) for k, v in record.next_permutations.items()}
+        self._fanout.perm = {k: list(v) for k, v in record.next_permutations.items()}
         return record
 
     def _onecycle_peaks(self) -> list[float]:
@@ -457,106 +418,73 @@ class HDETScheduler(OneCycleLR):
         rising = self.last_epoch < self._schedule_phases[0]["end_step"]
         return [float(g["max_lr"]) if rising else lr for g, lr in zip(self.optimizer.param_groups, self._onecycle)]
 
-    def _series_keys(self, name: str) -> list[str]:
-        if name == "lr":
-            return [series_key("lr", g, f"pg{g}") for g in range(len(self.optimizer.param_groups))]
-        return [series_key(name, t, label) for t, label in enumerate(self._hps[name].labels())]
-
     # ------------------------------------------------------------------ callbacks and tracking
     def run_info(self, gather: bool = True) -> RunInfo:
         """What callbacks receive at the start: configuration, replicas, explored hyperparameters
         (``gather=False``: without the collective that gathers every rank's host name)."""
-        explored = [
-            ExploredSpec(
-                name=name,
-                spread=self.spread if name == "lr" else self._hps[name].spread,
-                multipliers=list(self._rho[name]),
-                targets=[f"pg{g}" for g in range(len(self._lr_bounds))] if name == "lr" else self._hps[name].labels(),
-                series_keys=self._series_keys(name),
-                bounds=list(self._lr_bounds) if name == "lr" else self._bounds(name),
-                clipped=name != "lr",
-            )
-            for name in self._explore_names
-        ]
-        hdet = self.spread > 0 or self.auto_lr or any(hp.spread > 0 for hp in self._explore)
         config = dict(self._config, total_steps=self.total_steps, optimizer=type(self.optimizer).__name__)
         if isinstance(self._controller, PaperController):
             config["gamma"] = self.gamma
+        host = socket.gethostname()
         return RunInfo(
             config=config,
             world_size=self._world_size,
             rank=self._rank,
-            schedule="hdet" if hdet else "onecycle",
+            schedule="hdet" if self._fanout.spreading or self.auto_lr else "onecycle",
             controller=self._controller.name if self._controller is not None else "",
             param_groups=[str(g.get("name", f"pg{i}")) for i, g in enumerate(self.optimizer.param_groups)],
-            explored=explored,
+            explored=self._fanout.specs(self._lr_bounds),
             total_steps=self.total_steps,
             start_step=max(self.last_epoch, 0),
-            hostnames=[str(h) for h in collectives.all_gather_objects(socket.gethostname(), self._group)]
-            if gather
-            else [socket.gethostname()],
+            hostnames=[str(h) for h in collectives.all_gather_objects(host, self._group)] if gather else [host],
             resumed_runs=dict(self._resumed_runs),
         )
 
     def _start(self) -> None:
         self._started = True
-        if self._callbacks:
-            info = self.run_info()
-            for cb in self._callbacks:
-                cb.on_start(info)
+        self._callbacks.on_start(self.run_info)
+
+    def _track(self, track: Any, **settings: Any) -> None:
+        self._callbacks.track(
+            track, rank=self._rank, info=lambda: self.run_info(gather=False), pending=self._pending_record, **settings
+        )
 
     def start_tracking(
         self, track: Any, *, log_every: int = 1, compare_group: str | None = None, run_name: str | None = None
     ) -> None:
         """Start tracking a scheduler built with ``track=False`` (on every rank, before the first
         ``step``): for integrations whose tracker run exists only once training begins."""
-        from .tracking.recorder import Recorder
-
-        if self._recorder is not None:
-            raise ValueError("Expected a scheduler that is not tracked yet, but it already is")
         if self._started:
             raise ValueError(f"Expected start_tracking() before the first step, but {self.last_epoch} steps were taken")
-        check_int("log_every", log_every, 1)
-        self._recorder = Recorder(
-            track,
-            rank=self._rank,
-            log_every=log_every,
-            compare_group=compare_group,
-            run_name=run_name,
-            close_at_end=False,
-        )
+        self._track(track, log_every=log_every, compare_group=compare_group, run_name=run_name, close_at_end=False)
         self._config.update(log_every=log_every, compare_group=compare_group, run_name=run_name)
-        self._recorder.attach_info(lambda: self.run_info(gather=False), self._pending_record)
-        self._callbacks.append(self._recorder)
 
     @property
     def tracking(self) -> bool:
         """Whether this job logs to a tracker (on every rank; rank 0 owns the run)."""
-        return self._recorder is not None
+        return self._callbacks.recorder is not None
 
     @property
     def run_ids(self) -> dict[str, str | None]:
         """Rank 0: the tracker run id of each backend (once created); elsewhere empty."""
-        return {} if self._recorder is None else self._recorder.run_ids()
+        return self._callbacks.run_ids()
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         """Log extra metrics (validation loss, accuracy, ...) into the run, on rank 0; a no-op elsewhere."""
         self._deliver()
-        if self._recorder is not None:
-            self._recorder.log_metrics(metrics, max(self.last_epoch, 0) if step is None else step)
+        self._callbacks.log_metrics(metrics, max(self.last_epoch, 0) if step is None else step)
 
     def flush(self, timeout: float | None = 60.0) -> bool:
         """Block until what was logged so far reached the trackers (rank 0). True when it did."""
         self._deliver()
-        return True if self._recorder is None else self._recorder.flush(timeout)
+        return self._callbacks.flush(timeout)
 
     def close(self, status: str = "FINISHED", error: str | None = None) -> None:
         """End the job: the tracked run ends with ``status`` (FINISHED, FAILED or KILLED); idempotent."""
         if status not in ("FINISHED", "FAILED", "KILLED"):
             raise ValueError(f"Expected status in ('FINISHED', 'FAILED', 'KILLED'), but got {status!r}")
         self._deliver()
-        for cb in self._callbacks:
-            cb.on_close(status, error, max(self.last_epoch, 0))
+        self._callbacks.on_close(status, error, max(self.last_epoch, 0))
 
     def __enter__(self) -> HDETScheduler:
         return self
@@ -575,7 +503,8 @@ class HDETScheduler(OneCycleLR):
         """Everything needed to resume exactly: OneCycle's state, the permutations and their
         generators, the controller's state, this rank's partial window, the kept consensus (with
         the drift controller's rollback: one copy of the parameters), and the tracked runs' ids
-        (so that a resumed job continues the same run). Tracking flags are never saved.
+        (so that a resumed job continues the same run). Tracking flags are never saved. The format
+        is :mod:`hdet_track.checkpoint`'s.
 
         Args:
             all_ranks: gather every rank's partial window too (a collective: call it on every
@@ -585,17 +514,15 @@ class HDETScheduler(OneCycleLR):
         """
         self._deliver()
         window = self._converger.window_state()
-        runs = self._recorder.run_ids(wait=30.0) if self._recorder is not None else {}
+        runs = self._callbacks.run_ids(wait=30.0)
+        controller = self._controller
         state = {
-            "format": _FORMAT,
+            "format": checkpoint.FORMAT,
             "onecycle": {k: self.__dict__[k] for k in sorted(self._onecycle_keys)},
             "world_size": self._world_size,
-            "explored": list(self._explore_names),
-            "permutations": {k: list(v) for k, v in self._perm.items()},
-            "generators": {k: g.get_state() for k, g in self._gens.items()},
-            "controller": None
-            if self._controller is None
-            else {"name": self._controller.name, "state": self._controller.state_dict()},
+            "explored": list(self._fanout.names),
+            **self._fanout.state_dict(),
+            "controller": None if controller is None else {"name": controller.name, "state": controller.state_dict()},
             "window": window,
             "averager": self._converger.averager.state_dict(),
             "runs": {k: v for k, v in runs.items() if v},
@@ -614,30 +541,19 @@ class HDETScheduler(OneCycleLR):
         Raises:
             CheckpointMismatchError: the replica count, explored names or controller differ.
         """
-        state = state_dict if state_dict.get("format") == _FORMAT else _upgrade_v1(state_dict, self)
-        if state["world_size"] != self._world_size:
-            raise CheckpointMismatchError(
-                f"Expected a checkpoint of {self._world_size} replicas, but it holds {state['world_size']}; "
-                "resume with the same number of replicas"
-            )
-        if list(state["explored"]) != self._explore_names:
-            raise CheckpointMismatchError(
-                f"Expected a checkpoint exploring {self._explore_names}, but it explores {state['explored']}"
-            )
-        saved = state["controller"]
-        mine = None if self._controller is None else self._controller.name
-        if (saved or {}).get("name") != mine:
-            raise CheckpointMismatchError(
-                f"Expected a checkpoint of controller {mine!r}, but it holds {(saved or {}).get('name')!r}"
-            )
+        state = checkpoint.upgrade(state_dict, self._onecycle_keys, len(self.optimizer.param_groups))
+        controller = self._controller
+        checkpoint.check_compatible(
+            state,
+            world_size=self._world_size,
+            explored=self._fanout.names,
+            controller=None if controller is None else controller.name,
+        )
         self.__dict__.update({k: v for k, v in state["onecycle"].items() if k in self._onecycle_keys})
-        self._perm = {k: list(v) for k, v in state["permutations"].items()}
-        for name, gen_state in state["generators"].items():
-            self._gens[name].set_state(gen_state)
-        if self._controller is not None:
-            self._controller.load_state_dict(saved["state"])
-        window = state.get("windows", {}).get(self._rank, state["window"])  # this rank's own, when saved
-        self._converger.load_window(window)
+        self._fanout.load_state_dict(state)
+        if controller is not None:
+            controller.load_state_dict(state["controller"]["state"])
+        self._converger.load_window(state.get("windows", {}).get(self._rank, state["window"]))  # its own, if saved
         self._converger.averager.load_state_dict(state.get("averager", {}))
         self._resumed_runs = dict(state.get("runs", {}))
         self._refresh()
@@ -645,14 +561,13 @@ class HDETScheduler(OneCycleLR):
     def _bind_controller(self) -> None:
         if self._controller is None:
             return
+        fan = self._fanout
         self._controller.bind(
             ControllerContext(
-                names=list(self._explore_names),
-                num_targets={"lr": len(self._lr_bounds)} | {k: len(v) for k, v in self._reference.items()},
-                multipliers={k: list(v) for k, v in self._rho.items()},
-                bounds={
-                    name: list(self._lr_bounds) if name == "lr" else self._bounds(name) for name in self._explore_names
-                },
+                names=list(fan.names),
+                num_targets=fan.num_targets(),
+                multipliers={k: list(v) for k, v in fan.multipliers.items()},
+                bounds={name: list(self._lr_bounds) if name == "lr" else fan.bounds(name) for name in fan.names},
                 lr_bounds_given=self._lr_bounds_given,
                 world_size=self._world_size,
                 total_steps=self.total_steps,
@@ -678,10 +593,44 @@ class HDETScheduler(OneCycleLR):
         self._apply_explored()
 
 
+def _check_arguments(optimizer: Any, model: Any, total_steps: int | None, **args: Any) -> None:
+    """The scheduler's own arguments (OneCycleLR checks its own): errors name the argument, the value
+    and what is allowed."""
+    _check_spread("spread", args["spread"])
+    check_int("sync_every", args["sync_every"], 1)
+    check_number("temperature", args["temperature"], 0.0, math.inf, low_open=True, high_open=True)
+    check_number("meta_lr", args["meta_lr"], 0.0, math.inf, low_open=False, high_open=True)
+    check_number("meta_momentum", args["meta_momentum"], 0.0, 1.0, low_open=False, high_open=True)
+    check_number("div_factor", args["div_factor"], 0.0, math.inf, low_open=True, high_open=True)
+    check_number("final_div_factor", args["final_div_factor"], 0.0, math.inf, low_open=True, high_open=True)
+    check_int("log_every", args["log_every"], 1)
+    if not isinstance(args["auto_lr"], bool):
+        raise ValueError(f"Expected auto_lr to be a bool, but got {args['auto_lr']!r}")
+    seed = args["seed"]
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"Expected seed to be an int, but got {seed!r}")
+    if model is not None and not isinstance(model, nn.Module):
+        raise TypeError(f"Expected model to be a torch.nn.Module, but got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"{type(optimizer).__name__} is not an Optimizer")
+    warmup = args["auto_lr_warmup"]
+    if check_int("auto_lr_warmup", warmup, 0) > (total_steps if isinstance(total_steps, int) else math.inf):
+        raise ValueError(
+            f"Expected auto_lr_warmup to be an integer in [0, total_steps={total_steps}], but got {warmup!r}"
+        )
+
+
 def _resolve_lr_bounds(
-    lr_bounds: Any, max_lrs: list[float], div_factor: float, final_div_factor: float
+    lr_bounds: Any, max_lr: Any, n: int, div_factor: float, final_div_factor: float
 ) -> list[tuple[float, float]]:
-    n = len(max_lrs)
+    """One (low, high) per param group: ``lr_bounds`` checked against ``max_lr``, or the default."""
+    max_lrs = list(max_lr) if isinstance(max_lr, (list, tuple)) else [max_lr] * n
+    if len(max_lrs) != n:
+        raise ValueError(
+            f"max_lr must have the same length as optimizer.param_groups. "
+            f"max_lr has {len(max_lrs)} values, param_groups has {n}."
+        )
+    max_lrs = [float(m) for m in max_lrs]
     if lr_bounds is None:
         return [(m / div_factor / final_div_factor, 10.0 * m) for m in max_lrs]
     pairs: list[Any]
@@ -736,26 +685,6 @@ def _onecycle_arguments(scheduler: OneCycleLR) -> dict[str, Any]:
         args["base_momentum"] = [g["base_momentum"] for g in groups]
         args["max_momentum"] = [g["max_momentum"] for g in groups]
     return args
-
-
-def _upgrade_v1(state: dict[str, Any], sched: HDETScheduler) -> dict[str, Any]:
-    """hdet-track 0.1's flat checkpoint in this version's shape (the paper controller's state; the
-    partial window's OneCycle values, which 0.1 did not save, are recomputed as nan)."""
-    if "_world_size" not in state:
-        raise CheckpointMismatchError(f"Expected an HDETScheduler checkpoint, but got keys {sorted(state)[:8]}")
-    window = list(state.get("_window", []))
-    controller = None
-    if state.get("auto_lr"):
-        controller = {"name": "paper", "state": {"base": state["_base"], "velocity": state["_velocity"]}}
-    return {
-        "world_size": state["_world_size"],
-        "explored": state.get("_explore_names", ["lr"]),
-        "onecycle": {k: v for k, v in state.items() if k in sched._onecycle_keys},
-        "permutations": state["_perm"],
-        "generators": state.get("_gen_states", {}),
-        "controller": controller,
-        "window": {"losses": window, "onecycle": [[math.nan] * len(sched.optimizer.param_groups)] * len(window)},
-    }
 
 
 def _plain(value: Any) -> bool:

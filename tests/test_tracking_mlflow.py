@@ -322,7 +322,7 @@ def test_backend_outage_is_spilled_and_replayed_in_order(caplog):
     model = nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = HDETScheduler(opt, 0.1, total_steps=60, sync_every=5, track=flaky)
-    sched._recorder.hub._sinks[0].retry_seconds = 0.05
+    sched._callbacks.recorder.hub._sinks[0].retry_seconds = 0.05
     for k in range(60):
         opt.step()
         sched.step(float(k))
@@ -349,13 +349,13 @@ def test_backend_that_never_works_does_not_stop_training(caplog):
     model = nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = HDETScheduler(opt, 0.1, total_steps=30, sync_every=5, track=BrokenTracker())
-    sched._recorder.hub.shutdown_timeout = 0.5
+    sched._callbacks.recorder.hub.shutdown_timeout = 0.5
     for _ in range(30):
         opt.step()
         sched.step(1.0)
     sched.close()
     assert math.isfinite(opt.param_groups[0]["lr"])
-    spill = sched._recorder.hub._sinks[0].spill_path
+    spill = sched._callbacks.recorder.hub._sinks[0].spill_path
     assert spill.exists() and spill.read_text().count("\n") >= 1  # unsent data is kept, not lost
     assert "still unavailable at shutdown" in caplog.text
 
@@ -385,7 +385,7 @@ def test_several_trackers_each_get_everything():
     model = nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = HDETScheduler(opt, 0.1, total_steps=20, sync_every=5, track=[a, b])
-    sched._recorder.hub._sinks[1].retry_seconds = 0.0
+    sched._callbacks.recorder.hub._sinks[1].retry_seconds = 0.0
     for _ in range(20):
         opt.step()
         sched.step(1.0)

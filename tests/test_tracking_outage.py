@@ -24,7 +24,7 @@ def test_server_outage_loses_nothing(tmp_path, monkeypatch):
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         steps = 300
         sched = HDETScheduler(opt, 0.1, total_steps=steps, sync_every=10, auto_lr=True, track=tracker)
-        sched._recorder.hub._sinks[0].retry_seconds = 0.5
+        sched._callbacks.recorder.hub._sinks[0].retry_seconds = 0.5
         outage = {}
 
         def kill_and_restart():

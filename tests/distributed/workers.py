@@ -75,7 +75,7 @@ def fanout_and_sync(rank: int, world: int, mode: str) -> dict:
         onecycle.append(sched.onecycle_lrs()[0])
         params.append(flat_params(model))
         bn_means.append(model[1].running_mean.clone())
-        perms.append(list(sched._perm["lr"]))
+        perms.append(list(sched._fanout.perm["lr"]))
     return {
         "lrs": lrs,
         "onecycle": onecycle,
