@@ -47,7 +47,7 @@ from hdet_track.launch import launch_local  # noqa: E402
 
 # The candidates of docs/controller.md. Round 1: the first revision's design values (no ceiling)
 # and one-knob alternatives. Round 2: the tested-LR ceiling against the first revision.
-ROUNDS: dict[int, dict[str, dict]] = {
+ROUNDS: dict[int, dict[str, dict | None]] = {
     1: {
         "design": {"ceiling": False},
         "step-half": {
@@ -68,9 +68,12 @@ ROUNDS: dict[int, dict[str, dict]] = {
     # Round 4 (independent replicas only): the local step guard, against round 2's bar and its
     # step-guard-own-start runs (docs/controller.md, "What the step guard costs").
     4: {"step-guard-local": {"step_guard_scope": "local"}},
+    # Round 5: a diagnostic, not a candidate (docs/controller.md, "A diagnostic before round 5"):
+    # the fan-out with no controller (auto_lr=False), at max_lr 0.1 (--lrs 0.1 --no-onecycle).
+    5: {"fanout-only": None},
 }
-SEEDS = {1: (100,), 2: (100, 101, 102), 4: (100, 101, 102)}
-CANDIDATES: dict[str, dict] = {k: v for r in ROUNDS.values() for k, v in r.items()}
+SEEDS = {1: (100,), 2: (100, 101, 102), 4: (100, 101, 102), 5: (100, 101, 102)}
+CANDIDATES: dict[str, dict | None] = {k: v for r in ROUNDS.values() for k, v in r.items()}
 REFERENCE_LRS = (0.02, 0.05, 0.1, 0.2, 0.5)
 CANDIDATE_LRS = (0.02, 0.1, 0.5)
 MODES = ("shared", "independent")
@@ -111,14 +114,16 @@ def train(run: DevRun) -> dict:
     net = nn.parallel.DistributedDataParallel(model) if run.mode == "shared" else model
     opt = task.optimizer(model.parameters(), run.max_lr)
     hdet = run.arm != "onecycle"
+    settings = ROUNDS[run.round][run.arm] if hdet else None
+    auto = settings is not None  # "fanout-only": the spread without a controller
     sched = HDETScheduler(
         opt,
         max_lr=run.max_lr,
         total_steps=run.steps,
         spread=run.spread if hdet else 0.0,
         sync_every=run.sync_every,
-        auto_lr=hdet,
-        controller=DriftController(**ROUNDS[run.round][run.arm]) if hdet else "drift",
+        auto_lr=auto,
+        controller=DriftController(**settings) if settings is not None else "drift",
         model=model,
         seed=run.seed,
     )
@@ -152,7 +157,7 @@ def train(run: DevRun) -> dict:
         "val_accuracy": val_acc,
         "diverged_at": diverged,
         "stopped_at": stopped_at,
-        "final_drift": math.exp(ctrl._drift.get("lr", [0.0])[0]) if hdet else 1.0,
+        "final_drift": math.exp(ctrl._drift.get("lr", [0.0])[0]) if auto else 1.0,
         "guard_events": int(getattr(ctrl, "guard_events", 0)),
     }
 

@@ -51,6 +51,8 @@ __all__ = [
     "DriftController",
     "window_noise",
     "trend_evidence",
+    "blowup_health",
+    "step_guard_reason",
     "make_controller",
     "CONTROLLERS",
 ]
@@ -343,6 +345,53 @@ def trend_evidence(log_multipliers: Sequence[float], window_losses: Sequence[flo
     return max(-10.0, min(10.0, num / (standard_error * math.sqrt(sxx))))
 
 
+def blowup_health(stats: WindowStats, guard: float, rollback: bool) -> Health:
+    """The drift controller's sync guard: a replica is unhealthy when its window loss is non-finite,
+    when the local step guard reset it in the window, or when it exceeds ``guard`` times the
+    smaller of the window's starting loss (the median of the replicas' first losses, all taken at
+    the common consensus) and the median window loss. Every replica unhealthy: roll back (with
+    ``rollback``)."""
+    basic = nonfinite_health(stats)
+    means = stats.window_losses
+    firsts = [row[np.isfinite(row)][0] for row in stats.losses if np.isfinite(row).any()]
+    start = float(np.median(firsts)) if firsts else math.nan
+    finite_means = [m for m, ok in zip(means, basic.healthy) if ok and math.isfinite(m)]
+    typical = float(np.median([m for m in means if math.isfinite(m)])) if finite_means else math.nan
+    ref = min(start, typical) if math.isfinite(start) and math.isfinite(typical) else math.nan
+    healthy, reasons = list(basic.healthy), list(basic.reasons)
+    for r, tripped in enumerate(stats.tripped or []):
+        if tripped and healthy[r]:
+            healthy[r] = False
+            reasons[r] = "blown up: the local step guard reset it in the window"
+    if math.isfinite(ref) and ref > 0:
+        for r, m in enumerate(means):
+            if healthy[r] and math.isfinite(m) and m > guard * ref:
+                healthy[r] = False
+                reasons[r] = f"blown up: window loss {m:.4g} > {guard:g} x {ref:.4g}"
+    return Health(healthy, reasons, rollback and not any(healthy))
+
+
+def step_guard_reason(losses: Sequence[float], firsts: Sequence[float], step_guard: float) -> str | None:
+    """The collective step guard: every replica's loss at this step (``losses``) and at the
+    window's first step (``firsts``); why to converge and roll back now, or None."""
+    bad = [r for r, x in enumerate(losses) if not math.isfinite(x)]
+    if bad:
+        return f"step guard: replicas {bad} non-finite"
+    start = [x for x in firsts if math.isfinite(x)]
+    ref = float(np.median(start)) if start else math.nan
+    if not (math.isfinite(ref) and ref > 0):
+        return None  # the ratio test needs positive losses
+    # Each replica against the higher of its own first loss and the median: replicas that see
+    # different data (shards of unequal difficulty) start the window at different losses from
+    # the same consensus, and a replica is never blown up at the consensus itself.
+    refs = [max(f, ref) if math.isfinite(f) else ref for f in firsts]
+    high = [r for r, x in enumerate(losses) if x > step_guard * refs[r]]
+    if high:
+        r = max(high, key=lambda q: losses[q] / refs[q])
+        return f"step guard: replicas {high} at loss {losses[r]:.4g} > {step_guard:g} x {refs[r]:.4g}"
+    return None
+
+
 class DriftController(Controller):
     """Shape-keeping, loss-scale-free, guarded: ``base = reference * exp(drift)`` (see docs/controller.md).
 
@@ -446,25 +495,7 @@ class DriftController(Controller):
 
     # -- health -------------------------------------------------------------------------------
     def health(self, stats: WindowStats) -> Health:
-        basic = nonfinite_health(stats)
-        means = stats.window_losses
-        firsts = [row[np.isfinite(row)][0] for row in stats.losses if np.isfinite(row).any()]
-        start = float(np.median(firsts)) if firsts else math.nan
-        finite_means = [m for m, ok in zip(means, basic.healthy) if ok and math.isfinite(m)]
-        typical = float(np.median([m for m in means if math.isfinite(m)])) if finite_means else math.nan
-        ref = min(start, typical) if math.isfinite(start) and math.isfinite(typical) else math.nan
-        healthy, reasons = list(basic.healthy), list(basic.reasons)
-        for r, tripped in enumerate(stats.tripped or []):
-            if tripped and healthy[r]:
-                healthy[r] = False
-                reasons[r] = "blown up: the local step guard reset it in the window"
-        if math.isfinite(ref) and ref > 0:
-            for r, m in enumerate(means):
-                if healthy[r] and math.isfinite(m) and m > self.guard * ref:
-                    healthy[r] = False
-                    reasons[r] = f"blown up: window loss {m:.4g} > {self.guard:g} x {ref:.4g}"
-        rollback = self.rollback and not any(healthy)
-        return Health(healthy, reasons, rollback)
+        return blowup_health(stats, self.guard, self.rollback)
 
     # -- the drift ----------------------------------------------------------------------------
     def _log_mults(self, name: str, stats: WindowStats) -> list[float]:
@@ -570,24 +601,7 @@ class DriftController(Controller):
         return Decision(weights, updates, guard)
 
     def check_step(self, losses: Sequence[float], firsts: Sequence[float]) -> str | None:
-        if self.step_guard is None:
-            return None
-        bad = [r for r, x in enumerate(losses) if not math.isfinite(x)]
-        if bad:
-            return f"step guard: replicas {bad} non-finite"
-        start = [x for x in firsts if math.isfinite(x)]
-        ref = float(np.median(start)) if start else math.nan
-        if not (math.isfinite(ref) and ref > 0):
-            return None  # the ratio test needs positive losses
-        # Each replica against the higher of its own first loss and the median: replicas that see
-        # different data (shards of unequal difficulty) start the window at different losses from
-        # the same consensus, and a replica is never blown up at the consensus itself.
-        refs = [max(f, ref) if math.isfinite(f) else ref for f in firsts]
-        high = [r for r, x in enumerate(losses) if x > self.step_guard * refs[r]]
-        if high:
-            r = max(high, key=lambda q: losses[q] / refs[q])
-            return f"step guard: replicas {high} at loss {losses[r]:.4g} > {self.step_guard:g} x {refs[r]:.4g}"
-        return None
+        return None if self.step_guard is None else step_guard_reason(losses, firsts, self.step_guard)
 
     def check_own_step(self, loss: float, first: float) -> str | None:
         """``step_guard_scope="local"``: this replica's loss at this step and at the window's first
