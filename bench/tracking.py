@@ -166,7 +166,7 @@ def small_step_worker(rank: int, world: int, port: int, args: dict, out: str) ->
     ``track=True`` with its defaults (MLflow, sqlite). The drift controller runs without its step
     guard: the guard's per-step all-gather puts the 4 processes in lockstep on 2 cores and makes
     this step ~3x longer, which would hide the tracking cost this case is about (the guard's own
-    cost is bench/overhead.py's). Three cases alternate, ``reps`` rounds (default 6):
+    cost is bench/overhead.py's). Three cases alternate, ``reps`` rounds (default 9):
     untracked; tracked, a run of SMALL_LONG_RUN steps of which the first SMALL_STEPS run (then
     ``close()``): the steady state of any run long enough for the histories' per-run floors not to
     bind; tracked, a whole run of SMALL_STEPS steps: what a short run pays, floors included
@@ -176,7 +176,9 @@ def small_step_worker(rank: int, world: int, port: int, args: dict, out: str) ->
     start-up, reported apart), then the rest is timed; a tracked run's writer is flushed again
     (untimed) before the next run starts, so that no run pays for another's backlog. The ratios are
     medians over the rounds of each round's tracked / untracked time (runs next to each other in
-    time see the same machine load; a round disturbed by a neighbour does not decide the result)."""
+    time see the same machine load; a round disturbed by a neighbour does not decide the result).
+    Each round starts at a different case (off, tracked, short; tracked, short, off; ...), so that
+    no case always runs right after another one's tracker process has ended."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{args['tmp']}/small.db"
@@ -184,7 +186,9 @@ def small_step_worker(rank: int, world: int, port: int, args: dict, out: str) ->
     x, y = torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g)
     times: dict[str, list[float]] = {"off": [], "tracked": [], "tracked_short": []}
     flush_s = startup_s = 0.0
-    for name in ("off", "tracked", "tracked_short") * args["reps"]:
+    cases = ("off", "tracked", "tracked_short")
+    rounds = [cases[i % 3 :] + cases[: i % 3] for i in range(args["reps"])]  # no case always follows another
+    for name in [name for order in rounds for name in order]:
         torch.manual_seed(0)
         model = torch.nn.Sequential(*[m for _ in range(8) for m in (torch.nn.Linear(64, 64), torch.nn.ReLU())])
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -228,7 +232,7 @@ def main() -> None:
     parser.add_argument("--outage", type=float, default=30.0, help="seconds the server is down (0: skip)")
     parser.add_argument("--outage-steps", type=int, default=4000)
     parser.add_argument("--only-small", action="store_true", help="only the small-step case")
-    parser.add_argument("--reps", type=int, default=6, help="rounds of the small-step case")
+    parser.add_argument("--reps", type=int, default=9, help="rounds of the small-step case")
     args = parser.parse_args()
     lines = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -238,12 +242,17 @@ def main() -> None:
         def median_ratio(case: str) -> float:
             return statistics.median(t / o for t, o in zip(st[case], st["off"]))
 
+        def quartiles(case: str) -> str:
+            q = statistics.quantiles([t / o for t, o in zip(st[case], st["off"])], n=4)
+            return f"{q[0]:.3f}-{q[2]:.3f}"
+
         ratio, short = median_ratio("tracked"), median_ratio("tracked_short")
         print(
             f"small step (8 x Linear(64, 64), 4 gloo ranks, track=True defaults), {args.reps} rounds x "
             f"{SMALL_STEPS - SMALL_SKIP} steps timed: untracked {sum(st['off']):.2f} s; tracked, a {SMALL_LONG_RUN}-step "
-            f"run {sum(st['tracked']):.2f} s -> median ratio {ratio:.3f}; tracked, a whole {SMALL_STEPS}-step run "
-            f"(per-run floors bind) {sum(st['tracked_short']):.2f} s -> {short:.3f}; per round: "
+            f"run {sum(st['tracked']):.2f} s -> median ratio {ratio:.3f} (quartiles {quartiles('tracked')}); tracked, a "
+            f"whole {SMALL_STEPS}-step run (per-run floors bind) {sum(st['tracked_short']):.2f} s -> {short:.3f} "
+            f"(quartiles {quartiles('tracked_short')}); per round: "
             + ", ".join(f"{t / o:.2f}/{u / o:.2f}" for o, t, u in zip(st["off"], st["tracked"], st["tracked_short"]))
             + f" (untimed: the first {SMALL_SKIP} steps, then waiting for "
             f"the tracker to have started and caught up, {small['startup_s']:.2f} s per tracked run; the "

@@ -52,7 +52,8 @@ class PointBudget:
     a quarter for the sync and controller series. A run still gets at least ``min_mean_points``
     points of each mean, ``min_replica_points`` of each per-replica series and ``min_sync_points``
     syncs over its whole length (a fixed cost per run: at most about 1,000 points in all with 4
-    replicas), a sync where the guard acted or a replica was left out is always logged, and at
+    replicas), a sync where the guard backed off or rolled back is always logged (one where a
+    replica was left out only at the budget's stride: every one is in the event archive), and at
     most every ``log_every``-th step. ``points_per_second=None``: no budget.
     """
 

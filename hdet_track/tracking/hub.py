@@ -322,7 +322,10 @@ class TrackingHub:
                 record, when = item
                 budget = self._budget or self._make_budget(record.step)
                 strides = budget.strides(record, when - self._window_start)
-                eventful = bool(record.guard or record.left_out or record.rolled_back)
+                # A backoff or rollback is always in the histories; left-out replicas only at the
+                # budget's syncs (where losses sit near zero the guard can leave one out at every
+                # sync; the event archive keeps every one).
+                eventful = bool(record.guard or record.rolled_back)
                 last = record.step >= budget.total_steps
                 item = RecordItem(
                     record,

@@ -221,3 +221,19 @@ def test_step_guard_rolls_back_at_the_blow_up_step_with_shared_gradients(tmp_pat
     assert run.status == "FINISHED" and [c.step for c in run.converge] == [8, 10, 20, 30]
     (rollback,) = [row for row in guard_rows(run) if row["action"] == "rollback"]
     assert rollback["step"] == 8 and rollback["reason"].startswith("step guard: replicas [2]")
+
+
+def test_left_out_replicas_do_not_bypass_the_metric_budget(tmp_path):
+    """Every sync leaves a replica out: the event archive keeps all 1,000, the MLflow histories only
+    the budget's syncs (a left-out replica used to force every sync into them: 17 series x 1,000)."""
+    from mlflow.tracking import MlflowClient
+
+    from hdet_track.readers.mlflow import MLflowReader
+
+    uri = f"sqlite:///{tmp_path / 'left_out.db'}"
+    run_id = run_ranks(workers.left_out_every_sync, WORLD, uri)[0]["run_ids"]["mlflow"]
+    run = MLflowReader(uri).read(run_id)
+    assert len(run.converge) == 1000 and all(c.left_out == [3] for c in run.converge)
+    logged = MlflowClient(uri).get_metric_history(run_id, "hdet/sync/left_out")
+    assert 20 <= len(logged) <= 1000 // 4 and all(m.value == 1.0 for m in logged)
+    assert max(m.step for m in logged) == 2000  # the run's last step is always there

@@ -440,3 +440,20 @@ def local_step_guard_blowup(rank: int, world: int, uri: str, victim: int) -> dic
 
     sched, model = _blowup_run(rank, victim, uri, "local-guard", 10.0, False, each_step, scope="local")
     return out | {"final_params": flat_params(model), "run_ids": sched.run_ids}
+
+
+def left_out_every_sync(rank: int, world: int, uri: str) -> dict:
+    """2,000 steps, a sync every 2, far past the metric histories' budget; rank 3 reports a NaN loss
+    at every step, so the paper controller leaves it out at every one of the 1,000 syncs."""
+    from hdet_track.tracking.mlflow import MLflowTracker
+
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    sched = HDETScheduler(
+        opt, max_lr=0.05, total_steps=2000, spread=0.3, sync_every=2, auto_lr=True, controller="paper",
+        model=model, track=MLflowTracker(tracking_uri=uri, experiment="left-out"),
+    )  # fmt: skip
+    for k in range(1, 2001):
+        sched.step(math.nan if rank == 3 else 1.0 / k)
+    sched.flush(timeout=120)
+    return {"run_ids": sched.run_ids}
