@@ -127,6 +127,52 @@ class BucketTable:
     def stat(self, column: str, stat: str) -> np.ndarray | None:
         return self.stats.get(f"{column}|{stat}")
 
+    # ------------------------------------------------------------------ reading one level's rows
+    def groups(self) -> tuple[np.ndarray, np.ndarray]:
+        """(middle step of each bucket here, index of each row's bucket), rows of one level."""
+        buckets, inverse = np.unique(self.bucket, return_inverse=True)
+        first = np.full(len(buckets), np.iinfo(np.int64).max)
+        last = np.full(len(buckets), np.iinfo(np.int64).min)
+        np.minimum.at(first, inverse, self.first_step)
+        np.maximum.at(last, inverse, self.last_step)
+        return (first + last) // 2, inverse
+
+    def envelope(self, column: str, replica: int) -> tuple[np.ndarray, np.ndarray]:
+        """One replica's min and max of ``column`` per bucket, as a line through (first step, min),
+        (last step, max) of each bucket; a bucket with a missing value breaks the line."""
+        if column not in self.columns:
+            return np.zeros(0, dtype=np.int64), np.zeros(0)
+        m = self.replica == replica
+        n = int(m.sum())
+        x = np.empty(2 * n, dtype=np.int64)
+        y = np.empty(2 * n)
+        x[0::2], x[1::2] = self.first_step[m], self.last_step[m]
+        y[0::2], y[1::2] = self.stat(column, "min")[m], self.stat(column, "max")[m]
+        y[0::2][self.stat(column, "count")[m] < self.rows[m]] = np.nan
+        return x, y
+
+    def mean(self, column: str) -> tuple[np.ndarray, np.ndarray]:
+        """(bucket middles, mean of ``column`` over every replica's finite values in each bucket)."""
+        steps, inverse = self.groups()
+        sums = np.bincount(inverse, weights=self.stat(column, "sum"), minlength=len(steps))
+        counts = np.bincount(inverse, weights=self.stat(column, "count"), minlength=len(steps))
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return steps, np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
+
+    def median(self, column: str) -> tuple[np.ndarray, np.ndarray]:
+        """(bucket middles, median over replicas of each replica's bucket mean; a replica with a
+        missing value in the bucket counts as infinite)."""
+        steps, inverse = self.groups()
+        count = self.stat(column, "count")
+        with np.errstate(invalid="ignore", divide="ignore"):
+            means = np.where(count < self.rows, np.inf, self.stat(column, "sum") / count)
+        order = np.lexsort((means, inverse))
+        values = means[order]
+        _, starts, counts = np.unique(inverse[order], return_index=True, return_counts=True)
+        lo, hi = values[starts + (counts - 1) // 2], values[starts + counts // 2]
+        with np.errstate(invalid="ignore", over="ignore"):
+            return steps, (lo + hi) / 2
+
     # ------------------------------------------------------------------ building
     @staticmethod
     def summarize(

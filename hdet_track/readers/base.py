@@ -230,7 +230,7 @@ class HDETRun:
         In an overview, two points per bucket: its min at the bucket's first step and its max at its
         last step (a bucket with a non-finite value starts with NaN, a gap)."""
         if self.overview:
-            return self._bucket_envelope(key, replica)
+            return self._buckets().envelope(self._bucket_column(key), replica)
         mask = self.steps.replica == replica
         column = self.steps.loss if key == "loss" else self.steps.values.get(key)
         if column is None:
@@ -241,7 +241,7 @@ class HDETRun:
         """(steps, mean over replicas) of ``loss`` or a series key; falls back to a logged metric. In an
         overview: the mean of every finite value of the bucket, at the bucket's middle step."""
         if self.overview and self._bucket_column(key) in self.aggregates.columns:  # type: ignore[union-attr]
-            return self._bucket_mean(key)
+            return self._buckets().mean(self._bucket_column(key))
         column = self.steps.loss if key == "loss" else self.steps.values.get(key)
         if column is None or not len(self.steps):
             return self.metrics.get(key, (np.zeros(0, dtype=np.int64), np.zeros(0)))
@@ -258,7 +258,7 @@ class HDETRun:
         but not the median; the median is non-finite once half the replicas are. In an overview: the
         median over replicas of each replica's bucket mean (infinite when the bucket had a non-finite value)."""
         if self.overview and self._bucket_column(key) in self.aggregates.columns:  # type: ignore[union-attr]
-            return self._bucket_median(key)
+            return self._buckets().median(self._bucket_column(key))
         column = self.steps.loss if key == "loss" else self.steps.values.get(key)
         if column is None or not len(self.steps):
             return self.metrics.get(key, (np.zeros(0, dtype=np.int64), np.zeros(0)))
@@ -330,53 +330,6 @@ class HDETRun:
             self._cache["buckets"] = chosen
         return self._cache["buckets"]
 
-    def _bucket_envelope(self, key: str, replica: int) -> tuple[np.ndarray, np.ndarray]:
-        t = self._buckets()
-        column = self._bucket_column(key)
-        if column not in t.columns:
-            return np.zeros(0, dtype=np.int64), np.zeros(0)
-        m = t.replica == replica
-        n = int(m.sum())
-        x = np.empty(2 * n, dtype=np.int64)
-        y = np.empty(2 * n)
-        x[0::2], x[1::2] = t.first_step[m], t.last_step[m]
-        y[0::2], y[1::2] = t.stat(column, "min")[m], t.stat(column, "max")[m]
-        y[0::2][t.stat(column, "count")[m] < t.rows[m]] = np.nan
-        return x, y
-
-    def _bucket_groups(self) -> tuple[np.ndarray, np.ndarray]:
-        """(middle step of each bucket in view, index of each summary row's bucket)."""
-        t = self._buckets()
-        buckets, inverse = np.unique(t.bucket, return_inverse=True)
-        first = np.full(len(buckets), np.iinfo(np.int64).max)
-        last = np.full(len(buckets), np.iinfo(np.int64).min)
-        np.minimum.at(first, inverse, t.first_step)
-        np.maximum.at(last, inverse, t.last_step)
-        return (first + last) // 2, inverse
-
-    def _bucket_mean(self, key: str) -> tuple[np.ndarray, np.ndarray]:
-        t = self._buckets()
-        column = self._bucket_column(key)
-        steps, inverse = self._bucket_groups()
-        sums = np.bincount(inverse, weights=t.stat(column, "sum"), minlength=len(steps))
-        counts = np.bincount(inverse, weights=t.stat(column, "count"), minlength=len(steps))
-        with np.errstate(invalid="ignore", divide="ignore"):
-            return steps, np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
-
-    def _bucket_median(self, key: str) -> tuple[np.ndarray, np.ndarray]:
-        t = self._buckets()
-        column = self._bucket_column(key)
-        steps, inverse = self._bucket_groups()
-        count = t.stat(column, "count")
-        with np.errstate(invalid="ignore", divide="ignore"):
-            means = np.where(count < t.rows, np.inf, t.stat(column, "sum") / count)
-        order = np.lexsort((means, inverse))
-        values = means[order]
-        _, starts, counts = np.unique(inverse[order], return_index=True, return_counts=True)
-        lo, hi = values[starts + (counts - 1) // 2], values[starts + counts // 2]
-        with np.errstate(invalid="ignore", over="ignore"):
-            return steps, (lo + hi) / 2
-
     def multiplier_grid(self, name: str = "lr") -> tuple[list[int], np.ndarray]:
         """(window start steps, multiplier [replica, window]) of hyperparameter ``name``. At full
         resolution: one window per sync (the multiplier each replica held from that step); in an
@@ -387,7 +340,7 @@ class HDETRun:
             first = t.stat(f"m:{name}", "first")
             if first is None or not len(t):
                 return [], np.zeros((0, 0))
-            steps, inverse = self._bucket_groups()
+            steps, inverse = t.groups()
             starts = np.full(len(steps), np.iinfo(np.int64).max)
             np.minimum.at(starts, inverse, t.first_step)
             grid = np.full((n, len(steps)), np.nan)
