@@ -243,7 +243,10 @@ def main() -> None:
             return statistics.median(t / o for t, o in zip(st[case], st["off"]))
 
         def quartiles(case: str) -> str:
-            q = statistics.quantiles([t / o for t, o in zip(st[case], st["off"])], n=4)
+            ratios = [t / o for t, o in zip(st[case], st["off"])]
+            if len(ratios) < 2:
+                return "n/a"
+            q = statistics.quantiles(ratios, n=4)
             return f"{q[0]:.3f}-{q[2]:.3f}"
 
         ratio, short = median_ratio("tracked"), median_ratio("tracked_short")

@@ -11,7 +11,17 @@ from typing import Any
 from ._checks import check_int
 from .record import RunInfo, SchedulerCallback, SyncRecord
 
-__all__ = ["CallbackList"]
+__all__ = ["CallbackList", "resolve_track"]
+
+
+def resolve_track(track: Any) -> list:
+    """``track=`` as tracker objects ([] when untracked); raises ValueError for a bad value before
+    anything is built (checked by the scheduler before it touches the optimizer)."""
+    if track is False or track is None:
+        return []
+    from .tracking.base import resolve_trackers
+
+    return resolve_trackers(track)
 
 
 class CallbackList:

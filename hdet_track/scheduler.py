@@ -28,7 +28,7 @@ from torch.optim.lr_scheduler import OneCycleLR, _enable_get_lr_call
 from . import checkpoint, collectives
 from ._checks import check_int, check_number
 from .averager import ReplicaAverager
-from .callbacks import CallbackList
+from .callbacks import CallbackList, resolve_track
 from .controller import Controller, ControllerContext, PaperController, make_controller
 from .converge import Converger
 from .explore import Hyperparam, resolve_explore
@@ -145,6 +145,7 @@ class HDETScheduler(OneCycleLR):
             auto_lr_warmup=auto_lr_warmup, temperature=temperature, meta_lr=meta_lr, meta_momentum=meta_momentum,
             div_factor=div_factor, final_div_factor=final_div_factor, log_every=log_every,
         )  # fmt: skip
+        trackers = resolve_track(track)  # a bad value fails before OneCycleLR rewrites the param groups
         n_groups = len(optimizer.param_groups)
         self._lr_bounds = _resolve_lr_bounds(lr_bounds, max_lr, n_groups, div_factor, final_div_factor)
         self._lr_bounds_given = lr_bounds is not None
@@ -205,9 +206,9 @@ class HDETScheduler(OneCycleLR):
             generators=fan.generators,
             callbacks=self._callbacks,
         )
-        if track not in (False, None):
+        if trackers:
             self._track(
-                track, log_every=log_every, compare_group=compare_group, run_name=run_name, close_at_end=close_at_end
+                trackers, log_every=log_every, compare_group=compare_group, run_name=run_name, close_at_end=close_at_end
             )
         self._bind_controller()
         self._hdet_ready = True

@@ -242,8 +242,11 @@ def test_betas_entry_explored_with_adam():
 )
 def test_bad_arguments_name_argument_value_and_range(kw, pattern):
     _, opt = make(groups=3)
+    before = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
     with pytest.raises(ValueError, match=pattern):
         HDETScheduler(opt, 0.1, total_steps=10, **kw)
+    # nothing was touched: OneCycleLR rewrites the param groups only once every argument is valid
+    assert [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] == before
 
 
 def test_dropout_explore_without_dropout_modules_is_an_error():
