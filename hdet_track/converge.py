@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -64,8 +65,19 @@ class Converger:
         self.callbacks = callbacks
         self.losses: list[float | torch.Tensor | None] = []  # this replica's losses since the last sync
         self.onecycle: list[list[float]] = []  # OneCycle's LR per group at each step of the window
-        self._pending: tuple[SyncRecord, collectives.PendingRows] | None = None
+        # The last sync's record while its divergences are on their way: gathered in the background
+        # (PendingRows), or carried by the next sync's window gather (None).
+        self._pending: tuple[SyncRecord, collectives.PendingRows | None] | None = None
+        self._ready: SyncRecord | None = None  # completed by this sync's gather, not handed over yet
+        self._own: tuple[int, float] = (0, math.nan)  # this replica's divergence at that sync, to carry
+        self._window_start = time.monotonic()
         self.tripped = False  # the local step guard reset this replica in the window
+        # Windows shorter than this (rank 0's clock) carry the divergences in the next sync's gather
+        # instead of a collective of their own: on an oversubscribed CPU that collective costs every
+        # rank a scheduler time slice (~10-20 ms) per sync. Below 2 s the record arrives at most 2 s
+        # later, inside the tracking writer's 3-s hand-over; a longer window pays the collective
+        # unnoticed (<1%) and hands its record over at the next step instead of a window later.
+        self.carry_below_seconds = 2.0
 
     def append(self, loss: float | torch.Tensor | None, onecycle: list[float]) -> None:
         """One step of the window: this replica's loss (None: not given) and OneCycle's LRs."""
@@ -109,6 +121,7 @@ class Converger:
         peaks: dict[str, list[float]],
         measure: bool = False,
         blown: str | None = None,
+        final: bool = False,
     ) -> SyncRecord:
         """Converge the replicas (a collective: every rank calls it after the same step).
 
@@ -117,9 +130,13 @@ class Converger:
             perms, values, references, peaks: per name, the window's permutation, every replica's
                 values at the sync, the references and their peaks ahead (see ``WindowStats``).
             measure: measure and gather the replicas' divergence before averaging, into the record.
-                When only a callback ``needs_divergence``, it is gathered in the background instead
-                and the callbacks get the record from :meth:`complete`.
+                When only a callback ``needs_divergence``, the callbacks get the record from
+                :meth:`complete` once the divergences are in: carried by the next sync's window
+                gather after a short window (``carry_below_seconds`` on rank 0's clock), else
+                gathered in the background and in by the next step.
             blown: the step guard's reason to roll back now, if any.
+            final: no sync follows (the last step, or a sync before a checkpoint): divergences that
+                callbacks need are gathered now.
 
         Returns:
             The sync's record; its ``next_permutations`` are the next window's. The window is emptied.
@@ -131,12 +148,21 @@ class Converger:
         n = self.averager.world_size
         finite = self.averager.local_finite()
         row = self._window_row()
-        rows = collectives.all_gather_rows([1.0 if finite else 0.0, float(self.tripped), *row], self.averager.group)
+        now = time.monotonic()
+        carried_step, carried = self._own
+        head = [1.0 if finite else 0.0, float(self.tripped), now - self._window_start, float(carried_step), carried]
+        rows = collectives.all_gather_rows([*head, *row], self.averager.group)
+        self._window_start, self._own = now, (0, math.nan)
+        if self._pending is not None and self._pending[1] is None:  # the last sync's, carried here
+            held = self._pending[0]
+            self._pending = None
+            same = all(int(r[3]) == held.step for r in rows)
+            self._ready = dataclasses.replace(held, divergences=[r[4] for r in rows]) if same else held
         stats = WindowStats(
             step=step,
-            losses=np.array([r[4:] for r in rows], dtype=np.float64).reshape(n, len(self.losses)),
-            counts=[int(r[3]) for r in rows],
-            sums=[r[2] for r in rows],
+            losses=np.array([r[7:] for r in rows], dtype=np.float64).reshape(n, len(self.losses)),
+            counts=[int(r[6]) for r in rows],
+            sums=[r[5] for r in rows],
             finite=[r[0] == 1.0 for r in rows],
             tripped=[r[1] == 1.0 for r in rows],
             perms={k: list(v) for k, v in perms.items()},
@@ -150,6 +176,7 @@ class Converger:
         wanted = any(cb.needs_divergence for cb in self.callbacks)
         divergences = [math.nan] * n
         gathering: collectives.PendingRows | None = None
+        carry = False
         if health.rollback and self.averager.has_consensus and ctrl.rollbacks < ctrl.max_rollbacks:
             self.averager.restore()
             decision = ctrl.rolled_back(stats, blown)
@@ -161,29 +188,43 @@ class Converger:
             raise NonFiniteReplicasError(step, n, stats.window_losses, health.reasons, rollbacks)
         else:
             divergence = self.averager.average(health.healthy, measure=measure or wanted)
-            if measure:
+            carry = wanted and not measure and not final and n > 1 and rows[0][2] < self.carry_below_seconds
+            if measure or (wanted and final):
                 divergences = [r[0] for r in collectives.all_gather_rows([divergence], self.averager.group)]
+            elif carry:  # each rank's own, in the next sync's gather (no collective of its own)
+                self._own = (step, divergence)
             elif wanted:  # for the callbacks: gathered while training goes on (see complete())
                 gathering = collectives.start_gather_rows([divergence], self.averager.group)
             decision = ctrl.update(stats, health)
         drawn = dict(perms) | {name: draw_permutation(n, self.generators[name]) for name in self.names}
         self.losses, self.onecycle, self.tripped = [], [], False
         record = self._record(stats, window, health, divergences, decision, drawn)
-        if gathering is not None:
+        if gathering is not None or carry:
             self._pending = (record, gathering)
         return record
 
     @property
     def pending(self) -> bool:
-        """Whether the last sync's divergences are still being gathered for the callbacks."""
+        """Whether the last sync's divergences are still on their way to the callbacks."""
         return self._pending is not None
 
-    def complete(self, wait: bool = True) -> SyncRecord | None:
-        """The last sync's record with the divergences gathered in the background, once (None when
-        nothing is pending). ``wait=False`` (the process is ending): without them unless they arrived."""
-        if self._pending is None:
+    def complete(self, wait: bool = True, force: bool = False, ready_only: bool = False) -> SyncRecord | None:
+        """The earliest record not yet handed to the callbacks, once its divergences are in (None when
+        there is none or it is still waiting for the next sync). ``wait``: wait for a background
+        gather; ``force`` (the job ends or is checkpointed; the process is ending with
+        ``wait=False``): hand it over now, without the divergences that have not arrived;
+        ``ready_only``: only a record this sync's gather completed."""
+        if self._ready is not None:
+            record, self._ready = self._ready, None
+            return record
+        if self._pending is None or ready_only:
             return None
         record, gathering = self._pending
+        if gathering is None:  # carried by the next sync's gather
+            if not (force or not wait):
+                return None
+            self._pending = None
+            return record
         self._pending = None
         if wait or gathering.done():
             record = dataclasses.replace(record, divergences=[r[0] for r in gathering.wait()])

@@ -183,10 +183,14 @@ class SchedulerCallback:
     """Receives what the scheduler does; subclass and override what you need.
 
     Called on every rank, on the training thread: keep the work small (hand it to a thread).
-    ``needs_divergence`` asks every rank to measure the replicas' divergences at each sync; they are
-    gathered in the background (no rank waits for the others), so :meth:`on_sync` then comes at the
-    start of the next step (the last sync's before the last ``on_step``; at ``close()``,
-    ``flush()``, ``log_metrics()`` or ``state_dict()`` if sooner).
+    ``needs_divergence`` asks every rank to measure the replicas' divergences at each sync, and
+    :meth:`on_sync` then comes once they are in, with no collective of their own on short windows:
+    after a window shorter than 2 s (rank 0's clock) each rank's divergence rides in the next sync's
+    window gather and the record comes at that sync, before the next one's; after a longer window
+    they are gathered in the background (no rank waits for the others) and the record comes at the
+    start of the next step. The last step's sync and ``sync_now()`` gather at once; ``close()``,
+    ``flush()`` and ``state_dict()`` hand a waiting record over without the divergences that
+    have not arrived.
     """
 
     needs_divergence: bool = False

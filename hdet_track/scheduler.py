@@ -346,13 +346,14 @@ class HDETScheduler(OneCycleLR):
         self._deliver()
         if not self._converger.losses:
             return None
-        record = self._sync(self.last_epoch)
+        record = self._sync(self.last_epoch, final=True)  # often before a checkpoint: nothing left pending
         self._refresh()  # the next step's values, from the new drift and permutations
         self._synced(record)
         return record
 
     def _synced(self, record: SyncRecord) -> None:
         self._apply_explored()
+        self._deliver(ready_only=True)  # the last sync's record, completed by this sync's gather
         self.last_sync = record
         if not self._converger.pending:
             self._notify(record)
@@ -360,13 +361,16 @@ class HDETScheduler(OneCycleLR):
     def _pending_record(self) -> SyncRecord | None:
         return self._converger.complete(wait=False)  # the process is ending: never wait on a collective
 
-    def _deliver(self) -> None:
-        """Hand the callbacks the last sync's record once its divergences, gathered in the
-        background for a callback that ``needs_divergence``, are in (at the next step at the latest)."""
-        record = self._converger.complete()
-        if record is not None:
-            self.last_sync = record
+    def _deliver(self, force: bool = False, ready_only: bool = False) -> None:
+        """Hand the callbacks a sync's record once the divergences a callback ``needs_divergence``
+        are in: gathered in the background (by the next step), or carried by the next sync's
+        gather after a short window; ``force``: now, with what has arrived (close, checkpoint)."""
+        record = self._converger.complete(force=force, ready_only=ready_only)
+        while record is not None:
+            if self.last_sync is None or record.step >= self.last_sync.step:
+                self.last_sync = record
             self._notify(record)
+            record = self._converger.complete(force=force, ready_only=ready_only)
 
     def _notify(self, record: SyncRecord) -> None:
         self._callbacks.on_sync(record)
@@ -400,7 +404,7 @@ class HDETScheduler(OneCycleLR):
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
     # ------------------------------------------------------------------ the sync
-    def _sync(self, step: int, blown: str | None = None) -> SyncRecord:
+    def _sync(self, step: int, blown: str | None = None, final: bool = False) -> SyncRecord:
         """Converge with the window's schedule; the next window's permutations come back in the record."""
         record = self._converger.sync(
             step,
@@ -410,6 +414,7 @@ class HDETScheduler(OneCycleLR):
             peaks={"lr": self._onecycle_peaks()} | {k: list(v) for k, v in self._fanout.references.items()},
             measure=self.measure_divergence,
             blown=blown,
+            final=final or step >= self.total_steps,
         )
         self._fanout.perm = {k: list(v) for k, v in record.next_permutations.items()}
         return record
@@ -476,15 +481,16 @@ class HDETScheduler(OneCycleLR):
         self._callbacks.log_metrics(metrics, max(self.last_epoch, 0) if step is None else step)
 
     def flush(self, timeout: float | None = 60.0) -> bool:
-        """Block until what was logged so far reached the trackers (rank 0). True when it did."""
-        self._deliver()
+        """Block until what was logged so far reached the trackers (rank 0). True when it did (the
+        last sync's divergences too when they are in; otherwise its record goes without them)."""
+        self._deliver(force=True)
         return self._callbacks.flush(timeout)
 
     def close(self, status: str = "FINISHED", error: str | None = None) -> None:
         """End the job: the tracked run ends with ``status`` (FINISHED, FAILED or KILLED); idempotent."""
         if status not in ("FINISHED", "FAILED", "KILLED"):
             raise ValueError(f"Expected status in ('FINISHED', 'FAILED', 'KILLED'), but got {status!r}")
-        self._deliver()
+        self._deliver(force=True)
         self._callbacks.on_close(status, error, max(self.last_epoch, 0))
 
     def __enter__(self) -> HDETScheduler:
@@ -513,7 +519,7 @@ class HDETScheduler(OneCycleLR):
 
         Only plain Python values and tensors, so ``torch.load(weights_only=True)`` reads it.
         """
-        self._deliver()
+        self._deliver(force=True)  # a record waiting for the next sync's gather goes without its divergences
         window = self._converger.window_state()
         runs = self._callbacks.run_ids(wait=30.0)
         controller = self._controller

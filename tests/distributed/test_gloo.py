@@ -49,28 +49,39 @@ def test_fanout_values_and_converge(mode):
             assert div == pytest.approx(expected, rel=1e-6) and div > 0
 
 
-def test_divergences_gathered_in_the_background_reach_callbacks_complete_and_in_order():
+def test_divergences_reach_callbacks_complete_and_in_order_gathered_or_carried():
     """A callback that needs the divergences (tracking does) gets each sync's record once, with the
-    same divergences as measuring at the sync, between that step's on_step and the next one's (the
-    last sync's before the last step's on_step, which ends a tracked run); training is unchanged."""
+    same divergences as measuring at the sync; training is unchanged. Gathered in the background
+    (long windows): between that step's on_step and the next one's. Carried by the next sync's
+    gather (short windows, no collective of their own): at the next sync, before its own record;
+    the last sync gathers at once, so a run ends with every record complete."""
     res = run_ranks(workers.background_divergence, WORLD)
-    first = [e for e in res[0]["background"]["events"] if e[0] == "sync"]
-    for r in range(WORLD):
-        measured, background = res[r]["measured"], res[r]["background"]
-        assert torch.equal(measured["params"], background["params"])
-        by_step = {s: d for s, d in (x for x in measured["seen"] if x)}
-        assert sorted(by_step) == [4, 8, 12, 14]
-        assert all(len(d) == WORLD and all(0 < v < math.inf for v in d) for d in by_step.values())
-        events = background["events"]
-        delivered = [e for e in events if e[0] == "sync"]
-        assert [e[1] for e in delivered] == [4, 8, 12, 14]  # each once, in order
-        assert delivered == first  # the same record on every rank
-        for event in delivered:
-            step, divs = event[1], event[2]
-            assert divs == pytest.approx(by_step[step], rel=1e-12), (r, step)
-            at = events.index(event)
-            around = (("step", 13), ("step", 14)) if step == 14 else (("step", step), ("step", step + 1))
-            assert (events[at - 1], events[at + 1]) == around, (r, step)
+    for how in ("background", "carried"):
+        first = [e for e in res[0][how]["events"] if e[0] == "sync"]
+        for r in range(WORLD):
+            measured, got = res[r]["measured"], res[r][how]
+            assert torch.equal(measured["params"], got["params"])
+            by_step = {s: d for s, d in (x for x in measured["seen"] if x)}
+            assert sorted(by_step) == [4, 8, 12, 14]
+            assert all(len(d) == WORLD and all(0 < v < math.inf for v in d) for d in by_step.values())
+            events = got["events"]
+            delivered = [e for e in events if e[0] == "sync"]
+            assert [e[1] for e in delivered] == [4, 8, 12, 14], how  # each once, in order
+            assert delivered == first  # the same record on every rank
+            for event in delivered:
+                step, divs = event[1], event[2]
+                assert divs == pytest.approx(by_step[step], rel=1e-12), (how, r, step)
+                at = events.index(event)
+                if how == "background":
+                    around = (("step", 13), ("step", 14)) if step == 14 else (("step", step), ("step", step + 1))
+                else:
+                    around = {
+                        4: (("step", 7), ("step", 8)),
+                        8: (("step", 11), ("step", 12)),
+                        12: (("step", 13), delivered[3]),
+                        14: (delivered[2], ("step", 14)),
+                    }[step]
+                assert (events[at - 1], events[at + 1]) == around, (how, r, step)
 
 
 @pytest.mark.parametrize("prefer", ["high", "low"])

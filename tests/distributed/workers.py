@@ -89,9 +89,10 @@ def fanout_and_sync(rank: int, world: int, mode: str) -> dict:
 
 
 def background_divergence(rank: int, world: int) -> dict:
-    """The same 14 steps (syncs every 4 and at the end) twice: divergences measured at each sync
-    (``measure_divergence``), and for a callback that ``needs_divergence`` (gathered in the
-    background): what that callback receives, and when, next to the scheduler's own steps."""
+    """The same 14 steps (syncs every 4 and at the end) three times: divergences measured at each
+    sync (``measure_divergence``), and for a callback that ``needs_divergence``, gathered in the
+    background or carried by the next sync's gather: what that callback receives, and when, next to
+    the scheduler's own steps."""
     from hdet_track.record import SchedulerCallback
 
     class Listener(SchedulerCallback):
@@ -107,15 +108,16 @@ def background_divergence(rank: int, world: int) -> dict:
             self.events.append(("step", step))
 
     out = {}
-    for how in ("measured", "background"):
+    for how in ("measured", "background", "carried"):
         model = make_model()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         listener = Listener()
         sched = HDETScheduler(
             opt, max_lr=0.3, total_steps=14, spread=0.5, sync_every=4, model=model, seed=3,
-            callbacks=[listener] if how == "background" else [],
+            callbacks=[listener] if how != "measured" else [],
         )  # fmt: skip
         sched.measure_divergence = how == "measured"
+        sched._converger.carry_below_seconds = math.inf if how == "carried" else 0.0  # every window short / long
         seen = []
         for step in range(14):
             sched.step(sgd_step(model, opt, rank, step))
