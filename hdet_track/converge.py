@@ -182,8 +182,10 @@ class Converger:
             decision = ctrl.rolled_back(stats, blown)
         elif not any(health.healthy):
             record = self._record(stats, window, health, divergences, Decision(), perms)
-            for cb in self.callbacks:  # the diverged window is part of the run's record
-                cb.on_sync(record)
+            earlier, self._ready = self._ready, None  # the last sync's, completed here: it goes first
+            for rec in (earlier, record) if earlier is not None else (record,):
+                for cb in self.callbacks:  # the diverged window is part of the run's record
+                    cb.on_sync(rec)
             rollbacks = ctrl.rollbacks if health.rollback else None
             raise NonFiniteReplicasError(step, n, stats.window_losses, health.reasons, rollbacks)
         else:

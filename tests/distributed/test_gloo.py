@@ -140,6 +140,14 @@ def test_all_replicas_nonfinite_raises_naming_step():
         assert "step 4" in res[r]["message"] and "DDP" in res[r]["message"]
 
 
+def test_a_carried_record_reaches_callbacks_before_a_failing_sync():
+    res = run_ranks(workers.nonfinite_after_a_carried_sync, WORLD)
+    for r in range(WORLD):
+        assert res[r]["error_step"] == 8
+        assert [s for s, _ in res[r]["syncs"]] == [4, 8], r  # in order, the earlier one complete
+        assert all(0 < d < math.inf for d in res[r]["syncs"][0][1])
+
+
 def test_kill_and_resume_is_exact(tmp_path):
     full = run_ranks(workers.resume_full, WORLD)
     run_ranks(workers.resume_part1, WORLD, str(tmp_path), 17, allow_kill=True)

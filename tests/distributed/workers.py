@@ -459,3 +459,34 @@ def left_out_every_sync(rank: int, world: int, uri: str) -> dict:
         sched.step(math.nan if rank == 3 else 1.0 / k)
     sched.flush(timeout=120)
     return {"run_ids": sched.run_ids}
+
+
+def nonfinite_after_a_carried_sync(rank: int, world: int) -> dict:
+    """The sync at 4 waits for the next sync's gather for its divergences; every loss from step 5 on
+    is NaN, so that next sync (8) raises: the callbacks must still get 4 (complete) before 8."""
+    from hdet_track import NonFiniteReplicasError
+    from hdet_track.record import SchedulerCallback
+
+    class Listener(SchedulerCallback):
+        needs_divergence = True
+
+        def __init__(self) -> None:
+            self.syncs: list[tuple[int, list[float]]] = []
+
+        def on_sync(self, record) -> None:
+            self.syncs.append((record.step, list(record.divergences)))
+
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    listener = Listener()
+    sched = HDETScheduler(
+        opt, max_lr=0.1, total_steps=12, spread=0.2, sync_every=4, model=model, callbacks=[listener]
+    )  # fmt: skip
+    sched._converger.carry_below_seconds = math.inf
+    for step in range(12):
+        loss = sgd_step(model, opt, rank, step)
+        try:
+            sched.step(math.nan if step >= 4 else loss)
+        except NonFiniteReplicasError as exc:
+            return {"syncs": listener.syncs, "error_step": exc.step}
+    return {"syncs": listener.syncs, "error_step": None}
