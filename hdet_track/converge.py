@@ -205,6 +205,21 @@ class Converger:
             self._pending = (record, gathering)
         return record
 
+    def gather_carried(self) -> None:
+        """Gather the divergences the last sync left for the next one's gather, now (``sync_now()``
+        right after a sync, before a checkpoint). A collective exactly when a divergence is carried,
+        which every rank knows alike."""
+        step, own = self._own
+        if step == 0:
+            return
+        rows = collectives.all_gather_rows([float(step), own], self.averager.group)
+        self._own = (0, math.nan)
+        if self._pending is not None and self._pending[1] is None and self._pending[0].step == step:
+            held = self._pending[0]
+            self._pending = None
+            same = all(int(r[0]) == step for r in rows)
+            self._ready = dataclasses.replace(held, divergences=[r[1] for r in rows]) if same else held
+
     @property
     def pending(self) -> bool:
         """Whether the last sync's divergences are still on their way to the callbacks."""
@@ -291,4 +306,5 @@ class Converger:
             guard=decision.guard,
             controller=self.controller.name if self.controller is not None else "",
             rank=self.averager.rank,
+            time=time.time(),
         )

@@ -163,6 +163,7 @@ class SyncRecord:
     guard: list[GuardAction]
     controller: str
     rank: int
+    time: float = math.nan  # wall time (s since the epoch) of the sync, whenever callbacks get it
 
     @property
     def divergence(self) -> float:

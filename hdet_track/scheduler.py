@@ -345,6 +345,8 @@ class HDETScheduler(OneCycleLR):
         """
         self._deliver()
         if not self._converger.losses:
+            self._converger.gather_carried()  # right after a sync: its divergences, before a checkpoint
+            self._deliver()
             return None
         record = self._sync(self.last_epoch, final=True)  # often before a checkpoint: nothing left pending
         self._refresh()  # the next step's values, from the new drift and permutations

@@ -3,6 +3,7 @@ one tracked run per job, written by rank 0's :class:`~hdet_track.tracking.hub.Tr
 
 from __future__ import annotations
 
+import math
 import platform
 import time
 from collections.abc import Callable, Mapping
@@ -74,8 +75,7 @@ class Recorder(SchedulerCallback):
             return
         if not self.started and self._info is not None:
             self.on_start(self._info())  # a job that failed before its first step still has a run
-        record = self._pending() if self._pending is not None else None
-        if record is not None:
+        while self._pending is not None and (record := self._pending()) is not None:
             self.on_sync(record)  # without divergences unless they arrived
         self.hub.end_with_process(reason)
 
@@ -114,8 +114,8 @@ class Recorder(SchedulerCallback):
         self.hub.start(start)
 
     def on_sync(self, record: SyncRecord) -> None:
-        if self.hub is not None:
-            self.hub.record(record)
+        if self.hub is not None:  # stamped with the sync's own time, however late it is handed over
+            self.hub.record(record, record.time if math.isfinite(record.time) else None)
 
     def on_step(self, step: int) -> None:
         if self.hub is not None:

@@ -148,6 +148,14 @@ def test_a_carried_record_reaches_callbacks_before_a_failing_sync():
         assert all(0 < d < math.inf for d in res[r]["syncs"][0][1])
 
 
+def test_sync_now_right_after_a_carried_sync_completes_its_record():
+    res = run_ranks(workers.sync_now_after_a_carried_sync, WORLD)
+    for r in range(WORLD):
+        assert res[r]["held"] == []  # waiting for the next sync's gather
+        ((step, divs, when),) = res[r]["syncs"]
+        assert step == 4 and all(0 < d < math.inf for d in divs) and math.isfinite(when)
+
+
 def test_kill_and_resume_is_exact(tmp_path):
     full = run_ranks(workers.resume_full, WORLD)
     run_ranks(workers.resume_part1, WORLD, str(tmp_path), 17, allow_kill=True)

@@ -490,3 +490,31 @@ def nonfinite_after_a_carried_sync(rank: int, world: int) -> dict:
         except NonFiniteReplicasError as exc:
             return {"syncs": listener.syncs, "error_step": exc.step}
     return {"syncs": listener.syncs, "error_step": None}
+
+
+def sync_now_after_a_carried_sync(rank: int, world: int) -> dict:
+    """A checkpoint right after a sync whose divergences wait for the next sync's gather:
+    ``sync_now()`` (what integrations call first) gathers them, so ``state_dict()`` hands the record
+    over complete."""
+    from hdet_track.record import SchedulerCallback
+
+    class Listener(SchedulerCallback):
+        needs_divergence = True
+
+        def __init__(self) -> None:
+            self.syncs: list[tuple[int, list[float], float]] = []
+
+        def on_sync(self, record) -> None:
+            self.syncs.append((record.step, list(record.divergences), record.time))
+
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    listener = Listener()
+    sched = HDETScheduler(opt, max_lr=0.1, total_steps=8, spread=0.2, sync_every=4, model=model, callbacks=[listener])
+    sched._converger.carry_below_seconds = math.inf
+    for step in range(4):
+        sched.step(sgd_step(model, opt, rank, step))
+    held = list(listener.syncs)
+    assert sched.sync_now() is None
+    sched.state_dict()
+    return {"held": held, "syncs": listener.syncs}
