@@ -153,11 +153,7 @@ class Converger:
         head = [1.0 if finite else 0.0, float(self.tripped), now - self._window_start, float(carried_step), carried]
         rows = collectives.all_gather_rows([*head, *row], self.averager.group)
         self._window_start, self._own = now, (0, math.nan)
-        if self._pending is not None and self._pending[1] is None:  # the last sync's, carried here
-            held = self._pending[0]
-            self._pending = None
-            same = all(int(r[3]) == held.step for r in rows)
-            self._ready = dataclasses.replace(held, divergences=[r[4] for r in rows]) if same else held
+        self._complete_carried([int(r[3]) for r in rows], [r[4] for r in rows])
         stats = WindowStats(
             step=step,
             losses=np.array([r[7:] for r in rows], dtype=np.float64).reshape(n, len(self.losses)),
@@ -214,11 +210,17 @@ class Converger:
             return
         rows = collectives.all_gather_rows([float(step), own], self.averager.group)
         self._own = (0, math.nan)
-        if self._pending is not None and self._pending[1] is None and self._pending[0].step == step:
-            held = self._pending[0]
-            self._pending = None
-            same = all(int(r[0]) == step for r in rows)
-            self._ready = dataclasses.replace(held, divergences=[r[1] for r in rows]) if same else held
+        self._complete_carried([int(r[0]) for r in rows], [r[1] for r in rows])
+
+    def _complete_carried(self, steps: list[int], divergences: list[float]) -> None:
+        """The held record becomes ready, with every rank's carried divergence when all carried its
+        step (a rank that resumed or was handed it over carries none), else as it is."""
+        if self._pending is None or self._pending[1] is not None:
+            return
+        held = self._pending[0]
+        self._pending = None
+        same = all(s == held.step for s in steps)
+        self._ready = dataclasses.replace(held, divergences=divergences) if same else held
 
     @property
     def pending(self) -> bool:
