@@ -71,8 +71,11 @@ ROUNDS: dict[int, dict[str, dict | None]] = {
     # Round 5: a diagnostic, not a candidate (docs/controller.md, "A diagnostic before round 5"):
     # the fan-out with no controller (auto_lr=False), at max_lr 0.1 (--lrs 0.1 --no-onecycle).
     5: {"fanout-only": None},
+    # Round 6: the local step guard with a rollback-sized cut, both modes, against round 2's bar and
+    # its step-guard-own-start runs (docs/controller.md, "Round 6"; --no-onecycle).
+    6: {"step-guard-local-spread": {"step_guard_scope": "local", "trip_backoff": "spread"}},
 }
-SEEDS = {1: (100,), 2: (100, 101, 102), 4: (100, 101, 102), 5: (100, 101, 102)}
+SEEDS = {1: (100,), 2: (100, 101, 102), 4: (100, 101, 102), 5: (100, 101, 102), 6: (100, 101, 102)}
 CANDIDATES: dict[str, dict | None] = {k: v for r in ROUNDS.values() for k, v in r.items()}
 REFERENCE_LRS = (0.02, 0.05, 0.1, 0.2, 0.5)
 CANDIDATE_LRS = (0.02, 0.1, 0.5)

@@ -429,6 +429,11 @@ class DriftController(Controller):
             is left out at the next sync like a replica the sync guard finds blown up. For
             replicas that train independently between syncs (under DDP a blow-up reaches every
             replica through the gradients, which only the collective check sees).
+        trip_backoff: with ``step_guard_scope="local"``, how far the LR drift goes down at the
+            sync after a replica tripped: ``"notch"`` (the default: as for any blown-up replica,
+            one notch when the tripped replicas had the highest LR) or ``"spread"``: by the
+            multipliers' whole log range (at least ``min_backoff``), a rollback's cut, while the
+            healthy replicas keep their window (docs/controller.md, round 6).
         ceiling: the LR's drift never rises so far that the base LR at a later step (OneCycle's
             peak during the ramp-up) would exceed the highest LR a healthy replica has trained
             with so far: the base only goes where a replica has been. Upward moves only.
@@ -452,6 +457,7 @@ class DriftController(Controller):
         ceiling: bool = False,
         step_guard: float | None = 10.0,
         step_guard_scope: str = "all",
+        trip_backoff: str = "notch",
     ) -> None:
         inf = math.inf
         self.guard = check_number("guard", guard, 1.0, inf, low_open=True, high_open=True)
@@ -481,6 +487,14 @@ class DriftController(Controller):
                 "consensus), but got rollback=False"
             )
         self.step_guard_scope = step_guard_scope
+        if trip_backoff not in ("notch", "spread"):
+            raise ValueError(f"Expected trip_backoff in ('notch', 'spread'), but got {trip_backoff!r}")
+        if trip_backoff == "spread" and step_guard_scope != "local":
+            raise ValueError(
+                "Expected step_guard_scope='local' with trip_backoff='spread' (only the local step guard "
+                f"trips a single replica), but got step_guard_scope={step_guard_scope!r}"
+            )
+        self.trip_backoff = trip_backoff
         self._tested: dict[str, list[float]] = {}  # per name: the highest value a healthy replica used
         self._drift: dict[str, list[float]] = {}
         self._evidence: dict[str, list[float]] = {}  # per name: [accumulated sum S, its variance V]
@@ -576,13 +590,18 @@ class DriftController(Controller):
                     0.0  # a window's loss favours the smaller step (short-horizon bias): only blow-ups lower the LR
                 )
             blown = [r for r in left if health.reasons[r].startswith("blown")]
-            if name == "lr" and blown and ok and max(x[r] for r in blown) > max(x[r] for r in ok):
-                # The highest-LR replicas blew up: the base goes down one notch at least.
-                cut = max(x[r] for r in blown) - max(x[r] for r in ok)
-                change = min(change, -cut)
-                s = min(s, 0.0)
-                self.guard_events += 1
-                guard.append(GuardAction("backoff", blown, f"replicas {blown} with the highest LR blew up", change))
+            if name == "lr" and blown and ok:
+                # The highest-LR replicas blew up: the base goes down one notch at least; after a
+                # local trip with trip_backoff="spread", by a rollback's cut.
+                cut, why = max(0.0, max(x[r] for r in blown) - max(x[r] for r in ok)), "with the highest LR blew up"
+                tripped = [r for r in blown if stats.tripped and stats.tripped[r]]
+                if tripped and self.trip_backoff == "spread":
+                    cut, blown, why = self._rollback_cut(x), tripped, "tripped the local step guard"
+                if cut > 0:
+                    change = min(change, -cut)
+                    s = min(s, 0.0)
+                    self.guard_events += 1
+                    guard.append(GuardAction("backoff", blown, f"replicas {blown} {why}", change))
             self._evidence[name] = [s, v]
             refs = stats.references[name]
             moved = self._move(name, change, refs, self._ceilings(name, stats, ok))
@@ -617,8 +636,7 @@ class DriftController(Controller):
     def rolled_back(self, stats: WindowStats, reason: str | None = None) -> Decision:
         self.rollbacks += 1
         self.guard_events += 1
-        x = self._log_mults("lr", stats)
-        cut = max(max(x) - min(x), math.log(self.min_backoff))
+        cut = self._rollback_cut(self._log_mults("lr", stats))
         refs = stats.references["lr"]
         moved = self._move("lr", -cut, refs)
         for name in self.ctx.names:
@@ -634,6 +652,10 @@ class DriftController(Controller):
         n = len(stats.counts)
         reason = f"{reason or 'every replica blown up or non-finite'} (rollback {self.rollbacks} in a row)"
         return Decision(None, updates, [GuardAction("rollback", list(range(n)), reason, -cut)])
+
+    def _rollback_cut(self, log_mults: list[float]) -> float:
+        """A rollback's cut of the log LR drift: the multipliers' log range, at least ``min_backoff``."""
+        return max(max(log_mults) - min(log_mults), math.log(self.min_backoff))
 
     def _base_from(self, name: str, target: int, reference: float, drift: float) -> float:
         value = reference * math.exp(drift)

@@ -307,3 +307,40 @@ def test_local_step_guard_checks_own_loss_and_leaves_the_reset_replica_out():
     # every replica reset: roll back
     st_all = WindowStats(**{**st.__dict__, "tripped": [True] * N})
     assert c.health(st_all).rollback
+
+
+@pytest.mark.parametrize("tripped", [3, 1])
+def test_trip_backoff_spread_cuts_a_rollbacks_worth_and_keeps_the_healthy_replicas(tripped):
+    """trip_backoff="spread": a replica reset by the local guard cuts the LR drift by the
+    multipliers' whole log range (a rollback's cut), whichever multiplier it had; "notch" (the
+    default) backs off only when it had the highest LR. Either way no rollback: the healthy
+    replicas keep their window."""
+    flags = [r == tripped for r in range(N)]
+    st = stats(windows([1.0, 1.0, 1.0, 1.0], noise=0.001, start=1.0))
+    st = WindowStats(**{**st.__dict__, "tripped": flags})
+    spread = controller(step_guard_scope="local", trip_backoff="spread")
+    health = spread.health(st)
+    assert not health.rollback and health.healthy == [not f for f in flags]
+    d = spread.update(st, health)
+    (backoff,) = d.guard
+    assert backoff.kind == "backoff" and backoff.replicas == [tripped]
+    assert "tripped the local step guard" in backoff.reason
+    full = math.log(RHO[-1]) - math.log(RHO[0])  # log 3 at spread 0.5 (above min_backoff's log 2)
+    assert spread.drift["lr"][0] == pytest.approx(-full) and backoff.drift_change == pytest.approx(-full)
+    assert spread.guard_events == 1
+    notch = controller(step_guard_scope="local")
+    d = notch.update(st, notch.health(st))
+    if tripped == N - 1:  # the highest LR: one notch
+        assert notch.drift["lr"][0] == pytest.approx(-(math.log(RHO[3]) - math.log(RHO[2])))
+    else:  # a lower multiplier blew up: no evidence against the base
+        assert d.guard == [] and notch.drift["lr"][0] == 0.0
+    # a rollback's cut is at least min_backoff
+    wide = controller(step_guard_scope="local", trip_backoff="spread", min_backoff=4.0)
+    wide.update(st, wide.health(st))
+    assert wide.drift["lr"][0] == pytest.approx(-math.log(4.0))
+    with pytest.raises(ValueError, match=r"trip_backoff in \('notch', 'spread'\), but got 'all'"):
+        DriftController(step_guard_scope="local", trip_backoff="all")
+    with pytest.raises(
+        ValueError, match="step_guard_scope='local' with trip_backoff='spread'.*got step_guard_scope='all'"
+    ):
+        DriftController(trip_backoff="spread")
