@@ -73,7 +73,10 @@ ROUNDS: dict[int, dict[str, dict | None]] = {
     5: {"fanout-only": None},
     # Round 6: the local step guard with a rollback-sized cut, both modes, against round 2's bar and
     # its step-guard-own-start runs (docs/controller.md, "Round 6"; --no-onecycle).
-    6: {"step-guard-local-spread": {"step_guard_scope": "local", "trip_backoff": "spread"}},
+    6: {
+        "step-guard-local-spread": {"step_guard_scope": "local", "trip_backoff": "spread"},
+        "step-guard-collective": {},  # the default, rerun: the current code no longer reproduces round 2's runs
+    },
 }
 SEEDS = {1: (100,), 2: (100, 101, 102), 4: (100, 101, 102), 5: (100, 101, 102), 6: (100, 101, 102)}
 CANDIDATES: dict[str, dict | None] = {k: v for r in ROUNDS.values() for k, v in r.items()}
