@@ -216,8 +216,8 @@ def select(results: dict[str, dict], dataset: str, steps: int, replicas: int, ro
             finite = [x for x in ratios if math.isfinite(x)]
             worst_finite = max(finite) if finite else math.inf
             score[name] = {"diverged": diverged, "worst_ratio": max(ratios), "worst_finite_ratio": worst_finite}
-    winner = None
-    if len(score) == len(candidates):
+    winner = None  # round 6's rule compares modes separately (docs/controller.md): read from the scores
+    if len(score) == len(candidates) and "design" in candidates:
         key = (
             (lambda n: (score[n]["diverged"], score[n]["worst_finite_ratio"]))
             if round_ > 1
