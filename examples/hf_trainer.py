@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import sysconfig
@@ -57,6 +58,7 @@ def main_worker(
     save_steps: int = 0,
     kill_at: int = 0,
     resume: bool = False,
+    eval_steps: int = 0,
 ) -> None:
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
@@ -75,6 +77,9 @@ def main_worker(
         logging_steps=10,
         save_strategy="steps" if save_steps else "no",
         save_steps=save_steps or 500,
+        eval_strategy="steps" if eval_steps else "no",
+        eval_steps=eval_steps or None,
+        per_device_eval_batch_size=32,
         report_to=[] if report == "none" else [report],
         use_cpu=True,
         ddp_backend="gloo",
@@ -84,14 +89,16 @@ def main_worker(
         seed=0,
     )
     hdet = {"spread": 0.3, "sync_every": 10, "auto_lr": True, "auto_lr_warmup": steps // 4}
+    text = corpus(220_000)
+    data = {"train_dataset": Chunks(text[:200_000])}
+    if eval_steps:
+        data["eval_dataset"] = Chunks(text[200_000:])  # 624 held-out windows
     if callback:  # the callback form
         from hdet_track.integrations.transformers import HDETTrainerCallback
 
-        trainer = Trainer(
-            model=model, args=args, train_dataset=Chunks(corpus()), callbacks=[HDETTrainerCallback(**hdet)]
-        )
+        trainer = Trainer(model=model, args=args, **data, callbacks=[HDETTrainerCallback(**hdet)])
     else:  # the one line
-        trainer = hdet_track.wrap(Trainer(model=model, args=args, train_dataset=Chunks(corpus())), **hdet)
+        trainer = hdet_track.wrap(Trainer(model=model, args=args, **data), **hdet)
     if dump:  # test hook: each rank's parameters and learning rate after every optimizer step
 
         class Dump(TrainerCallback):
@@ -100,6 +107,21 @@ def main_worker(
                 torch.save(flat, os.path.join(dump, f"rank{args.process_index}-step{state.global_step}.pt"))
                 with open(os.path.join(dump, f"lr{args.process_index}.jsonl"), "a") as f:
                     f.write(json.dumps([state.global_step, optimizer.param_groups[0]["lr"]]) + "\n")
+
+            def on_prediction_step(self, args, state, control, **kwargs):
+                """At an evaluation's first batch: the last sync's step and whether its divergences are in."""
+                if state.global_step in self.evaluated:
+                    return
+                self.evaluated.add(state.global_step)
+                sched = trainer.lr_scheduler  # wrap(); the callback form keeps its own
+                if not isinstance(sched, hdet_track.HDETScheduler):
+                    sched = next(c.scheduler for c in trainer.callback_handler.callbacks if hasattr(c, "scheduler"))
+                last = sched.last_sync
+                complete = all(math.isfinite(d) for d in last.divergences)
+                with open(os.path.join(dump, f"eval{args.process_index}.jsonl"), "a") as f:
+                    f.write(json.dumps([state.global_step, last.step, complete]) + "\n")
+
+            evaluated: set = set()
 
         trainer.add_callback(Dump())
     if kill_at:  # test hook: the whole job dies right after the checkpoint at this step
@@ -134,6 +156,7 @@ if __name__ == "__main__":
     parser.add_argument("--resume", action="store_true", help="resume from the last checkpoint in --output-dir")
     parser.add_argument("--dump", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--kill-at", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--eval-steps", type=int, default=0, help="evaluate on held-out text every N steps")
     a = parser.parse_args()
-    extra = {"save_steps": a.save_steps, "kill_at": a.kill_at, "resume": a.resume}
+    extra = {"save_steps": a.save_steps, "kill_at": a.kill_at, "resume": a.resume, "eval_steps": a.eval_steps}
     launch(a.replicas, a.steps, a.output_dir, a.dump, a.callback, **extra)

@@ -34,6 +34,10 @@ class Digits(pl.LightningModule):
         x, y = batch
         return F.cross_entropy(self.net(x), y)
 
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self.net(x), y), sync_dist=True)
+
     def configure_optimizers(self):
         opt = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
         sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.3, total_steps=self.steps)
@@ -52,6 +56,16 @@ class DumpAfterSync(pl.Callback):
         lr = trainer.optimizers[0].param_groups[0]["lr"]
         with open(os.path.join(self.directory, f"lr{trainer.global_rank}.jsonl"), "a") as f:
             f.write(json.dumps([trainer.global_step, lr]) + "\n")
+
+    def on_validation_start(self, trainer, pl_module):
+        """The last sync's record as validation starts: its step and whether its divergences are in."""
+        if trainer.sanity_checking:
+            return
+        hdet = next(c for c in trainer.callbacks if isinstance(c, HDETCallback))
+        last = hdet.scheduler.last_sync
+        complete = bool(torch.isfinite(torch.tensor(last.divergences)).all())
+        with open(os.path.join(self.directory, f"val{trainer.global_rank}.jsonl"), "a") as f:
+            f.write(json.dumps([trainer.global_step, last.step, complete]) + "\n")
 
 
 class KillAfter(pl.Callback):
@@ -76,10 +90,11 @@ def main() -> None:
     parser.add_argument("--ckpt-dir", default="checkpoints")
     parser.add_argument("--resume", default=None, help="a checkpoint file to resume from (fit(ckpt_path=...))")
     parser.add_argument("--run-id", default=None, help="the MLflow run to log into (a resumed job's)")
+    parser.add_argument("--val-every", type=int, default=0, help="validate every N epochs (10 steps each; 0: never)")
     parser.add_argument("--dump", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--kill-at", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    x, y, _, _ = load_digits_split()
+    x, y, x_val, y_val = load_digits_split()
     # 1,280 images: 10 steps per epoch on 2 replicas, so epochs (and resumes at their ends) see the same order
     loader = DataLoader(
         TensorDataset(x[:1280], y[:1280]), batch_size=64, shuffle=True, generator=torch.Generator().manual_seed(0)
@@ -119,8 +134,10 @@ def main() -> None:
         enable_progress_bar=False,
         enable_checkpointing=bool(args.save_every),
         enable_model_summary=False,
+        check_val_every_n_epoch=max(args.val_every, 1),
     )
-    trainer.fit(Digits(args.steps), loader, ckpt_path=args.resume)
+    val = DataLoader(TensorDataset(x_val, y_val), batch_size=256) if args.val_every else None
+    trainer.fit(Digits(args.steps), loader, val, ckpt_path=args.resume)
 
 
 if __name__ == "__main__":

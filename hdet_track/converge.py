@@ -72,11 +72,12 @@ class Converger:
         self._own: tuple[int, float] = (0, math.nan)  # this replica's divergence at that sync, to carry
         self._window_start = time.monotonic()
         self.tripped = False  # the local step guard reset this replica in the window
-        # Windows shorter than this (rank 0's clock) carry the divergences in the next sync's gather
-        # instead of a collective of their own: on an oversubscribed CPU that collective costs every
-        # rank a scheduler time slice (~10-20 ms) per sync. Below 2 s the record arrives at most 2 s
-        # later, inside the tracking writer's 3-s hand-over; a longer window pays the collective
-        # unnoticed (<1%) and hands its record over at the next step instead of a window later.
+        # Windows shorter than this (rank 0's clock and setting, shared by the gather) carry the
+        # divergences in the next sync's gather instead of a collective of their own: on an
+        # oversubscribed CPU that collective costs every rank a scheduler time slice (~10-20 ms)
+        # per sync. Below 2 s the record arrives at most 2 s later (unless a pause comes first:
+        # gather_carried()), inside the tracking writer's 3-s hand-over; a longer window pays the
+        # collective unnoticed (<1%) and hands its record over at the next step.
         self.carry_below_seconds = 2.0
 
     def append(self, loss: float | torch.Tensor | None, onecycle: list[float]) -> None:
@@ -93,9 +94,11 @@ class Converger:
         return window | ({"tripped": True} if self.tripped else {})
 
     def load_window(self, window: Mapping[str, list]) -> None:
+        """Resume a saved window; nothing is carried into it (hand a waiting record over first)."""
         self.losses = list(window["losses"])
         self.onecycle = [list(x) for x in window["onecycle"]]
         self.tripped = bool(window.get("tripped", False))
+        self._own, self._window_start = (0, math.nan), time.monotonic()
 
     def step_guard(self) -> str | None:
         """With the controller's ``step_guard``: gather this step's and the window's first losses;
@@ -150,7 +153,8 @@ class Converger:
         row = self._window_row()
         now = time.monotonic()
         carried_step, carried = self._own
-        head = [1.0 if finite else 0.0, float(self.tripped), now - self._window_start, float(carried_step), carried]
+        short = now - self._window_start < self.carry_below_seconds  # rank 0's decides for all
+        head = [1.0 if finite else 0.0, float(self.tripped), float(short), float(carried_step), carried]
         rows = collectives.all_gather_rows([*head, *row], self.averager.group)
         self._window_start, self._own = now, (0, math.nan)
         self._complete_carried([int(r[3]) for r in rows], [r[4] for r in rows])
@@ -186,7 +190,7 @@ class Converger:
             raise NonFiniteReplicasError(step, n, stats.window_losses, health.reasons, rollbacks)
         else:
             divergence = self.averager.average(health.healthy, measure=measure or wanted)
-            carry = wanted and not measure and not final and n > 1 and rows[0][2] < self.carry_below_seconds
+            carry = wanted and not measure and not final and n > 1 and rows[0][2] == 1.0
             if measure or (wanted and final):
                 divergences = [r[0] for r in collectives.all_gather_rows([divergence], self.averager.group)]
             elif carry:  # each rank's own, in the next sync's gather (no collective of its own)
@@ -202,9 +206,9 @@ class Converger:
         return record
 
     def gather_carried(self) -> None:
-        """Gather the divergences the last sync left for the next one's gather, now (``sync_now()``
-        right after a sync, before a checkpoint). A collective exactly when a divergence is carried,
-        which every rank knows alike."""
+        """Gather the divergences the last sync left for the next one's gather, now (before a
+        checkpoint or a pause). A collective exactly when a divergence is carried, which every rank
+        knows alike."""
         step, own = self._own
         if step == 0:
             return

@@ -84,6 +84,15 @@ class HDETScheduler(OneCycleLR):
             optimizer's parameters are averaged.
         average_buffers: with ``model``, average its buffers too.
 
+    Attributes:
+        last_sync: the latest sync's :class:`~hdet_track.record.SyncRecord` (None before the first).
+            Its ``divergences`` are measured at the sync only with ``measure_divergence = True``;
+            otherwise they are NaN until the callbacks that need them (tracking) have received the
+            record with every replica's divergence (in the background by the next step, or with the
+            next sync after a short window), and then ``last_sync`` is that complete record.
+        measure_divergence: measure and gather every replica's distance to the consensus at each
+            sync, before averaging (one more collective per sync); default False.
+
     Raises:
         ValueError: an argument is out of range (the message names it and the range).
 
@@ -343,15 +352,24 @@ class HDETScheduler(OneCycleLR):
         it before a checkpoint, so that the checkpoint holds one consensus that every replica resumes
         from. Returns the sync's record (None right after a sync: nothing to converge).
         """
-        self._deliver()
         if not self._converger.losses:
-            self._converger.gather_carried()  # right after a sync: its divergences, before a checkpoint
-            self._deliver()
+            self.gather_pending()  # right after a sync: its divergences, before a checkpoint
             return None
+        self._deliver()
         record = self._sync(self.last_epoch, final=True)  # often before a checkpoint: nothing left pending
         self._refresh()  # the next step's values, from the new drift and permutations
         self._synced(record)
         return record
+
+    def gather_pending(self) -> None:
+        """Hand the callbacks (tracking) the last sync's record now, with every replica's divergence,
+        instead of at the next sync; a collective when a record waits for one (after a window
+        shorter than 2 s), so every rank calls it after the same step. Call it before a pause that
+        is not a step (an evaluation, a long checkpoint write): the record is then in the tracker
+        while the pause lasts. The integrations call it before evaluating and saving."""
+        self._deliver()
+        self._converger.gather_carried()
+        self._deliver()
 
     def _synced(self, record: SyncRecord) -> None:
         self._apply_explored()
@@ -550,6 +568,7 @@ class HDETScheduler(OneCycleLR):
         Raises:
             CheckpointMismatchError: the replica count, explored names or controller differ.
         """
+        self._deliver(force=True)  # a record of the run so far goes over before its state is replaced
         state = checkpoint.upgrade(state_dict, self._onecycle_keys, len(self.optimizer.param_groups))
         controller = self._controller
         checkpoint.check_compatible(

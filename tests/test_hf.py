@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import json
 
 import pytest
 import torch
@@ -45,11 +46,26 @@ def test_hf_trainer_callback_form_into_the_mlflow_run_report_to_opened(tmp_path)
     uri = f"sqlite:///{tmp_path / 'hf.db'}"
     run_example(
         "hf_trainer.py",
-        ["--steps", "30", "--callback", "--output-dir", str(tmp_path / "out"), "--dump", str(dump)],
+        [
+            "--steps",
+            "30",
+            "--callback",
+            "--eval-steps",
+            "15",
+            "--output-dir",
+            str(tmp_path / "out"),
+            "--dump",
+            str(dump),
+        ],
         tmp_path,
         {"MLFLOW_TRACKING_URI": uri, "HDET_TRACKER": "mlflow"},
     )
     assert_synced_only_at(dump, [10, 20, 30], between=15)
+    # Each evaluation starts with the last sync's record complete: sync 10's divergences would
+    # otherwise wait for sync 20's gather (its window was short).
+    for rank in (0, 1):
+        seen = [json.loads(line) for line in (dump / f"eval{rank}.jsonl").read_text().splitlines()]
+        assert seen == [[15, 10, True], [30, 30, True]], rank
     client = MlflowClient(uri)
     runs = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
     assert len(runs) == 1 and runs[0].data.tags["hdet.world_size"] == "2"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
@@ -15,8 +17,14 @@ def test_lightning_ddp_example(tmp_path):
     uri = f"sqlite:///{tmp_path / 'pl.db'}"
     dump = tmp_path / "dump"
     dump.mkdir()
-    run_example("lightning_ddp.py", ["--steps", "60", "--dump", str(dump)], tmp_path, {"MLFLOW_TRACKING_URI": uri})
+    args = ["--steps", "60", "--val-every", "3", "--dump", str(dump)]
+    run_example("lightning_ddp.py", args, tmp_path, {"MLFLOW_TRACKING_URI": uri})
     assert_synced_only_at(dump, [20, 40, 60], between=30)
+    # Validation (every 3 epochs of 10 steps) starts with the last sync's record complete: sync 20's
+    # divergences would otherwise wait for sync 40's gather (its window was short).
+    for rank in (0, 1):
+        seen = [json.loads(line) for line in (dump / f"val{rank}.jsonl").read_text().splitlines()]
+        assert seen == [[30, 20, True], [60, 60, True]], rank
     client = MlflowClient(uri)
     runs = client.search_runs([client.get_experiment_by_name("hdet").experiment_id])
     assert len(runs) == 1  # Lightning's run holds both replicas

@@ -111,6 +111,11 @@ class HDETCallback(pl.Callback):
         if self.scheduler.last_epoch < self.scheduler.total_steps:
             self.scheduler.step(loss)
 
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        # Every rank validates after the same step: the last sync's record goes to tracking first.
+        if self.scheduler is not None:
+            self.scheduler.gather_pending()
+
     def state_dict(self) -> dict[str, Any]:
         # Lightning asks every rank while it checkpoints and writes rank 0's model and optimizer:
         # converge first (every rank is here), so the checkpoint holds the consensus all resume from.

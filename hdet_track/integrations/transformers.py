@@ -41,11 +41,14 @@ def _state_path(args: Any, state: Any) -> str:
     return os.path.join(args.output_dir, f"checkpoint-{state.global_step}", "hdet_scheduler.pt")
 
 
-def sync_before_save(control: Any, sched: HDETScheduler) -> None:
+def before_pause(control: Any, sched: HDETScheduler) -> None:
     """A checkpoint is about to be written (rank 0's model and optimizer only): converge first, so
-    that it holds the one consensus every replica resumes from."""
+    that it holds the one consensus every replica resumes from. An evaluation is about to start:
+    hand the last sync's record to tracking first, so that it is in the tracker while it runs."""
     if control.should_save:
         sched.sync_now()
+    elif control.should_evaluate:
+        sched.gather_pending()
 
 
 def save_state(args: Any, state: Any, sched: HDETScheduler) -> None:
@@ -105,7 +108,7 @@ class _TrackingCallback(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         sched = self.trainer.lr_scheduler
         if isinstance(sched, HDETScheduler):
-            sync_before_save(control, sched)
+            before_pause(control, sched)
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         sched = self.trainer.lr_scheduler
@@ -216,7 +219,7 @@ class HDETTrainerCallback(TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.scheduler is not None:
-            sync_before_save(control, self.scheduler)
+            before_pause(control, self.scheduler)
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.scheduler is not None:

@@ -56,7 +56,7 @@ def test_divergences_reach_callbacks_complete_and_in_order_gathered_or_carried()
     gather (short windows, no collective of their own): at the next sync, before its own record;
     the last sync gathers at once, so a run ends with every record complete."""
     res = run_ranks(workers.background_divergence, WORLD)
-    for how in ("background", "carried"):
+    for how in ("background", "carried", "background-by-0", "carried-by-0"):
         first = [e for e in res[0][how]["events"] if e[0] == "sync"]
         for r in range(WORLD):
             measured, got = res[r]["measured"], res[r][how]
@@ -72,7 +72,7 @@ def test_divergences_reach_callbacks_complete_and_in_order_gathered_or_carried()
                 step, divs = event[1], event[2]
                 assert divs == pytest.approx(by_step[step], rel=1e-12), (how, r, step)
                 at = events.index(event)
-                if how == "background":
+                if how.startswith("background"):  # rank 0's setting decides for every rank
                     around = (("step", 13), ("step", 14)) if step == 14 else (("step", step), ("step", step + 1))
                 else:
                     around = {
@@ -154,6 +154,23 @@ def test_sync_now_right_after_a_carried_sync_completes_its_record():
         assert res[r]["held"] == []  # waiting for the next sync's gather
         ((step, divs, when),) = res[r]["syncs"]
         assert step == 4 and all(0 < d < math.inf for d in divs) and math.isfinite(when)
+
+
+def test_gather_pending_before_a_pause_and_reloading_mid_run_with_a_carried_record():
+    res = run_ranks(workers.gather_pending_and_reload, WORLD)
+    for r in range(WORLD):
+        got = res[r]
+        assert got["before_gather"] == []  # sync 4's record waits for sync 8's gather
+        ((step, divs),) = got["after_gather"]  # gather_pending(): there now, complete
+        assert step == 4 and all(0 < d < math.inf for d in divs)
+        assert got["last_sync"] == (4, divs)
+        assert [s for s, _ in got["at_8"]] == [4]  # sync 8's record waits
+        # load_state_dict hands it over as it is: its divergences never arrived
+        assert [s for s, _ in got["reloaded"]] == [4, 8] and all(math.isnan(d) for d in got["reloaded"][1][1])
+        # the replayed sync 8 gets its own divergences, in its own record; each record once, in order
+        assert [s for s, _ in got["syncs"]] == [4, 8, 8, 12]
+        assert all(0 < d < math.inf for _, divs in got["syncs"][2:] for d in divs)
+        assert [got["syncs"][i] for i in (0, 2, 3)] == [res[0]["syncs"][i] for i in (0, 2, 3)]  # the same on every rank
 
 
 def test_kill_and_resume_is_exact(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import signal
@@ -12,6 +13,29 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hdet_track import HDETScheduler, explore, warm_noisy_init
+from hdet_track.record import SchedulerCallback
+
+
+class DivergenceListener(SchedulerCallback):
+    """Needs the divergences, as tracking does: every record it receives, in order, between the steps."""
+
+    needs_divergence = True
+
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+        self.times: list[float] = []
+
+    def on_sync(self, record) -> None:
+        self.events.append(("sync", record.step, list(record.divergences)))
+        self.times.append(record.time)
+
+    def on_step(self, step: int) -> None:
+        self.events.append(("step", step))
+
+    @property
+    def syncs(self) -> list[tuple[int, list[float]]]:
+        return [(e[1], e[2]) for e in self.events if e[0] == "sync"]
+
 
 DIM = 8
 
@@ -93,31 +117,20 @@ def background_divergence(rank: int, world: int) -> dict:
     sync (``measure_divergence``), and for a callback that ``needs_divergence``, gathered in the
     background or carried by the next sync's gather: what that callback receives, and when, next to
     the scheduler's own steps."""
-    from hdet_track.record import SchedulerCallback
-
-    class Listener(SchedulerCallback):
-        needs_divergence = True
-
-        def __init__(self) -> None:
-            self.events: list[tuple] = []
-
-        def on_sync(self, record) -> None:
-            self.events.append(("sync", record.step, list(record.divergences)))
-
-        def on_step(self, step: int) -> None:
-            self.events.append(("step", step))
-
     out = {}
-    for how in ("measured", "background", "carried"):
+    # "carried-by-0" / "background-by-0": only rank 0's setting says the window is short / long;
+    # the others' says the opposite, and rank 0's decides for every rank (shared by the gather).
+    for how in ("measured", "background", "carried", "carried-by-0", "background-by-0"):
         model = make_model()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        listener = Listener()
+        listener = DivergenceListener()
         sched = HDETScheduler(
             opt, max_lr=0.3, total_steps=14, spread=0.5, sync_every=4, model=model, seed=3,
             callbacks=[listener] if how != "measured" else [],
         )  # fmt: skip
         sched.measure_divergence = how == "measured"
-        sched._converger.carry_below_seconds = math.inf if how == "carried" else 0.0  # every window short / long
+        short = (how == "carried-by-0") == (rank == 0) if how.endswith("by-0") else how == "carried"
+        sched._converger.carry_below_seconds = math.inf if short else 0.0  # every window short / long
         seen = []
         for step in range(14):
             sched.step(sgd_step(model, opt, rank, step))
@@ -465,20 +478,10 @@ def nonfinite_after_a_carried_sync(rank: int, world: int) -> dict:
     """The sync at 4 waits for the next sync's gather for its divergences; every loss from step 5 on
     is NaN, so that next sync (8) raises: the callbacks must still get 4 (complete) before 8."""
     from hdet_track import NonFiniteReplicasError
-    from hdet_track.record import SchedulerCallback
-
-    class Listener(SchedulerCallback):
-        needs_divergence = True
-
-        def __init__(self) -> None:
-            self.syncs: list[tuple[int, list[float]]] = []
-
-        def on_sync(self, record) -> None:
-            self.syncs.append((record.step, list(record.divergences)))
 
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    listener = Listener()
+    listener = DivergenceListener()
     sched = HDETScheduler(
         opt, max_lr=0.1, total_steps=12, spread=0.2, sync_every=4, model=model, callbacks=[listener]
     )  # fmt: skip
@@ -496,20 +499,9 @@ def sync_now_after_a_carried_sync(rank: int, world: int) -> dict:
     """A checkpoint right after a sync whose divergences wait for the next sync's gather:
     ``sync_now()`` (what integrations call first) gathers them, so ``state_dict()`` hands the record
     over complete."""
-    from hdet_track.record import SchedulerCallback
-
-    class Listener(SchedulerCallback):
-        needs_divergence = True
-
-        def __init__(self) -> None:
-            self.syncs: list[tuple[int, list[float], float]] = []
-
-        def on_sync(self, record) -> None:
-            self.syncs.append((record.step, list(record.divergences), record.time))
-
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    listener = Listener()
+    listener = DivergenceListener()
     sched = HDETScheduler(opt, max_lr=0.1, total_steps=8, spread=0.2, sync_every=4, model=model, callbacks=[listener])
     sched._converger.carry_below_seconds = math.inf
     for step in range(4):
@@ -517,4 +509,37 @@ def sync_now_after_a_carried_sync(rank: int, world: int) -> dict:
     held = list(listener.syncs)
     assert sched.sync_now() is None
     sched.state_dict()
-    return {"held": held, "syncs": listener.syncs}
+    return {"held": held, "syncs": [(s, d, t) for (s, d), t in zip(listener.syncs, listener.times)]}
+
+
+def gather_pending_and_reload(rank: int, world: int) -> dict:
+    """Syncs every 4 of 12 steps, every window short (divergences carried to the next sync).
+    ``gather_pending()`` at step 5, before a pause, hands the callbacks sync 4's record complete;
+    ``load_state_dict`` at step 8 (back to step 6's state) hands over sync 8's waiting record as
+    it is, so the replayed sync 8 does not fill that record with its own divergences."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    listener = DivergenceListener()
+    sched = HDETScheduler(opt, max_lr=0.1, total_steps=12, spread=0.2, sync_every=4, model=model, callbacks=[listener])
+    sched._converger.carry_below_seconds = math.inf
+    out: dict = {}
+    step, saved = 0, None
+    while step < 12:
+        sched.step(sgd_step(model, opt, rank, step))
+        step += 1
+        if step == 5:
+            out["before_gather"] = list(listener.syncs)
+            sched.gather_pending()
+            out["after_gather"] = list(listener.syncs)
+            out["last_sync"] = (sched.last_sync.step, list(sched.last_sync.divergences))
+        if step == 6 and saved is None:
+            saved = (sched.state_dict(), copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
+        if step == 8 and "reloaded" not in out:
+            out["at_8"] = list(listener.syncs)
+            sched.load_state_dict(saved[0])
+            model.load_state_dict(saved[1])
+            opt.load_state_dict(saved[2])
+            out["reloaded"] = list(listener.syncs)
+            step = 6
+    out["syncs"] = listener.syncs
+    return out
