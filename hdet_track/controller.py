@@ -433,7 +433,10 @@ class DriftController(Controller):
             sync after a replica tripped: ``"notch"`` (the default: as for any blown-up replica,
             one notch when the tripped replicas had the highest LR) or ``"spread"``: by the
             multipliers' whole log range (at least ``min_backoff``), a rollback's cut, while the
-            healthy replicas keep their window (docs/controller.md, round 6).
+            healthy replicas keep their window. With ``step_guard_scope="local"`` the recommended
+            setting for independent replicas: on the development split it did better than the
+            collective guard at every max_lr, with no per-step collective (docs/controller.md,
+            round 6); under DDP one run of nine diverged, so it is not the default.
         ceiling: the LR's drift never rises so far that the base LR at a later step (OneCycle's
             peak during the ramp-up) would exceed the highest LR a healthy replica has trained
             with so far: the base only goes where a replica has been. Upward moves only.
