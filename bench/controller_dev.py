@@ -63,11 +63,13 @@ ROUNDS: dict[int, dict[str, dict | None]] = {
         "design": {"ceiling": False},
         "ceiling": {"ceiling": True},
         "step-guard": {"ceiling": False, "step_guard": 10.0},
-        "step-guard-own-start": {},  # the default after round 3: the step guard judged from each replica's own start
+        "step-guard-own-start": {
+            "step_guard_scope": "all"
+        },  # the default after round 3: the step guard judged from each replica's own start
     },
     # Round 4 (independent replicas only): the local step guard, against round 2's bar and its
     # step-guard-own-start runs (docs/controller.md, "What the step guard costs").
-    4: {"step-guard-local": {"step_guard_scope": "local"}},
+    4: {"step-guard-local": {"step_guard_scope": "local", "trip_backoff": "notch"}},
     # Round 5: a diagnostic, not a candidate (docs/controller.md, "A diagnostic before round 5"):
     # the fan-out with no controller (auto_lr=False), at max_lr 0.1 (--lrs 0.1 --no-onecycle).
     5: {"fanout-only": None},
@@ -75,10 +77,18 @@ ROUNDS: dict[int, dict[str, dict | None]] = {
     # its step-guard-own-start runs (docs/controller.md, "Round 6"; --no-onecycle).
     6: {
         "step-guard-local-spread": {"step_guard_scope": "local", "trip_backoff": "spread"},
-        "step-guard-collective": {},  # the default, rerun: the current code no longer reproduces round 2's runs
+        "step-guard-collective": {
+            "step_guard_scope": "all"
+        },  # the default, rerun: the current code no longer reproduces round 2's runs
+    },
+    # Round 7: the scope chosen from the gradients (DDP -> collective, else local) against the
+    # collective guard, on new seeds (docs/controller.md, "Round 7").
+    7: {
+        "auto": {"step_guard_scope": "auto"},
+        "collective": {"step_guard_scope": "all"},
     },
 }
-SEEDS = {1: (100,), 2: (100, 101, 102), 4: (100, 101, 102), 5: (100, 101, 102), 6: (100, 101, 102)}
+SEEDS = {1: (100,), 2: (100, 101, 102), 4: (100, 101, 102), 5: (100, 101, 102), 6: (100, 101, 102), 7: (103, 104, 105)}
 CANDIDATES: dict[str, dict | None] = {k: v for r in ROUNDS.values() for k, v in r.items()}
 REFERENCE_LRS = (0.02, 0.05, 0.1, 0.2, 0.5)
 CANDIDATE_LRS = (0.02, 0.1, 0.5)

@@ -202,6 +202,10 @@ class Controller:
     step_guard: float | None = None  # when set, the scheduler gathers every step's losses for check_step
     step_guard_scope = "all"  # "local": each replica checks its own loss (check_own_step), no collective
 
+    def resolve_scope(self, shared_gradients: bool) -> None:
+        """``step_guard_scope="auto"``: the scheduler tells, once, whether the ranks' gradients are
+        shared (DDP); the controller picks its step guard's scope from that."""
+
     def rolled_back(self, stats: WindowStats, reason: str | None = None) -> Decision:
         """Called instead of :meth:`update` when :meth:`health` (or :meth:`check_step`) asked for a rollback."""
         return Decision()
@@ -423,20 +427,22 @@ class DriftController(Controller):
             and roll back (with shared gradients one replica's blow-up reaches
             every replica within a step, long before the next sync). None: syncs only. The
             default (10) was chosen on the development split (docs/controller.md, round 2).
-        step_guard_scope: ``"all"`` (the default: the collective check above) or ``"local"``: each
+        step_guard_scope: ``"all"`` (the default: the collective check above), ``"local"``: each
             replica checks only its own loss against its own first loss of the window, with no
             collective; a replica that trips restores the kept consensus into itself at once and
             is left out at the next sync like a replica the sync guard finds blown up. For
             replicas that train independently between syncs (under DDP a blow-up reaches every
-            replica through the gradients, which only the collective check sees).
-        trip_backoff: with ``step_guard_scope="local"``, how far the LR drift goes down at the
-            sync after a replica tripped: ``"notch"`` (the default: as for any blown-up replica,
-            one notch when the tripped replicas had the highest LR) or ``"spread"``: by the
-            multipliers' whole log range (at least ``min_backoff``), a rollback's cut, while the
-            healthy replicas keep their window. With ``step_guard_scope="local"`` the recommended
-            setting for independent replicas: on the development split it did better than the
-            collective guard at every max_lr, with no per-step collective (docs/controller.md,
-            round 6); under DDP one run of nine diverged, so it is not the default.
+            replica through the gradients, which only the collective check sees). ``"auto"``: at
+            the first step the scheduler compares the ranks' gradients (one all-gather): the
+            same on every rank (DDP) -> ``"all"``, else ``"local"``; without gradients or
+            ``rollback``, ``"all"``. The choice is kept in the state (docs/controller.md, round 7).
+        trip_backoff: how far the LR drift goes down at the sync after the local guard reset a
+            replica: ``"spread"`` (the default) by the multipliers' whole log range (at least
+            ``min_backoff``), a rollback's cut, while the healthy replicas keep their window; or
+            ``"notch"``: as for any blown-up replica, one notch when the reset replicas had the
+            highest LR. With independent replicas the spread cut did better than the collective
+            guard at every max_lr of the development split, with no per-step collective, where
+            the notch did 4% worse at max_lr 0.5 (docs/controller.md, rounds 4 and 6).
         ceiling: the LR's drift never rises so far that the base LR at a later step (OneCycle's
             peak during the ramp-up) would exceed the highest LR a healthy replica has trained
             with so far: the base only goes where a replica has been. Upward moves only.
@@ -460,7 +466,7 @@ class DriftController(Controller):
         ceiling: bool = False,
         step_guard: float | None = 10.0,
         step_guard_scope: str = "all",
-        trip_backoff: str = "notch",
+        trip_backoff: str = "spread",
     ) -> None:
         inf = math.inf
         self.guard = check_number("guard", guard, 1.0, inf, low_open=True, high_open=True)
@@ -482,8 +488,8 @@ class DriftController(Controller):
             if step_guard is None
             else check_number("step_guard", step_guard, 1.0, inf, low_open=True, high_open=True)
         )
-        if step_guard_scope not in ("all", "local"):
-            raise ValueError(f"Expected step_guard_scope in ('all', 'local'), but got {step_guard_scope!r}")
+        if step_guard_scope not in ("all", "local", "auto"):
+            raise ValueError(f"Expected step_guard_scope in ('all', 'local', 'auto'), but got {step_guard_scope!r}")
         if step_guard_scope == "local" and not rollback:
             raise ValueError(
                 "Expected rollback=True with step_guard_scope='local' (a replica resets itself to the kept "
@@ -492,11 +498,6 @@ class DriftController(Controller):
         self.step_guard_scope = step_guard_scope
         if trip_backoff not in ("notch", "spread"):
             raise ValueError(f"Expected trip_backoff in ('notch', 'spread'), but got {trip_backoff!r}")
-        if trip_backoff == "spread" and step_guard_scope != "local":
-            raise ValueError(
-                "Expected step_guard_scope='local' with trip_backoff='spread' (only the local step guard "
-                f"trips a single replica), but got step_guard_scope={step_guard_scope!r}"
-            )
         self.trip_backoff = trip_backoff
         self._tested: dict[str, list[float]] = {}  # per name: the highest value a healthy replica used
         self._drift: dict[str, list[float]] = {}
@@ -636,6 +637,10 @@ class DriftController(Controller):
             return f"step guard (local): loss {loss:.4g} > {self.step_guard:g} x {first:.4g}"
         return None
 
+    def resolve_scope(self, shared_gradients: bool) -> None:
+        if self.step_guard_scope == "auto":
+            self.step_guard_scope = "all" if shared_gradients or not self.rollback else "local"
+
     def rolled_back(self, stats: WindowStats, reason: str | None = None) -> Decision:
         self.rollbacks += 1
         self.guard_events += 1
@@ -683,6 +688,7 @@ class DriftController(Controller):
             "rollbacks": self.rollbacks,
             "guard_events": self.guard_events,
             "tested": dict(self._tested),
+            "step_guard_scope": self.step_guard_scope,  # "auto" resolved at the first step
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -691,6 +697,8 @@ class DriftController(Controller):
         self.rollbacks = int(state.get("rollbacks", 0))
         self.guard_events = int(state.get("guard_events", 0))
         self._tested = {k: [float(x) for x in v] for k, v in state.get("tested", {}).items()}
+        if self.step_guard_scope == "auto" and state.get("step_guard_scope") in ("all", "local"):
+            self.step_guard_scope = state["step_guard_scope"]
 
 
 CONTROLLERS = {"paper": PaperController, "drift": DriftController}

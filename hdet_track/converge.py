@@ -106,6 +106,8 @@ class Converger:
         ctrl = self.controller
         if ctrl is None or ctrl.step_guard is None:
             return None
+        if ctrl.step_guard_scope == "auto":
+            ctrl.resolve_scope(self._gradients_shared())
         now, first = (math.nan if x is None else float(x) for x in (self.losses[-1], self.losses[0]))
         if ctrl.step_guard_scope == "local":  # no collective: this replica resets itself
             if self.averager.has_consensus and ctrl.check_own_step(now, first) is not None:
@@ -114,6 +116,17 @@ class Converger:
             return None
         rows = collectives.all_gather_rows([now, first], self.averager.group)
         return ctrl.check_step([r[0] for r in rows], [r[1] for r in rows])
+
+    def _gradients_shared(self) -> bool:
+        """Whether every rank holds the same gradients (DDP averaged them): one all-gather of
+        each rank's gradient count and float64 sums. No gradients anywhere: treated as shared."""
+        grads = [t.grad for t in self.averager.tensors() if t.grad is not None]
+        row = [float(len(grads)), 0.0, 0.0]
+        if grads:
+            flat = torch.cat([g.detach().reshape(-1).to(torch.float64) for g in grads])
+            row[1:] = [float(flat.sum()), float(flat.square().sum())]
+        rows = collectives.all_gather_rows(row, self.averager.group)
+        return any(r[0] == 0 for r in rows) or all(r == rows[0] for r in rows)
 
     def sync(
         self,

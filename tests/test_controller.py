@@ -283,14 +283,14 @@ def test_bad_arguments(kw, pattern):
 
 
 def test_local_step_guard_checks_own_loss_and_leaves_the_reset_replica_out():
-    c = controller(step_guard=10.0, step_guard_scope="local")
+    c = controller(step_guard=10.0, step_guard_scope="local", trip_backoff="notch")
     assert c.check_own_step(9.9, 1.0) is None
     assert c.check_own_step(10.1, 1.0).startswith("step guard (local): loss 10.1 > 10 x 1")
     assert c.check_own_step(math.nan, 1.0) == "step guard (local): non-finite loss"
     assert c.check_own_step(50.0, -1.0) is None  # the ratio needs a positive start
     assert controller(step_guard=None, step_guard_scope="local").check_own_step(math.inf, 1.0) is None
     assert controller().step_guard_scope == "all"
-    with pytest.raises(ValueError, match=r"step_guard_scope in \('all', 'local'\), but got 'ranks'"):
+    with pytest.raises(ValueError, match=r"step_guard_scope in \('all', 'local', 'auto'\), but got 'ranks'"):
         DriftController(step_guard_scope="ranks")
     with pytest.raises(ValueError, match="rollback=True with step_guard_scope='local'"):
         DriftController(step_guard_scope="local", rollback=False)
@@ -311,9 +311,9 @@ def test_local_step_guard_checks_own_loss_and_leaves_the_reset_replica_out():
 
 @pytest.mark.parametrize("tripped", [3, 1])
 def test_trip_backoff_spread_cuts_a_rollbacks_worth_and_keeps_the_healthy_replicas(tripped):
-    """trip_backoff="spread": a replica reset by the local guard cuts the LR drift by the
-    multipliers' whole log range (a rollback's cut), whichever multiplier it had; "notch" (the
-    default) backs off only when it had the highest LR. Either way no rollback: the healthy
+    """trip_backoff="spread" (the default): a replica reset by the local guard cuts the LR drift by the
+    multipliers' whole log range (a rollback's cut), whichever multiplier it had; "notch" backs
+    off only when it had the highest LR. Either way no rollback: the healthy
     replicas keep their window."""
     flags = [r == tripped for r in range(N)]
     st = stats(windows([1.0, 1.0, 1.0, 1.0], noise=0.001, start=1.0))
@@ -328,7 +328,7 @@ def test_trip_backoff_spread_cuts_a_rollbacks_worth_and_keeps_the_healthy_replic
     full = math.log(RHO[-1]) - math.log(RHO[0])  # log 3 at spread 0.5 (above min_backoff's log 2)
     assert spread.drift["lr"][0] == pytest.approx(-full) and backoff.drift_change == pytest.approx(-full)
     assert spread.guard_events == 1
-    notch = controller(step_guard_scope="local")
+    notch = controller(step_guard_scope="local", trip_backoff="notch")
     d = notch.update(st, notch.health(st))
     if tripped == N - 1:  # the highest LR: one notch
         assert notch.drift["lr"][0] == pytest.approx(-(math.log(RHO[3]) - math.log(RHO[2])))
@@ -340,7 +340,26 @@ def test_trip_backoff_spread_cuts_a_rollbacks_worth_and_keeps_the_healthy_replic
     assert wide.drift["lr"][0] == pytest.approx(-math.log(4.0))
     with pytest.raises(ValueError, match=r"trip_backoff in \('notch', 'spread'\), but got 'all'"):
         DriftController(step_guard_scope="local", trip_backoff="all")
-    with pytest.raises(
-        ValueError, match="step_guard_scope='local' with trip_backoff='spread'.*got step_guard_scope='all'"
-    ):
-        DriftController(trip_backoff="spread")
+
+
+@pytest.mark.parametrize(
+    ("kw", "shared", "scope"),
+    [
+        ({}, True, "all"),
+        ({}, False, "local"),
+        ({"rollback": False}, False, "all"),
+        ({"step_guard_scope": "all"}, False, "all"),
+    ],
+)
+def test_auto_scope_resolves_once_from_the_gradients_and_resumes_with_it(kw, shared, scope):
+    c = controller(**({"step_guard_scope": "auto"} | kw))
+    c.resolve_scope(shared)
+    assert c.step_guard_scope == scope
+    c.resolve_scope(not shared)  # decided once
+    assert c.step_guard_scope == scope
+    resumed = controller(**({"step_guard_scope": "auto"} | kw))
+    resumed.load_state_dict(c.state_dict())
+    assert resumed.step_guard_scope == scope
+    explicit = controller(step_guard_scope="all")  # an explicit setting is the user's, whatever was saved
+    explicit.load_state_dict(controller(step_guard_scope="local").state_dict())
+    assert explicit.step_guard_scope == "all"

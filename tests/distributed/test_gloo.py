@@ -222,11 +222,14 @@ def test_finite_blowup_is_left_out_reset_and_shown(tmp_path, victim):
     assert list(crosses[0].x) == [10] and "blown up" in crosses[0].text[0]
 
 
-def test_local_step_guard_resets_only_the_blown_replica_and_leaves_it_out(tmp_path):
+@pytest.mark.parametrize("scope", ["local", "auto"])
+def test_local_step_guard_resets_only_the_blown_replica_and_leaves_it_out(tmp_path, scope):
+    """``"auto"``: replicas with their own gradients take the local guard, every rank alike."""
     from hdet_track.readers.mlflow import MLflowReader
 
     uri = f"sqlite:///{tmp_path / 'local.db'}"
-    res = run_ranks(workers.local_step_guard_blowup, WORLD, uri, 3)
+    res = run_ranks(workers.local_step_guard_blowup, WORLD, uri, 3, scope)
+    assert [res[r]["scope"] for r in range(WORLD)] == ["local"] * WORLD
     start = res[0]["start"]
     assert torch.equal(res[3]["after_8"], start)  # back at the kept consensus (the start) at once
     assert all(n == 0 for n in res[3]["state_sizes"])  # its optimizer state cleared
@@ -241,12 +244,15 @@ def test_local_step_guard_resets_only_the_blown_replica_and_leaves_it_out(tmp_pa
     assert run.status == "FINISHED" and run.converge[0].left_out == [3]
 
 
-def test_step_guard_rolls_back_at_the_blow_up_step_with_shared_gradients(tmp_path):
+@pytest.mark.parametrize("scope", ["all", "auto"])
+def test_step_guard_rolls_back_at_the_blow_up_step_with_shared_gradients(tmp_path, scope):
+    """``"auto"``: DDP's averaged gradients are the same on every rank, so it takes the collective guard."""
     from hdet_track.readers.mlflow import MLflowReader
     from hdet_track.viz import guard_rows
 
     uri = f"sqlite:///{tmp_path / 'step-guard.db'}"
-    res = run_ranks(workers.step_guard_blowup, WORLD, uri, 2)
+    res = run_ranks(workers.step_guard_blowup, WORLD, uri, 2, scope)
+    assert [res[r]["scope"] for r in range(WORLD)] == ["all"] * WORLD
     steps = [r.step for r in res[0]["records"]]
     assert steps == [8, 10, 20, 30]  # converged at once at step 8; the sync schedule is unchanged
     guard = res[0]["records"][0]

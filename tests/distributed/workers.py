@@ -419,7 +419,7 @@ def finite_blowup(rank: int, world: int, uri: str, victim: int) -> dict:
     return out | {"final_params": flat_params(model), "run_ids": sched.run_ids}
 
 
-def step_guard_blowup(rank: int, world: int, uri: str, victim: int) -> dict:
+def step_guard_blowup(rank: int, world: int, uri: str, victim: int, scope: str = "all") -> dict:
     """DDP (shared gradients): the blown-up replica's gradient reaches every replica at step 8. With
     ``step_guard`` the scheduler must converge at step 8 (not wait for the sync at 10), restore the
     consensus kept at the start and go on."""
@@ -433,14 +433,15 @@ def step_guard_blowup(rank: int, world: int, uri: str, victim: int) -> dict:
                 out["params_after_guard"] = flat_params(model)
                 out["state_sizes"] = [len(opt.state.get(p, {})) for p in model.parameters()]
 
-    sched, model = _blowup_run(rank, victim, uri, "step-guard", 10.0, True, each_step)
+    sched, model = _blowup_run(rank, victim, uri, "step-guard", 10.0, True, each_step, scope=scope)
+    out["scope"] = sched.controller.step_guard_scope
     out["final_params"] = flat_params(model)
     out["drift"] = sched.controller.drift["lr"][0]
     out["run_ids"] = sched.run_ids
     return out
 
 
-def local_step_guard_blowup(rank: int, world: int, uri: str, victim: int) -> dict:
+def local_step_guard_blowup(rank: int, world: int, uri: str, victim: int, scope: str = "local") -> dict:
     """Independent replicas, ``step_guard_scope="local"``: the blown-up replica resets itself at step 8
     (no collective, no early sync) and is left out at the sync at 10."""
     out: dict = {"start": flat_params(make_model()), "records": []}
@@ -453,8 +454,12 @@ def local_step_guard_blowup(rank: int, world: int, uri: str, victim: int) -> dic
         if step == 9:
             out["record"] = sched.last_sync
 
-    sched, model = _blowup_run(rank, victim, uri, "local-guard", 10.0, False, each_step, scope="local")
-    return out | {"final_params": flat_params(model), "run_ids": sched.run_ids}
+    sched, model = _blowup_run(rank, victim, uri, "local-guard", 10.0, False, each_step, scope=scope)
+    return out | {
+        "final_params": flat_params(model),
+        "run_ids": sched.run_ids,
+        "scope": sched.controller.step_guard_scope,
+    }
 
 
 def left_out_every_sync(rank: int, world: int, uri: str) -> dict:
