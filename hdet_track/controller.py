@@ -427,15 +427,15 @@ class DriftController(Controller):
             and roll back (with shared gradients one replica's blow-up reaches
             every replica within a step, long before the next sync). None: syncs only. The
             default (10) was chosen on the development split (docs/controller.md, round 2).
-        step_guard_scope: ``"all"`` (the default: the collective check above), ``"local"``: each
-            replica checks only its own loss against its own first loss of the window, with no
-            collective; a replica that trips restores the kept consensus into itself at once and
-            is left out at the next sync like a replica the sync guard finds blown up. For
-            replicas that train independently between syncs (under DDP a blow-up reaches every
-            replica through the gradients, which only the collective check sees). ``"auto"``: at
-            the first step the scheduler compares the ranks' gradients (one all-gather): the
-            same on every rank (DDP) -> ``"all"``, else ``"local"``; without gradients or
-            ``rollback``, ``"all"``. The choice is kept in the state (docs/controller.md, round 7).
+        step_guard_scope: ``"auto"`` (the default): at the first step the scheduler compares the
+            ranks' gradients (one all-gather); the same on every rank (DDP) -> ``"all"``, else
+            ``"local"``; without gradients or ``rollback``, ``"all"``. The choice is kept in the
+            state (docs/controller.md, round 7). ``"all"``: the collective check above.
+            ``"local"``: each replica checks only its own loss against its own first loss of the
+            window, with no collective; a replica that trips restores the kept consensus into
+            itself at once and is left out at the next sync like a replica the sync guard finds
+            blown up. For replicas that train independently between syncs: under DDP a blow-up
+            reaches every replica through the gradients before a local check fires.
         trip_backoff: how far the LR drift goes down at the sync after the local guard reset a
             replica: ``"spread"`` (the default) by the multipliers' whole log range (at least
             ``min_backoff``), a rollback's cut, while the healthy replicas keep their window; or
@@ -465,7 +465,7 @@ class DriftController(Controller):
         one_sided: bool = True,
         ceiling: bool = False,
         step_guard: float | None = 10.0,
-        step_guard_scope: str = "all",
+        step_guard_scope: str = "auto",
         trip_backoff: str = "spread",
     ) -> None:
         inf = math.inf

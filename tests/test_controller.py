@@ -289,7 +289,7 @@ def test_local_step_guard_checks_own_loss_and_leaves_the_reset_replica_out():
     assert c.check_own_step(math.nan, 1.0) == "step guard (local): non-finite loss"
     assert c.check_own_step(50.0, -1.0) is None  # the ratio needs a positive start
     assert controller(step_guard=None, step_guard_scope="local").check_own_step(math.inf, 1.0) is None
-    assert controller().step_guard_scope == "all"
+    assert controller().step_guard_scope == "auto"  # the default (round 7)
     with pytest.raises(ValueError, match=r"step_guard_scope in \('all', 'local', 'auto'\), but got 'ranks'"):
         DriftController(step_guard_scope="ranks")
     with pytest.raises(ValueError, match="rollback=True with step_guard_scope='local'"):
