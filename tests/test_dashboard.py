@@ -32,7 +32,8 @@ def store(tmp_path_factory):
     """A 4-replica HDET run (replica 1's weights go NaN after step 9's update) and a OneCycle baseline in one compare group."""
     root = tmp_path_factory.mktemp("dash")
     uri = f"sqlite:///{root / 'dash.db'}"
-    run_ranks(workers.tracked_job, 4, uri, "mlflow", "hdet-4", 8)
+    # the collective step guard (what "auto" picks under DDP): replica 1's NaN rolls every replica back
+    run_ranks(workers.tracked_job, 4, uri, "mlflow", "hdet-4", 8, "all")
     model = nn.Linear(8, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with warnings.catch_warnings():

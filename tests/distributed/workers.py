@@ -299,8 +299,11 @@ def all_nonfinite(rank: int, world: int) -> dict:
     return {"error": None}
 
 
-def tracked_job(rank: int, world: int, uri: str, backend: str, name: str = "hdet-4", nan_at: int = -1) -> dict:
-    """Every rank passes the same tracker; rank 0 owns the single run."""
+def tracked_job(
+    rank: int, world: int, uri: str, backend: str, name: str = "hdet-4", nan_at: int = -1, scope: str = "auto"
+) -> dict:
+    """Every rank passes the same tracker; rank 0 owns the single run. ``scope``: the step guard's."""
+    from hdet_track.controller import DriftController
     from hdet_track.tracking.mlflow import MLflowTracker
 
     model = make_model()
@@ -314,6 +317,7 @@ def tracked_job(rank: int, world: int, uri: str, backend: str, name: str = "hdet
         sync_every=6,
         auto_lr=True,
         auto_lr_warmup=6,
+        controller=DriftController(warmup=6, step_guard_scope=scope),
         explore={"weight_decay": 0.5},
         model=model,
         track=track,
