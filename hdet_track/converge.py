@@ -119,14 +119,16 @@ class Converger:
 
     def _gradients_shared(self) -> bool:
         """Whether every rank holds the same gradients (DDP averaged them): one all-gather of
-        each rank's gradient count and float64 sums. No gradients anywhere: treated as shared."""
+        each rank's gradient count and float64 sums. No gradients or non-finite sums on any rank:
+        treated as shared (the collective guard is the safe choice in both modes)."""
         grads = [t.grad for t in self.averager.tensors() if t.grad is not None]
         row = [float(len(grads)), 0.0, 0.0]
         if grads:
             flat = torch.cat([g.detach().reshape(-1).to(torch.float64) for g in grads])
             row[1:] = [float(flat.sum()), float(flat.square().sum())]
         rows = collectives.all_gather_rows(row, self.averager.group)
-        return any(r[0] == 0 for r in rows) or all(r == rows[0] for r in rows)
+        unknown = any(r[0] == 0 or not all(map(math.isfinite, r)) for r in rows)
+        return unknown or all(r == rows[0] for r in rows)
 
     def sync(
         self,
