@@ -328,4 +328,11 @@ class Converger:
             controller=self.controller.name if self.controller is not None else "",
             rank=self.averager.rank,
             time=time.time(),
+            step_guard=self._step_guard_scope(),
         )
+
+    def _step_guard_scope(self) -> str:
+        ctrl = self.controller
+        if ctrl is None or ctrl.step_guard is None or ctrl.step_guard_scope not in ("all", "local"):
+            return ""  # none, or "auto" not resolved yet (no step has run the guard)
+        return ctrl.step_guard_scope

@@ -139,7 +139,8 @@ class StepRecord(_Event):
 @dataclass(frozen=True)
 class Converge(_Event):
     """One sync: window mean losses, each replica's divergence before averaging, the replicas left
-    out (and why: ``reasons[i]`` for ``left_out[i]``)."""
+    out (and why: ``reasons[i]`` for ``left_out[i]``), and the scope of the per-step guard that ran
+    during the window (``"all"``, ``"local"``, or ``""`` for none or unknown)."""
 
     kind: ClassVar[str] = "converge"
     _float_lists: ClassVar[tuple[str, ...]] = ("window_losses", "divergence")
@@ -148,6 +149,7 @@ class Converge(_Event):
     divergence: list[float]
     left_out: list[int] = field(default_factory=list)
     reasons: list[str] = field(default_factory=list)
+    step_guard: str = ""
 
 
 @dataclass(frozen=True)

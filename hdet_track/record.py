@@ -144,6 +144,10 @@ class SyncRecord:
         guard: what the guard did.
         controller: the controller's name ("" without one).
         rank: the rank that built this record.
+        step_guard: the scope of the controller's per-step guard during the window: ``"all"`` (one
+            all-gather per step; every replica rolls back together), ``"local"`` (each replica checks
+            its own loss and resets itself) or ``""`` (no step guard). With ``step_guard_scope="auto"``
+            it is what the first step chose from the gradients.
     """
 
     step: int
@@ -165,6 +169,7 @@ class SyncRecord:
     controller: str
     rank: int
     time: float = math.nan  # wall time (s since the epoch) of the sync, whenever callbacks get it
+    step_guard: str = ""
 
     @property
     def divergence(self) -> float:

@@ -94,6 +94,7 @@ def test_every_page_renders_the_hdet_run(monkeypatch, store):
     # replica 1's loss is NaN at step 10: the step guard converged at once and rolled every replica back
     assert any("replica 1 at step 10" in e.value for e in at.error)
     assert any("rollback at step 10 (step guard: replicas [1] non-finite" in e.value for e in at.error)
+    assert any(c.value.startswith("Step guard: collective.") for c in at.caption)  # the fixture pins "all"
     sync_loss = figures(at)[0]
     assert any(t["name"].startswith("replica left out") for t in sync_loss["data"])
     at.switch_page("app_pages/controller.py").run()

@@ -46,6 +46,7 @@ EVENTS = [
         divergence=[0.1, math.inf, 0.2, 0.3],
         left_out=[1],
         reasons=["non-finite"],
+        step_guard="local",
     ),
     ControllerDecision(
         step=10,

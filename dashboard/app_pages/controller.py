@@ -6,7 +6,7 @@ import numpy as np
 import streamlit as st
 from hdet_track.dashboard.state import live_every, load_run, resolution_caption, selected_run, step_range
 
-from hdet_track.viz import plot_controller
+from hdet_track.viz import plot_controller, step_guard_note
 
 st.header("Controller drift")
 run = selected_run()
@@ -36,5 +36,7 @@ if run is not None:
                 f"{sum(g.action == 'rollback' for g in fresh.guard)}",
             )
         st.plotly_chart(plot_controller(fresh, name, target, log_y=log_y), key="controller")
+        if step_guard_note(fresh):
+            st.caption(step_guard_note(fresh))
 
     charts()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import streamlit as st
 from hdet_track.dashboard.state import live_every, load_run, resolution_caption, selected_run, step_range
 
-from hdet_track.viz import guard_rows, plot_divergence, plot_sync_heatmap, plot_sync_loss
+from hdet_track.viz import guard_rows, plot_divergence, plot_sync_heatmap, plot_sync_loss, step_guard_note
 
 st.header("Converge")
 run = selected_run()
@@ -17,6 +17,8 @@ if run is not None:
         fresh = load_run(run.run_id, steps)
         resolution_caption(fresh)
         st.plotly_chart(plot_sync_loss(fresh), key="sync_loss")
+        if step_guard_note(fresh):
+            st.caption(step_guard_note(fresh))
         actions = guard_rows(fresh)
         if actions:
             said = [

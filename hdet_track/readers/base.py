@@ -192,6 +192,12 @@ class HDETRun:
     def explored(self) -> list[ExploredSpec]:
         return list(self.start.explored) if self.start is not None else []
 
+    @property
+    def step_guard(self) -> str:
+        """The scope of the controller's per-step guard (the latest sync's): ``"all"`` (collective),
+        ``"local"`` (each replica checks itself), or ``""`` (none, or a run logged by an older hdet-track)."""
+        return next((c.step_guard for c in reversed(self.converge) if c.step_guard), "")
+
     def explored_names(self) -> list[str]:
         """``"lr"`` and the other explored hyperparameters (from the run's start, else its series)."""
         found = [e.name for e in self.explored]

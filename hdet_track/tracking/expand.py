@@ -126,6 +126,7 @@ def _events(rec: SyncRecord) -> list:
             divergence=list(rec.divergences),
             left_out=list(rec.left_out),
             reasons=list(rec.reasons),
+            step_guard=rec.step_guard,
         )
     ]
     keys_of: dict[str, list[str]] = {}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from .compare import plot_compare
 from .controller import plot_controller
-from .converge import guard_rows, plot_divergence, plot_sync_heatmap, plot_sync_loss
+from .converge import guard_rows, plot_divergence, plot_sync_heatmap, plot_sync_loss, step_guard_note
 from .export import discovered_schedule, lambdalr_snippet, schedule_csv, schedule_json
 from .fanout import plot_fanout, plot_permutations, plot_replica_loss
 
@@ -20,6 +20,7 @@ __all__ = [
     "plot_divergence",
     "plot_sync_heatmap",
     "guard_rows",
+    "step_guard_note",
     "plot_controller",
     "plot_compare",
     "discovered_schedule",

@@ -11,7 +11,7 @@ import plotly.graph_objects as go
 from ..readers.base import HDETRun
 from ._common import MAX_POINTS, color, downsample, empty_figure, layout, titled
 
-__all__ = ["plot_sync_loss", "plot_divergence", "plot_sync_heatmap", "guard_rows"]
+__all__ = ["plot_sync_loss", "plot_divergence", "plot_sync_heatmap", "guard_rows", "step_guard_note"]
 
 
 class SyncInfo(NamedTuple):
@@ -61,6 +61,22 @@ def guard_rows(run: HDETRun) -> list[dict]:
     ]
     order = {"left out": 0, "backoff": 1, "rollback": 2}  # within a sync: what the guard saw, then did
     return sorted(rows, key=lambda row: (row["step"], order.get(row["action"], 3)))
+
+
+def step_guard_note(run: HDETRun) -> str:
+    """One sentence on the per-step guard the run used ("" when it had none or did not log it)."""
+    scope = run.step_guard
+    if scope == "local":
+        return (
+            "Step guard: local. Each replica checks its own loss at every step and resets itself to "
+            "the last consensus when it blows up (no per-step collective; the replicas' gradients differ)."
+        )
+    if scope == "all":
+        return (
+            "Step guard: collective. The replicas' losses are gathered at every step, and a blow-up "
+            "on any replica rolls every replica back to the last consensus."
+        )
+    return ""
 
 
 def plot_sync_loss(run: HDETRun, log_y: bool = True, max_points: int = MAX_POINTS) -> go.Figure:

@@ -226,6 +226,7 @@ def test_finite_blowup_is_left_out_reset_and_shown(tmp_path, victim):
 def test_local_step_guard_resets_only_the_blown_replica_and_leaves_it_out(tmp_path, scope):
     """``"auto"``: replicas with their own gradients take the local guard, every rank alike."""
     from hdet_track.readers.mlflow import MLflowReader
+    from hdet_track.viz import step_guard_note
 
     uri = f"sqlite:///{tmp_path / 'local.db'}"
     res = run_ranks(workers.local_step_guard_blowup, WORLD, uri, 3, scope)
@@ -242,13 +243,27 @@ def test_local_step_guard_resets_only_the_blown_replica_and_leaves_it_out(tmp_pa
     assert all(torch.equal(res[0]["final_params"], res[r]["final_params"]) for r in range(WORLD))
     run = MLflowReader(uri).read(res[0]["run_ids"]["mlflow"])
     assert run.status == "FINISHED" and run.converge[0].left_out == [3]
+    # the scope that ran (not the setting "auto") is in every sync's record and read back from the store
+    assert rec.step_guard == "local" and [c.step_guard for c in run.converge] == ["local"] * 3
+    assert run.step_guard == "local" and step_guard_note(run).startswith("Step guard: local.")
+
+
+@pytest.mark.parametrize("ddp", [True, False])
+def test_auto_scope_takes_the_collective_guard_when_the_first_gradients_are_not_finite(ddp):
+    """A NaN at the first step says nothing about whether gradients are shared: under DDP every rank
+    holds the same NaN gradient, which must not read as "different" (NaN != NaN) and pick the local
+    guard, which is unsafe with shared gradients. The collective guard rolls every replica back."""
+    res = run_ranks(workers.nan_gradient_at_first_step, WORLD, ddp)
+    assert [r["scope"] for r in res] == ["all"] * WORLD
+    assert all(r["steps"][0] == 1 and r["rolled_back"][0] for r in res)  # caught at step 1, not at 10
+    assert all(r["final_finite"] for r in res)
 
 
 @pytest.mark.parametrize("scope", ["all", "auto"])
 def test_step_guard_rolls_back_at_the_blow_up_step_with_shared_gradients(tmp_path, scope):
     """``"auto"``: DDP's averaged gradients are the same on every rank, so it takes the collective guard."""
     from hdet_track.readers.mlflow import MLflowReader
-    from hdet_track.viz import guard_rows
+    from hdet_track.viz import guard_rows, step_guard_note
 
     uri = f"sqlite:///{tmp_path / 'step-guard.db'}"
     res = run_ranks(workers.step_guard_blowup, WORLD, uri, 2, scope)
@@ -271,6 +286,8 @@ def test_step_guard_rolls_back_at_the_blow_up_step_with_shared_gradients(tmp_pat
     assert run.status == "FINISHED" and [c.step for c in run.converge] == [8, 10, 20, 30]
     (rollback,) = [row for row in guard_rows(run) if row["action"] == "rollback"]
     assert rollback["step"] == 8 and rollback["reason"].startswith("step guard: replicas [2]")
+    assert [r.step_guard for r in res[0]["records"]] == ["all"] * 4
+    assert run.step_guard == "all" and step_guard_note(run).startswith("Step guard: collective.")
 
 
 def test_left_out_replicas_do_not_bypass_the_metric_budget(tmp_path):

@@ -466,6 +466,37 @@ def local_step_guard_blowup(rank: int, world: int, uri: str, victim: int, scope:
     }
 
 
+def nan_gradient_at_first_step(rank: int, world: int, ddp: bool) -> dict:
+    """Rank 1's loss is NaN at the first step, so its gradients are; under DDP every rank's averaged
+    gradient is then NaN. ``step_guard_scope="auto"`` must not read NaN sums as "different gradients"
+    (NaN != NaN): unknown gradients take the collective guard."""
+    from hdet_track.controller import DriftController
+
+    model = make_model()
+    net = DDP(model) if ddp else model
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    sched = HDETScheduler(
+        opt, max_lr=0.05, total_steps=20, spread=0.3, sync_every=10, auto_lr=True, model=model,
+        controller=DriftController(step_guard_scope="auto"),
+    )  # fmt: skip
+    records = []
+    for step in range(20):
+        x, y = batch(rank, step)
+        loss = F.cross_entropy(net(x), y) * (math.nan if rank == 1 and step == 0 else 1.0)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step(loss)
+        if sched.last_sync is not None and (not records or records[-1].step != sched.last_sync.step):
+            records.append(sched.last_sync)
+    return {
+        "scope": sched.controller.step_guard_scope,
+        "steps": [r.step for r in records],
+        "rolled_back": [r.rolled_back for r in records],
+        "final_finite": bool(torch.isfinite(flat_params(model)).all()),
+    }
+
+
 def left_out_every_sync(rank: int, world: int, uri: str) -> dict:
     """2,000 steps, a sync every 2, far past the metric histories' budget; rank 3 reports a NaN loss
     at every step, so the paper controller leaves it out at every one of the 1,000 syncs."""
