@@ -8,7 +8,8 @@ The scheduler owns OneCycle's schedule and wires the parts:
 - the converge step at each sync (:mod:`hdet_track.converge`: the window, health, rollback, averaging
   by :mod:`hdet_track.averager` over :mod:`hdet_track.collectives`, the controller's decision),
 - its callbacks (:mod:`hdet_track.callbacks`), which receive one :class:`~hdet_track.record.SyncRecord`
-  per sync (tracking is one: :class:`hdet_track.tracking.recorder.Recorder`, built when ``track`` is set),
+  per sync (tracking is one: :class:`hdet_track.tracking.recorder.Recorder`, built when ``track`` is set);
+  what they receive and when is the :class:`~hdet_track.reporting.Reporting` half of the class,
 - its checkpoint format (:mod:`hdet_track.checkpoint`).
 """
 
@@ -34,6 +35,7 @@ from .converge import Converger
 from .explore import Hyperparam, resolve_explore
 from .fanout import FanOut
 from .record import RunInfo, SchedulerCallback, SyncRecord
+from .reporting import Reporting
 from .schedule import _check_spread
 
 __all__ = ["HDETScheduler", "SyncReport"]
@@ -41,7 +43,7 @@ __all__ = ["HDETScheduler", "SyncReport"]
 SyncReport = SyncRecord  # the name of hdet-track 0.1
 
 
-class HDETScheduler(OneCycleLR):
+class HDETScheduler(Reporting, OneCycleLR):
     r"""OneCycleLR for data-parallel replicas that explore their hyperparameters.
 
     The N ranks of the process group train with learning rates spread around one shared
@@ -298,11 +300,6 @@ class HDETScheduler(OneCycleLR):
         """What plain OneCycleLR gives each param group at the current step."""
         return list(self._onecycle)
 
-    def add_callback(self, callback: SchedulerCallback) -> None:
-        """Receive :meth:`~hdet_track.record.SchedulerCallback.on_sync` etc. (add on every rank,
-        before the first step, if it sets ``needs_divergence``)."""
-        self._callbacks.add(callback)
-
     # ------------------------------------------------------------------ scheduling
     def get_lr(self) -> list[float | torch.Tensor]:
         onecycle = super().get_lr()
@@ -361,39 +358,12 @@ class HDETScheduler(OneCycleLR):
         self._synced(record)
         return record
 
-    def gather_pending(self) -> None:
-        """Hand the callbacks (tracking) the last sync's record now, with every replica's divergence,
-        instead of at the next sync; a collective when a record waits for one (after a window
-        shorter than 2 s), so every rank calls it after the same step. Call it before a pause that
-        is not a step (an evaluation, a long checkpoint write): the record is then in the tracker
-        while the pause lasts. The integrations call it before evaluating and saving."""
-        self._deliver()
-        self._converger.gather_carried()
-        self._deliver()
-
     def _synced(self, record: SyncRecord) -> None:
         self._apply_explored()
         self._deliver(ready_only=True)  # the last sync's record, completed by this sync's gather
         self.last_sync = record
         if not self._converger.pending:
             self._notify(record)
-
-    def _pending_record(self) -> SyncRecord | None:
-        return self._converger.complete(wait=False)  # the process is ending: never wait on a collective
-
-    def _deliver(self, force: bool = False, ready_only: bool = False) -> None:
-        """Hand the callbacks a sync's record once the divergences a callback ``needs_divergence``
-        are in: gathered in the background (by the next step), or carried by the next sync's
-        gather after a short window; ``force``: now, with what has arrived (close, checkpoint)."""
-        record = self._converger.complete(force=force, ready_only=ready_only)
-        while record is not None:
-            if self.last_sync is None or record.step >= self.last_sync.step:
-                self.last_sync = record
-            self._notify(record)
-            record = self._converger.complete(force=force, ready_only=ready_only)
-
-    def _notify(self, record: SyncRecord) -> None:
-        self._callbacks.on_sync(record)
 
     def _checked_loss(self, loss: float | torch.Tensor | None) -> float | torch.Tensor | None:
         if loss is None:
@@ -444,7 +414,7 @@ class HDETScheduler(OneCycleLR):
         rising = self.last_epoch < self._schedule_phases[0]["end_step"]
         return [float(g["max_lr"]) if rising else lr for g, lr in zip(self.optimizer.param_groups, self._onecycle)]
 
-    # ------------------------------------------------------------------ callbacks and tracking
+    # ------------------------------------------------------------------ what callbacks receive at the start (tracking: .reporting)
     def run_info(self, gather: bool = True) -> RunInfo:
         """What callbacks receive at the start: configuration, replicas, explored hyperparameters
         (``gather=False``: without the collective that gathers every rank's host name)."""
@@ -465,65 +435,6 @@ class HDETScheduler(OneCycleLR):
             hostnames=[str(h) for h in collectives.all_gather_objects(host, self._group)] if gather else [host],
             resumed_runs=dict(self._resumed_runs),
         )
-
-    def _start(self) -> None:
-        self._started = True
-        self._callbacks.on_start(self.run_info)
-
-    def _track(self, track: Any, **settings: Any) -> None:
-        self._callbacks.track(
-            track, rank=self._rank, info=lambda: self.run_info(gather=False), pending=self._pending_record, **settings
-        )
-
-    def start_tracking(
-        self, track: Any, *, log_every: int = 1, compare_group: str | None = None, run_name: str | None = None
-    ) -> None:
-        """Start tracking a scheduler built with ``track=False`` (on every rank, before the first
-        ``step``): for integrations whose tracker run exists only once training begins."""
-        if self._started:
-            raise ValueError(f"Expected start_tracking() before the first step, but {self.last_epoch} steps were taken")
-        self._track(track, log_every=log_every, compare_group=compare_group, run_name=run_name, close_at_end=False)
-        self._config.update(log_every=log_every, compare_group=compare_group, run_name=run_name)
-
-    @property
-    def tracking(self) -> bool:
-        """Whether this job logs to a tracker (on every rank; rank 0 owns the run)."""
-        return self._callbacks.recorder is not None
-
-    @property
-    def run_ids(self) -> dict[str, str | None]:
-        """Rank 0: the tracker run id of each backend (once created); elsewhere empty."""
-        return self._callbacks.run_ids()
-
-    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-        """Log extra metrics (validation loss, accuracy, ...) into the run, on rank 0; a no-op elsewhere."""
-        self._deliver()
-        self._callbacks.log_metrics(metrics, max(self.last_epoch, 0) if step is None else step)
-
-    def flush(self, timeout: float | None = 60.0) -> bool:
-        """Block until what was logged so far reached the trackers (rank 0). True when it did (the
-        last sync's divergences too when they are in; otherwise its record goes without them)."""
-        self._deliver(force=True)
-        return self._callbacks.flush(timeout)
-
-    def close(self, status: str = "FINISHED", error: str | None = None) -> None:
-        """End the job: the tracked run ends with ``status`` (FINISHED, FAILED or KILLED); idempotent."""
-        if status not in ("FINISHED", "FAILED", "KILLED"):
-            raise ValueError(f"Expected status in ('FINISHED', 'FAILED', 'KILLED'), but got {status!r}")
-        self._deliver(force=True)
-        self._callbacks.on_close(status, error, max(self.last_epoch, 0))
-
-    def __enter__(self) -> HDETScheduler:
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            import traceback
-
-            text = "".join(traceback.format_exception(exc_type, exc, tb))[-4000:]
-            self.close("KILLED" if issubclass(exc_type, KeyboardInterrupt) else "FAILED", text)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self, all_ranks: bool = False) -> dict[str, Any]:

@@ -1,0 +1,126 @@
+"""What the scheduler hands its callbacks, and when: the sync records (once the divergences a
+callback needs are in), the run's start, extra metrics, flushing and the end of the job.
+
+:class:`Reporting` is the half of :class:`~hdet_track.scheduler.HDETScheduler` that faces tracking;
+the other half (the schedule, the fan-out, the sync, checkpoints) never calls a tracker. It expects
+the scheduler's ``_callbacks`` (a :class:`~hdet_track.callbacks.CallbackList`), ``_converger``,
+``last_sync``, ``last_epoch``, ``_rank``, ``_config``, ``_started`` and :meth:`run_info`.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from .record import RunInfo, SchedulerCallback, SyncRecord
+
+if TYPE_CHECKING:
+    from .callbacks import CallbackList
+    from .converge import Converger
+
+_R = TypeVar("_R", bound="Reporting")
+
+__all__ = ["Reporting"]
+
+
+class Reporting:
+    """Callbacks and tracking for :class:`~hdet_track.scheduler.HDETScheduler` (a mixin)."""
+
+    _callbacks: CallbackList
+    _converger: Converger
+    _config: dict[str, Any]
+    _rank: int
+    _started: bool
+    last_sync: SyncRecord | None
+    last_epoch: int
+    run_info: Callable[..., RunInfo]  # the scheduler's: configuration, replicas, explored hyperparameters
+
+    def add_callback(self, callback: SchedulerCallback) -> None:
+        """Receive :meth:`~hdet_track.record.SchedulerCallback.on_sync` etc. (add on every rank,
+        before the first step, if it sets ``needs_divergence``)."""
+        self._callbacks.add(callback)
+
+    def gather_pending(self) -> None:
+        """Hand the callbacks (tracking) the last sync's record now, with every replica's divergence,
+        instead of at the next sync; a collective when a record waits for one (after a window
+        shorter than 2 s), so every rank calls it after the same step. Call it before a pause that
+        is not a step (an evaluation, a long checkpoint write): the record is then in the tracker
+        while the pause lasts. The integrations call it before evaluating and saving."""
+        self._deliver()
+        self._converger.gather_carried()
+        self._deliver()
+
+    def _pending_record(self) -> SyncRecord | None:
+        return self._converger.complete(wait=False)  # the process is ending: never wait on a collective
+
+    def _deliver(self, force: bool = False, ready_only: bool = False) -> None:
+        """Hand the callbacks a sync's record once the divergences a callback ``needs_divergence``
+        are in: gathered in the background (by the next step), or carried by the next sync's
+        gather after a short window; ``force``: now, with what has arrived (close, checkpoint)."""
+        record = self._converger.complete(force=force, ready_only=ready_only)
+        while record is not None:
+            if self.last_sync is None or record.step >= self.last_sync.step:
+                self.last_sync = record
+            self._notify(record)
+            record = self._converger.complete(force=force, ready_only=ready_only)
+
+    def _notify(self, record: SyncRecord) -> None:
+        self._callbacks.on_sync(record)
+
+    def _start(self) -> None:
+        self._started = True
+        self._callbacks.on_start(self.run_info)
+
+    def _track(self, track: Any, **settings: Any) -> None:
+        self._callbacks.track(
+            track, rank=self._rank, info=lambda: self.run_info(gather=False), pending=self._pending_record, **settings
+        )
+
+    def start_tracking(
+        self, track: Any, *, log_every: int = 1, compare_group: str | None = None, run_name: str | None = None
+    ) -> None:
+        """Start tracking a scheduler built with ``track=False`` (on every rank, before the first
+        ``step``): for integrations whose tracker run exists only once training begins."""
+        if self._started:
+            raise ValueError(f"Expected start_tracking() before the first step, but {self.last_epoch} steps were taken")
+        self._track(track, log_every=log_every, compare_group=compare_group, run_name=run_name, close_at_end=False)
+        self._config.update(log_every=log_every, compare_group=compare_group, run_name=run_name)
+
+    @property
+    def tracking(self) -> bool:
+        """Whether this job logs to a tracker (on every rank; rank 0 owns the run)."""
+        return self._callbacks.recorder is not None
+
+    @property
+    def run_ids(self) -> dict[str, str | None]:
+        """Rank 0: the tracker run id of each backend (once created); elsewhere empty."""
+        return self._callbacks.run_ids()
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        """Log extra metrics (validation loss, accuracy, ...) into the run, on rank 0; a no-op elsewhere."""
+        self._deliver()
+        self._callbacks.log_metrics(metrics, max(self.last_epoch, 0) if step is None else step)
+
+    def flush(self, timeout: float | None = 60.0) -> bool:
+        """Block until what was logged so far reached the trackers (rank 0). True when it did (the
+        last sync's divergences too when they are in; otherwise its record goes without them)."""
+        self._deliver(force=True)
+        return self._callbacks.flush(timeout)
+
+    def close(self, status: str = "FINISHED", error: str | None = None) -> None:
+        """End the job: the tracked run ends with ``status`` (FINISHED, FAILED or KILLED); idempotent."""
+        if status not in ("FINISHED", "FAILED", "KILLED"):
+            raise ValueError(f"Expected status in ('FINISHED', 'FAILED', 'KILLED'), but got {status!r}")
+        self._deliver(force=True)
+        self._callbacks.on_close(status, error, max(self.last_epoch, 0))
+
+    def __enter__(self: _R) -> _R:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            text = "".join(traceback.format_exception(exc_type, exc, tb))[-4000:]
+            self.close("KILLED" if issubclass(exc_type, KeyboardInterrupt) else "FAILED", text)
