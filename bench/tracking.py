@@ -164,8 +164,9 @@ SMALL_LONG_RUN = 20_000  # total_steps of the "long run" case: its first SMALL_S
 def small_step_worker(rank: int, world: int, port: int, args: dict, out: str) -> None:
     """Issue #13's case: 8 x Linear(64, 64), batch 32, 4 gloo ranks on 2 cores (a few ms per step),
     ``track=True`` with its defaults (MLflow, sqlite). The drift controller runs without its step
-    guard: the guard's per-step all-gather puts the 4 processes in lockstep on 2 cores and makes
-    this step ~3x longer, which would hide the tracking cost this case is about (the guard's own
+    guard: the collective guard's per-step all-gather puts the 4 processes in lockstep on 2 cores and
+    makes this step ~3x longer (with the default scope "auto" these independent replicas would take
+    the local check; ``step_guard=None`` keeps the case comparable with earlier runs), which would hide the tracking cost this case is about (the guard's own
     cost is bench/overhead.py's). Three cases alternate, ``reps`` rounds (default 9):
     untracked; tracked, a run of SMALL_LONG_RUN steps of which the first SMALL_STEPS run (then
     ``close()``): the steady state of any run long enough for the histories' per-run floors not to
