@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+
 from .explore import Hyperparam
 from .names import series_key
 from .record import ExploredSpec
@@ -97,4 +99,6 @@ class FanOut:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.perm = {k: list(v) for k, v in state["permutations"].items()}
         for name, gen_state in state["generators"].items():
-            self.generators[name].set_state(gen_state)
+            # torch.load(map_location="cuda") moves every tensor, but a CPU generator's state must be
+            # a CPU ByteTensor
+            self.generators[name].set_state(gen_state.detach().to("cpu", torch.uint8))
