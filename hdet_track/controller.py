@@ -427,10 +427,11 @@ class DriftController(Controller):
             and roll back (with shared gradients one replica's blow-up reaches
             every replica within a step, long before the next sync). None: syncs only. The
             default (10) was chosen on the development split (docs/controller.md, round 2).
-        step_guard_scope: ``"auto"`` (the default): at the first step the scheduler compares the
-            ranks' gradients (one all-gather); the same on every rank (DDP) -> ``"all"``, else
-            ``"local"``; without gradients or ``rollback``, ``"all"``. The choice is kept in the
-            state (docs/controller.md, round 7). ``"all"``: the collective check above.
+        step_guard_scope: ``"auto"`` (the default): the scheduler compares the ranks' gradients
+            (a fingerprint of sampled values, in the step guard's all-gather) at the first step
+            at which every rank has finite gradients: the same on every rank (DDP) -> ``"all"``,
+            else ``"local"``. Until then, and without ``rollback``, the collective check runs.
+            The choice is kept in the state (docs/controller.md, round 7). ``"all"``: the collective check above.
             ``"local"``: each replica checks only its own loss against its own first loss of the
             window, with no collective; a replica that trips restores the kept consensus into
             itself at once and is left out at the next sync like a replica the sync guard finds
@@ -495,7 +496,7 @@ class DriftController(Controller):
                 "Expected rollback=True with step_guard_scope='local' (a replica resets itself to the kept "
                 "consensus), but got rollback=False"
             )
-        self.step_guard_scope = step_guard_scope
+        self.step_guard_scope = "all" if step_guard_scope == "auto" and not rollback else step_guard_scope
         if trip_backoff not in ("notch", "spread"):
             raise ValueError(f"Expected trip_backoff in ('notch', 'spread'), but got {trip_backoff!r}")
         self.trip_backoff = trip_backoff

@@ -26,7 +26,35 @@ from .errors import NonFiniteReplicasError
 from .record import SchedulerCallback, SyncRecord
 from .schedule import draw_permutation, replica_value_table
 
-__all__ = ["Converger"]
+__all__ = ["Converger", "gradient_fingerprint", "gradients_shared"]
+
+FINGERPRINT_TENSORS = 16  # gradient tensors sampled, evenly spaced over the model
+FINGERPRINT_VALUES = 4  # values per sampled tensor, evenly spaced in it
+
+
+def gradient_fingerprint(tensors: Sequence[torch.Tensor]) -> list[float]:
+    """This rank's gradients, sampled: ``[count, n, v_1 .. v_n, 0 ..]`` (a fixed length), where
+    ``count`` is how many tensors have a gradient and ``v`` are gradient values read at fixed
+    positions (exact: no reduction, so no summation order that could differ between ranks, and
+    no copy of the gradients)."""
+    grads = [t.grad for t in tensors if t.grad is not None and t.grad.numel() > 0]
+    size = FINGERPRINT_TENSORS * FINGERPRINT_VALUES
+    values: list[float] = []
+    if grads:
+        picks = np.unique(np.linspace(0, len(grads) - 1, min(len(grads), FINGERPRINT_TENSORS)).round().astype(int))
+        for g in (grads[i].detach().reshape(-1) for i in picks):
+            at = np.unique(np.linspace(0, g.numel() - 1, min(g.numel(), FINGERPRINT_VALUES)).round().astype(int))
+            values += g[torch.as_tensor(at, device=g.device)].to(torch.float64).cpu().tolist()
+    return [float(len(grads)), float(len(values))] + values + [0.0] * (size - len(values))
+
+
+def gradients_shared(fingerprints: Sequence[Sequence[float]]) -> bool | None:
+    """Whether every rank holds the same gradients (DDP averaged them), from every rank's
+    :func:`gradient_fingerprint`; None when it cannot tell yet (a rank without gradients, or a
+    non-finite value: a NaN at a step says nothing about who computed it, and NaN != NaN)."""
+    if any(f[0] == 0 or not all(map(math.isfinite, f)) for f in fingerprints):
+        return None
+    return all(list(f) == list(fingerprints[0]) for f in fingerprints)
 
 
 class Converger:
@@ -102,33 +130,28 @@ class Converger:
 
     def step_guard(self) -> str | None:
         """With the controller's ``step_guard``: gather this step's and the window's first losses;
-        a reason to converge and roll back now (the same decision on every rank), or None."""
+        a reason to converge and roll back now (the same decision on every rank), or None.
+
+        With ``step_guard_scope="auto"`` the same all-gather carries a fingerprint of each rank's
+        gradients until they tell whether they are shared (:func:`gradients_shared`); until then
+        the collective check runs."""
         ctrl = self.controller
         if ctrl is None or ctrl.step_guard is None:
             return None
-        if ctrl.step_guard_scope == "auto":
-            ctrl.resolve_scope(self._gradients_shared())
         now, first = (math.nan if x is None else float(x) for x in (self.losses[-1], self.losses[0]))
         if ctrl.step_guard_scope == "local":  # no collective: this replica resets itself
             if self.averager.has_consensus and ctrl.check_own_step(now, first) is not None:
                 self.averager.restore()
                 self.tripped = True
             return None
-        rows = collectives.all_gather_rows([now, first], self.averager.group)
-        return ctrl.check_step([r[0] for r in rows], [r[1] for r in rows])
-
-    def _gradients_shared(self) -> bool:
-        """Whether every rank holds the same gradients (DDP averaged them): one all-gather of
-        each rank's gradient count and float64 sums. No gradients or non-finite sums on any rank:
-        treated as shared (the collective guard is the safe choice in both modes)."""
-        grads = [t.grad for t in self.averager.tensors() if t.grad is not None]
-        row = [float(len(grads)), 0.0, 0.0]
-        if grads:
-            flat = torch.cat([g.detach().reshape(-1).to(torch.float64) for g in grads])
-            row[1:] = [float(flat.sum()), float(flat.square().sum())]
+        resolving = ctrl.step_guard_scope == "auto"
+        row = [now, first] + (gradient_fingerprint(self.averager.tensors()) if resolving else [])
         rows = collectives.all_gather_rows(row, self.averager.group)
-        unknown = any(r[0] == 0 or not all(map(math.isfinite, r)) for r in rows)
-        return unknown or all(r == rows[0] for r in rows)
+        if resolving:
+            shared = gradients_shared([r[2:] for r in rows])
+            if shared is not None:
+                ctrl.resolve_scope(shared)  # from the next step on
+        return ctrl.check_step([r[0] for r in rows], [r[1] for r in rows])
 
     def sync(
         self,
@@ -333,6 +356,6 @@ class Converger:
 
     def _step_guard_scope(self) -> str:
         ctrl = self.controller
-        if ctrl is None or ctrl.step_guard is None or ctrl.step_guard_scope not in ("all", "local"):
-            return ""  # none, or "auto" not resolved yet (no step has run the guard)
-        return ctrl.step_guard_scope
+        if ctrl is None or ctrl.step_guard is None:
+            return ""
+        return "local" if ctrl.step_guard_scope == "local" else "all"  # "auto" runs the collective check until resolved

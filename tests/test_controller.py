@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
 from hdet_track.controller import ControllerContext, DriftController, WindowStats, trend_evidence, window_noise
 from hdet_track.schedule import multipliers
@@ -352,6 +353,8 @@ def test_trip_backoff_spread_cuts_a_rollbacks_worth_and_keeps_the_healthy_replic
     ],
 )
 def test_auto_scope_resolves_once_from_the_gradients_and_resumes_with_it(kw, shared, scope):
+    if kw.get("rollback") is False:  # the local check needs the kept consensus: decided at once
+        assert controller(**({"step_guard_scope": "auto"} | kw)).step_guard_scope == "all"
     c = controller(**({"step_guard_scope": "auto"} | kw))
     c.resolve_scope(shared)
     assert c.step_guard_scope == scope
@@ -363,3 +366,29 @@ def test_auto_scope_resolves_once_from_the_gradients_and_resumes_with_it(kw, sha
     explicit = controller(step_guard_scope="all")  # an explicit setting is the user's, whatever was saved
     explicit.load_state_dict(controller(step_guard_scope="local").state_dict())
     assert explicit.step_guard_scope == "all"
+
+
+def test_gradient_fingerprints_tell_shared_from_independent_and_wait_on_nan():
+    from hdet_track.converge import gradient_fingerprint, gradients_shared
+
+    def model(seed: int, n_layers: int) -> list[torch.Tensor]:
+        torch.manual_seed(seed)
+        params = [torch.nn.Parameter(torch.randn(7, 5)) for _ in range(n_layers)]
+        sum((p**2).sum() for p in params).backward()
+        return params
+
+    shared = [gradient_fingerprint(model(0, 40)) for _ in range(4)]
+    independent = [gradient_fingerprint(model(seed, 40)) for seed in range(4)]
+    assert gradients_shared(shared) is True and gradients_shared(independent) is False
+    # one length whatever the model (the rows of one all-gather must match): 2 + 16 tensors x 4 values
+    assert {len(f) for f in shared + [gradient_fingerprint(model(0, 3))]} == {2 + 16 * 4}
+    assert gradient_fingerprint(model(0, 3))[:2] == [3.0, 12.0]
+    params = model(0, 40)
+    exact = gradient_fingerprint(params)[2:6]
+    first = params[0].grad.reshape(-1)
+    assert exact == [float(first[i]) for i in (0, 11, 23, 34)]  # values read, not reduced
+    with_nan = [list(f) for f in shared]
+    with_nan[1][5] = math.nan  # NaN != NaN must not read as "different gradients"
+    assert gradients_shared(with_nan) is None
+    no_grads = [gradient_fingerprint([torch.nn.Parameter(torch.ones(3))])] + shared[1:]
+    assert gradients_shared(no_grads) is None  # a rank without gradients: not yet

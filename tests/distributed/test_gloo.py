@@ -249,12 +249,13 @@ def test_local_step_guard_resets_only_the_blown_replica_and_leaves_it_out(tmp_pa
 
 
 @pytest.mark.parametrize("ddp", [True, False])
-def test_auto_scope_takes_the_collective_guard_when_the_first_gradients_are_not_finite(ddp):
+def test_auto_scope_waits_for_finite_gradients_with_the_collective_check(ddp):
     """A NaN at the first step says nothing about whether gradients are shared: under DDP every rank
     holds the same NaN gradient, which must not read as "different" (NaN != NaN) and pick the local
-    guard, which is unsafe with shared gradients. The collective guard rolls every replica back."""
+    guard, which is unsafe with shared gradients. Until the gradients are finite the collective
+    check runs (it rolls every replica back at step 1); the scope is decided at step 2."""
     res = run_ranks(workers.nan_gradient_at_first_step, WORLD, ddp)
-    assert [r["scope"] for r in res] == ["all"] * WORLD
+    assert [r["scope"] for r in res] == ["all" if ddp else "local"] * WORLD
     assert all(r["steps"][0] == 1 and r["rolled_back"][0] for r in res)  # caught at step 1, not at 10
     assert all(r["final_finite"] for r in res)
 

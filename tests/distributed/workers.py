@@ -468,8 +468,8 @@ def local_step_guard_blowup(rank: int, world: int, uri: str, victim: int, scope:
 
 def nan_gradient_at_first_step(rank: int, world: int, ddp: bool) -> dict:
     """Rank 1's loss is NaN at the first step, so its gradients are; under DDP every rank's averaged
-    gradient is then NaN. ``step_guard_scope="auto"`` must not read NaN sums as "different gradients"
-    (NaN != NaN): unknown gradients take the collective guard."""
+    gradient is then NaN. ``step_guard_scope="auto"`` must not read NaN fingerprints as "different
+    gradients" (NaN != NaN): it decides at the first step with finite gradients."""
     from hdet_track.controller import DriftController
 
     model = make_model()
