@@ -511,6 +511,7 @@ def plot(results: list[Result], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     panels = sorted({(r.task, r.mode) for r in results if r.arm not in ONE_RUN})
     if not panels:
@@ -531,6 +532,9 @@ def plot(results: list[Result], path: Path) -> None:
             if math.isfinite(v):
                 ax.axhline(v, linestyle=":", color="grey" if arm == "prodigy" else "black", label=arm)
         ax.set_xscale("log")
+        sweep = sorted({r.max_lr for r in mine if r.arm not in ONE_RUN})
+        ax.set_xticks(sweep, [f"{x:g}" for x in sweep])  # the sweep's values, not a crowd of minor ticks
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xlabel("max_lr")
         ax.set_ylabel(f"final val loss (diverged: drawn at {top:.3g})")
         ax.set_title(f"{task}, {mode} gradients", fontsize=10)
