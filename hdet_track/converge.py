@@ -37,14 +37,14 @@ def gradient_fingerprint(tensors: Sequence[torch.Tensor]) -> list[float]:
     ``count`` is how many tensors have a gradient and ``v`` are gradient values read at fixed
     positions (exact: no reduction, so no summation order that could differ between ranks, and
     no copy of the gradients)."""
-    grads = [t.grad for t in tensors if t.grad is not None and t.grad.numel() > 0]
+    grads = [t.grad for t in tensors if t.grad is not None and t.grad.numel() > 0 and not t.grad.is_sparse]
     size = FINGERPRINT_TENSORS * FINGERPRINT_VALUES
     values: list[float] = []
     if grads:
         picks = np.unique(np.linspace(0, len(grads) - 1, min(len(grads), FINGERPRINT_TENSORS)).round().astype(int))
         for g in (grads[i].detach().reshape(-1) for i in picks):
             at = np.unique(np.linspace(0, g.numel() - 1, min(g.numel(), FINGERPRINT_VALUES)).round().astype(int))
-            values += g[torch.as_tensor(at, device=g.device)].to(torch.float64).cpu().tolist()
+            values += g[torch.as_tensor(at, device=g.device)].cpu().to(torch.float64).tolist()  # MPS: no float64
     return [float(len(grads)), float(len(values))] + values + [0.0] * (size - len(values))
 
 
@@ -53,6 +53,8 @@ def gradients_shared(fingerprints: Sequence[Sequence[float]]) -> bool | None:
     :func:`gradient_fingerprint`; None when it cannot tell yet (a rank without gradients, or a
     non-finite value: a NaN at a step says nothing about who computed it, and NaN != NaN)."""
     if any(f[0] == 0 or not all(map(math.isfinite, f)) for f in fingerprints):
+        return None
+    if all(not any(f[2:]) for f in fingerprints):  # zeroed gradients (zero_grad before step) tell nothing
         return None
     return all(list(f) == list(fingerprints[0]) for f in fingerprints)
 

@@ -392,3 +392,8 @@ def test_gradient_fingerprints_tell_shared_from_independent_and_wait_on_nan():
     assert gradients_shared(with_nan) is None
     no_grads = [gradient_fingerprint([torch.nn.Parameter(torch.ones(3))])] + shared[1:]
     assert gradients_shared(no_grads) is None  # a rank without gradients: not yet
+    zeroed = [[f[0], f[1]] + [0.0] * (len(f) - 2) for f in shared]
+    assert gradients_shared(zeroed) is None  # gradients zeroed before sched.step: not yet
+    sparse = torch.nn.Parameter(torch.ones(4, 3))
+    sparse.grad = torch.ones(4, 3).to_sparse()
+    assert gradient_fingerprint([sparse] + params)[0] == 40.0  # sparse gradients are skipped, not a crash
