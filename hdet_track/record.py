@@ -147,7 +147,7 @@ class SyncRecord:
         step_guard: the scope of the controller's per-step guard during the window: ``"all"`` (one
             all-gather per step; every replica rolls back together), ``"local"`` (each replica checks
             its own loss and resets itself) or ``""`` (no step guard). With ``step_guard_scope="auto"``
-            it is what the first step chose from the gradients.
+            it is what the gradients decided (``"all"`` until they have: the collective check runs).
     """
 
     step: int

@@ -28,6 +28,7 @@ def test_guard_averaging_and_exact_resume_with_cuda_state(ddp):
         assert [r["scope"] for r in res] == ["local"] * WORLD
         assert res[0]["steps"][0] == 10 and res[0]["left_out"][0] == [2]
     assert all(set(r["record_scope"]) == {res[0]["scope"]} for r in res)
+    assert all(r["resumed_scope"] == r["scope"] for r in res)  # the decision came back with the checkpoint
     for r in res:
         assert torch.isfinite(r["final"]).all()
         assert torch.equal(r["final"], res[0]["final"])  # averaged at the last step: one consensus

@@ -1,7 +1,7 @@
 """Workers for tests/distributed/test_cuda.py: the scheduler with parameters, gradients, optimizer
 state and the kept consensus on a GPU. The ranks share the one GPU a test machine may have and talk
 through gloo (nccl refuses two ranks on one GPU), so what is checked is HDET's own device handling:
-flat buckets, the consensus it restores, the step guard's gradient sums, fused optimizers whose LR
+flat buckets, the consensus it restores, the step guard's gradient fingerprint, fused optimizers whose LR
 is a tensor, and checkpoints of CUDA state."""
 
 from __future__ import annotations
@@ -91,9 +91,11 @@ def guard_and_resume(rank: int, world: int, ddp: bool) -> dict:
     model2.load_state_dict(state["model"])
     opt2.load_state_dict(state["opt"])
     sched2.load_state_dict(state["sched"])
+    resumed_scope = sched2.controller.step_guard_scope  # before any step could decide it again
     _train(rank, sched2, net2, opt2, 30, start=15)
     return {
         "scope": sched.controller.step_guard_scope,
+        "resumed_scope": resumed_scope,
         "steps": [r.step for r in records],
         "rolled_back": [r.rolled_back for r in records],
         "left_out": [list(r.left_out) for r in records],
