@@ -204,7 +204,11 @@ class Controller:
 
     def resolve_scope(self, shared_gradients: bool) -> None:
         """``step_guard_scope="auto"``: the scheduler tells, once, whether the ranks' gradients are
-        shared (DDP); the controller picks its step guard's scope from that."""
+        shared (DDP); the controller picks its step guard's scope from that: the collective check
+        for shared gradients, the local one for independent replicas (only with ``rollback``: a
+        replica resets itself to the kept consensus)."""
+        if self.step_guard_scope == "auto":
+            self.step_guard_scope = "local" if not shared_gradients and self.rollback else "all"
 
     def rolled_back(self, stats: WindowStats, reason: str | None = None) -> Decision:
         """Called instead of :meth:`update` when :meth:`health` (or :meth:`check_step`) asked for a rollback."""
@@ -214,6 +218,12 @@ class Controller:
         """Between syncs, with ``step_guard`` set: the replicas' losses at this step and at the
         window's first step; a reason to roll back now, or None."""
         return None
+
+    def check_own_step(self, loss: float, first: float) -> str | None:
+        """``step_guard_scope="local"``: this replica's loss at this step and at the window's first
+        step; a reason to reset this replica now, or None (by default :meth:`check_step`'s rule
+        applied to this replica alone)."""
+        return self.check_step([loss], [first])
 
     def base(self, name: str, target: int, reference: float) -> float:
         return reference
@@ -429,7 +439,8 @@ class DriftController(Controller):
             default (10) was chosen on the development split (docs/controller.md, round 2).
         step_guard_scope: ``"auto"`` (the default): the scheduler compares the ranks' gradients
             (a fingerprint of sampled values, in the step guard's all-gather) at the first step
-            at which every rank has finite gradients: the same on every rank (DDP) -> ``"all"``,
+            after a spread step since the last consensus at which every rank has finite,
+            non-zero gradients: any sampled tensor the same on every rank (DDP) -> ``"all"``,
             else ``"local"``. Until then, and without ``rollback``, the collective check runs.
             The choice is kept in the state (docs/controller.md, round 7). ``"all"``: the collective check above.
             ``"local"``: each replica checks only its own loss against its own first loss of the
@@ -637,10 +648,6 @@ class DriftController(Controller):
         if math.isfinite(first) and first > 0 and loss > self.step_guard * first:
             return f"step guard (local): loss {loss:.4g} > {self.step_guard:g} x {first:.4g}"
         return None
-
-    def resolve_scope(self, shared_gradients: bool) -> None:
-        if self.step_guard_scope == "auto":
-            self.step_guard_scope = "all" if shared_gradients or not self.rollback else "local"
 
     def rolled_back(self, stats: WindowStats, reason: str | None = None) -> Decision:
         self.rollbacks += 1

@@ -34,29 +34,49 @@ FINGERPRINT_VALUES = 4  # values per sampled tensor, evenly spaced in it
 
 def gradient_fingerprint(tensors: Sequence[torch.Tensor]) -> list[float]:
     """This rank's gradients, sampled: ``[count, n, v_1 .. v_n, 0 ..]`` (a fixed length), where
-    ``count`` is how many tensors have a gradient and ``v`` are gradient values read at fixed
-    positions (exact: no reduction, so no summation order that could differ between ranks, and
-    no copy of the gradients)."""
+    ``count`` is how many tensors have a gradient and ``v`` are ``FINGERPRINT_VALUES`` gradient
+    values per sampled tensor, read at fixed positions (a position repeats in a smaller tensor).
+    Exact: no reduction, so no summation order that could differ between ranks, and no copy of
+    the gradients (the values are stacked into one small tensor and read with one copy)."""
     grads = [t.grad for t in tensors if t.grad is not None and t.grad.numel() > 0 and not t.grad.is_sparse]
     size = FINGERPRINT_TENSORS * FINGERPRINT_VALUES
     values: list[float] = []
     if grads:
-        picks = np.unique(np.linspace(0, len(grads) - 1, min(len(grads), FINGERPRINT_TENSORS)).round().astype(int))
-        for g in (grads[i].detach().reshape(-1) for i in picks):
-            at = np.unique(np.linspace(0, g.numel() - 1, min(g.numel(), FINGERPRINT_VALUES)).round().astype(int))
-            values += g[torch.as_tensor(at, device=g.device)].cpu().to(torch.float64).tolist()  # MPS: no float64
+        picks = np.linspace(0, len(grads) - 1, min(len(grads), FINGERPRINT_TENSORS)).round().astype(int)
+        picked = []
+        for i in np.unique(picks):
+            g = grads[i].detach().reshape(-1)
+            picked += [g[int(j)] for j in np.linspace(0, g.numel() - 1, FINGERPRINT_VALUES).round()]  # views
+        if len({v.device for v in picked}) == 1:
+            values = torch.stack(picked).cpu().to(torch.float64).tolist()  # MPS: no float64
+        else:  # a model spread over devices
+            values = [v.item() for v in picked]
     return [float(len(grads)), float(len(values))] + values + [0.0] * (size - len(values))
 
 
 def gradients_shared(fingerprints: Sequence[Sequence[float]]) -> bool | None:
-    """Whether every rank holds the same gradients (DDP averaged them), from every rank's
-    :func:`gradient_fingerprint`; None when it cannot tell yet (a rank without gradients, or a
-    non-finite value: a NaN at a step says nothing about who computed it, and NaN != NaN)."""
+    """Whether the ranks' gradients are shared (DDP averaged them), from every rank's
+    :func:`gradient_fingerprint`; None when it cannot tell yet (a rank without gradients, a
+    non-finite value: a NaN at a step says nothing about who computed it, and NaN != NaN; or
+    only zeros: gradients zeroed before the step).
+
+    Shared when any sampled tensor with a non-zero value holds the same values on every rank:
+    under DDP a parameter outside the wrapper, or a per-rank term written into ``.grad``, must not
+    make the rest look independent (independent replicas agreeing bit for bit on a tensor's
+    non-zero gradient values is not a coincidence either). Reading shared gradients as
+    independent is the unsafe direction; the other only costs the collective check's speed."""
     if any(f[0] == 0 or not all(map(math.isfinite, f)) for f in fingerprints):
         return None
-    if all(not any(f[2:]) for f in fingerprints):  # zeroed gradients (zero_grad before step) tell nothing
+    if all(not any(f[2:]) for f in fingerprints):
         return None
-    return all(list(f) == list(fingerprints[0]) for f in fingerprints)
+    first = list(fingerprints[0])
+    if any(list(f[:2]) != first[:2] for f in fingerprints):  # different models: not shared
+        return False
+    k = FINGERPRINT_VALUES
+    for at in range(2, 2 + int(first[1]), k):
+        if any(first[at : at + k]) and all(list(f[at : at + k]) == first[at : at + k] for f in fingerprints):
+            return True
+    return False
 
 
 class Converger:
@@ -146,7 +166,10 @@ class Converger:
                 self.averager.restore()
                 self.tripped = True
             return None
-        resolving = ctrl.step_guard_scope == "auto"
+        # Decided from a step whose gradients were computed after one spread step since the last
+        # consensus: at the window's first step every replica starts from the same parameters, so
+        # identical batches would make independent replicas look shared.
+        resolving = ctrl.step_guard_scope == "auto" and len(self.losses) >= 2
         row = [now, first] + (gradient_fingerprint(self.averager.tensors()) if resolving else [])
         rows = collectives.all_gather_rows(row, self.averager.group)
         if resolving:

@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from hdet_track.controller import ControllerContext, DriftController, WindowStats, trend_evidence, window_noise
+from hdet_track.controller import (
+    Controller,
+    ControllerContext,
+    DriftController,
+    WindowStats,
+    trend_evidence,
+    window_noise,
+)
 from hdet_track.schedule import multipliers
 
 N, T = 4, 20
@@ -397,3 +404,62 @@ def test_gradient_fingerprints_tell_shared_from_independent_and_wait_on_nan():
     sparse = torch.nn.Parameter(torch.ones(4, 3))
     sparse.grad = torch.ones(4, 3).to_sparse()
     assert gradient_fingerprint([sparse] + params)[0] == 40.0  # sparse gradients are skipped, not a crash
+
+
+def test_one_shared_gradient_tensor_reads_as_shared_and_zeros_do_not():
+    """Under DDP a parameter outside the wrapper (or a per-rank term in ``.grad``) holds per-rank
+    gradients; the wrapped ones are still shared, and reading the run as independent would pick the
+    local guard, unsafe with shared gradients. A tensor of zeros agrees on every rank by nature."""
+    from hdet_track.converge import gradient_fingerprint, gradients_shared
+
+    def grads(seeds: list[int], numel: int = 35) -> list[torch.Tensor]:
+        params = []
+        for seed in seeds:
+            torch.manual_seed(seed)
+            params.append(torch.nn.Parameter(torch.randn(numel)))
+        sum((p**3).sum() for p in params).backward()
+        return params
+
+    wrapped_and_not = [gradient_fingerprint(grads([0] * 20 + [rank + 1] * 20)) for rank in range(4)]
+    assert gradients_shared(wrapped_and_not) is True
+    independent = [gradient_fingerprint(grads([10 * rank + i for i in range(40)])) for rank in range(4)]
+    assert gradients_shared(independent) is False
+    zero_tensor = []
+    for rank in range(4):
+        params = grads([10 * rank + i for i in range(40)])
+        params[0].grad.zero_()  # e.g. an unused embedding row block: zeros everywhere
+        zero_tensor.append(gradient_fingerprint(params))
+    assert gradients_shared(zero_tensor) is False
+    other_model = [gradient_fingerprint(grads([0] * 39))] + [gradient_fingerprint(grads([0] * 40))] * 3
+    assert gradients_shared(other_model) is False
+    tiny = grads([0], numel=2)  # positions repeat in a tensor smaller than 4 values
+    g = tiny[0].grad
+    assert gradient_fingerprint(tiny)[:6] == [1.0, 4.0, float(g[0]), float(g[0]), float(g[1]), float(g[1])]
+
+
+def test_a_custom_controller_with_auto_scope_resolves_once_and_checks_its_own_step():
+    """A subclass of the base ``Controller`` that asks for ``"auto"`` resolves it like the drift
+    controller (local only with a kept consensus), and its local check is its own check_step."""
+
+    class Mine(Controller):
+        step_guard = 5.0
+        step_guard_scope = "auto"
+
+        def __init__(self, rollback: bool) -> None:
+            self.rollback = rollback
+
+        def check_step(self, losses, firsts):
+            return "high" if max(losses) > self.step_guard * min(firsts) else None
+
+    independent, no_consensus, shared = Mine(True), Mine(False), Mine(True)
+    independent.resolve_scope(False)
+    no_consensus.resolve_scope(False)
+    shared.resolve_scope(True)
+    assert (independent.step_guard_scope, no_consensus.step_guard_scope, shared.step_guard_scope) == (
+        "local",
+        "all",
+        "all",
+    )
+    independent.resolve_scope(True)  # decided once
+    assert independent.step_guard_scope == "local"
+    assert independent.check_own_step(6.0, 1.0) == "high" and independent.check_own_step(4.0, 1.0) is None

@@ -250,14 +250,25 @@ def test_local_step_guard_resets_only_the_blown_replica_and_leaves_it_out(tmp_pa
 
 @pytest.mark.parametrize("ddp", [True, False])
 def test_auto_scope_waits_for_finite_gradients_with_the_collective_check(ddp):
-    """A NaN at the first step says nothing about whether gradients are shared: under DDP every rank
-    holds the same NaN gradient, which must not read as "different" (NaN != NaN) and pick the local
+    """A NaN at a step says nothing about whether gradients are shared: under DDP every rank holds
+    the same NaN gradient, which must not read as "different" (NaN != NaN) and pick the local
     guard, which is unsafe with shared gradients. Until the gradients are finite the collective
-    check runs (it rolls every replica back at step 1); the scope is decided at step 2."""
+    check runs (it rolls every replica back at step 2); the scope is decided later."""
     res = run_ranks(workers.nan_gradient_at_first_step, WORLD, ddp)
     assert [r["scope"] for r in res] == ["all" if ddp else "local"] * WORLD
-    assert all(r["steps"][0] == 1 and r["rolled_back"][0] for r in res)  # caught at step 1, not at 10
+    assert all(r["steps"][0] == 2 and r["rolled_back"][0] for r in res)  # caught at step 2, not at 10
+    assert all(r["record_scopes"][0] == "all" for r in res)  # undecided at step 2: the NaN decided nothing
     assert all(r["final_finite"] for r in res)
+
+
+@pytest.mark.parametrize(("setup", "expected"), [("same-batches", "local"), ("half-wrapped", "all")])
+def test_auto_scope_after_a_spread_step_and_with_part_of_the_model_outside_ddp(setup, expected):
+    """Independent replicas on identical batches hold identical gradients at a window's first step
+    (every replica starts it from the consensus): deciding there would take the collective guard
+    for good. DDP around only part of a model leaves per-rank gradients in the rest: that must not
+    read as independent. Decided at the window's second step, the same on every rank."""
+    res = run_ranks(workers.auto_scope, WORLD, setup)
+    assert [r["scopes"] for r in res] == [["auto"] + [expected] * 7] * WORLD
 
 
 @pytest.mark.parametrize("scope", ["all", "auto"])

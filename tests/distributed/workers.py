@@ -467,9 +467,10 @@ def local_step_guard_blowup(rank: int, world: int, uri: str, victim: int, scope:
 
 
 def nan_gradient_at_first_step(rank: int, world: int, ddp: bool) -> dict:
-    """Rank 1's loss is NaN at the first step, so its gradients are; under DDP every rank's averaged
-    gradient is then NaN. ``step_guard_scope="auto"`` must not read NaN fingerprints as "different
-    gradients" (NaN != NaN): it decides at the first step with finite gradients."""
+    """Rank 1's loss is NaN at step 2 (the first step "auto" may decide at), so its gradients are;
+    under DDP every rank's averaged gradient is then NaN. ``step_guard_scope="auto"`` must not read
+    NaN fingerprints as "different gradients" (NaN != NaN): it decides at the first step with
+    finite gradients (after the rollback: the new window's second step)."""
     from hdet_track.controller import DriftController
 
     model = make_model()
@@ -482,7 +483,7 @@ def nan_gradient_at_first_step(rank: int, world: int, ddp: bool) -> dict:
     records = []
     for step in range(20):
         x, y = batch(rank, step)
-        loss = F.cross_entropy(net(x), y) * (math.nan if rank == 1 and step == 0 else 1.0)
+        loss = F.cross_entropy(net(x), y) * (math.nan if rank == 1 and step == 1 else 1.0)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -491,10 +492,49 @@ def nan_gradient_at_first_step(rank: int, world: int, ddp: bool) -> dict:
             records.append(sched.last_sync)
     return {
         "scope": sched.controller.step_guard_scope,
+        "record_scopes": [r.step_guard for r in records],
         "steps": [r.step for r in records],
         "rolled_back": [r.rolled_back for r in records],
         "final_finite": bool(torch.isfinite(flat_params(model)).all()),
     }
+
+
+class HalfWrapped(nn.Module):
+    """A DDP-wrapped body and a head outside the wrapper: the head's gradients are per rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        body = make_model()
+        torch.manual_seed(1)
+        self.head = nn.Linear(3, 3)
+        self.body = DDP(body)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def auto_scope(rank: int, world: int, setup: str) -> dict:
+    """What ``step_guard_scope="auto"`` decides: ``"same-batches"``: independent replicas fed the
+    same batch at every step (they agree at a window's first step, not after a spread step);
+    ``"half-wrapped"``: DDP around part of the model (the rest holds per-rank gradients)."""
+    from hdet_track.controller import DriftController
+
+    model = HalfWrapped() if setup == "half-wrapped" else make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    sched = HDETScheduler(
+        opt, max_lr=0.05, total_steps=8, spread=0.3, sync_every=4, auto_lr=True, model=model,
+        controller=DriftController(step_guard_scope="auto"),
+    )  # fmt: skip
+    scopes = []
+    for step in range(8):
+        x, y = batch(0 if setup == "same-batches" else rank, step)
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step(loss)
+        scopes.append(sched.controller.step_guard_scope)
+    return {"scopes": scopes}
 
 
 def left_out_every_sync(rank: int, world: int, uri: str) -> dict:
