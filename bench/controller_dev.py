@@ -87,8 +87,22 @@ ROUNDS: dict[int, dict[str, dict | None]] = {
         "auto": {"step_guard_scope": "auto"},
         "collective": {"step_guard_scope": "all"},
     },
+    # Round 8 (independent replicas only, --modes independent): a local trip's cut sized by one
+    # notch plus the ramp-up ahead, against the spread cut (docs/controller.md, "Round 8").
+    8: {
+        "ramp": {"trip_backoff": "ramp"},
+        "spread": {"trip_backoff": "spread"},
+    },
 }
-SEEDS = {1: (100,), 2: (100, 101, 102), 4: (100, 101, 102), 5: (100, 101, 102), 6: (100, 101, 102), 7: (103, 104, 105)}
+SEEDS = {
+    1: (100,),
+    2: (100, 101, 102),
+    4: (100, 101, 102),
+    5: (100, 101, 102),
+    6: (100, 101, 102),
+    7: (103, 104, 105),
+    8: (106, 107, 108),
+}
 CANDIDATES: dict[str, dict | None] = {k: v for r in ROUNDS.values() for k, v in r.items()}
 REFERENCE_LRS = (0.02, 0.05, 0.1, 0.2, 0.5)
 CANDIDATE_LRS = (0.02, 0.1, 0.5)
@@ -189,12 +203,14 @@ def _worker(run: DevRun) -> dict:
         dist.destroy_process_group()
 
 
-def select(results: dict[str, dict], dataset: str, steps: int, replicas: int, round_: int = 1) -> dict:
+def select(results: dict[str, dict], dataset: str, steps: int, replicas: int, round_: int = 1, modes=MODES) -> dict:
     """The rule of docs/controller.md over finished runs: bar, each candidate's score, winner.
 
     Round 1 (one seed): the worst final val loss / bar over (mode, max_lr), a divergence (training
     stopped) infinite; the lowest wins, the design values within 0.01. Round 2 (three seeds, the
     study's divergence rule): the number of diverged runs, then the worst ratio of seed means.
+    Round 8 (``modes``: independent only): "ramp" wins with no divergence, a worst ratio lower than
+    "spread"'s by more than 0.005, and no max_lr where its ratio is higher by more than 0.005.
     """
     seeds = SEEDS[round_]
     candidates = ROUNDS[round_]
@@ -209,23 +225,28 @@ def select(results: dict[str, dict], dataset: str, steps: int, replicas: int, ro
         return float(np.mean([r["val_loss"] for r in rs]))
 
     bar = {}
-    for m in MODES:
+    for m in modes:
         means = [mean_val(rs) for lr in REFERENCE_LRS if (rs := runs(m, "onecycle", lr)) is not None]
         bar[m] = min(means) if len(means) == len(REFERENCE_LRS) else None
     score = {}
     for name in candidates:
         ratios, diverged = [], 0
-        for m in MODES:
+        for m in modes:
             for lr in CANDIDATE_LRS:
                 rs = runs(m, name, lr)
                 if rs is None or bar[m] is None:
                     break
                 diverged += sum(r["diverged_at"] is not None for r in rs) if round_ > 1 else 0
                 ratios.append(mean_val(rs) / bar[m])
-        if len(ratios) == len(MODES) * len(CANDIDATE_LRS):
+        if len(ratios) == len(modes) * len(CANDIDATE_LRS):
             finite = [x for x in ratios if math.isfinite(x)]
             worst_finite = max(finite) if finite else math.inf
-            score[name] = {"diverged": diverged, "worst_ratio": max(ratios), "worst_finite_ratio": worst_finite}
+            score[name] = {
+                "diverged": diverged,
+                "worst_ratio": max(ratios),
+                "worst_finite_ratio": worst_finite,
+                "ratios": [round(x, 4) for x in ratios],  # per (mode, max_lr), in CANDIDATE_LRS order
+            }
     winner = None  # round 6's rule compares modes separately (docs/controller.md): read from the scores
     if len(score) == len(candidates) and "design" in candidates:
         key = (
@@ -237,6 +258,11 @@ def select(results: dict[str, dict], dataset: str, steps: int, replicas: int, ro
         d_best, w_best = key(best)
         d_design, w_design = key("design")
         winner = "design" if (d_best == d_design and w_design - w_best <= 0.01) else best
+    if round_ == 8 and {"ramp", "spread"} <= set(score):
+        ramp, spread = score["ramp"], score["spread"]
+        better = ramp["diverged"] == 0 and ramp["worst_ratio"] < spread["worst_ratio"] - 0.005
+        nowhere_worse = all(a <= b + 0.005 for a, b in zip(ramp["ratios"], spread["ratios"]))
+        winner = "ramp" if better and nowhere_worse else "spread"
     return {"round": round_, "bar": bar, "score": score, "winner": winner}
 
 
@@ -285,7 +311,7 @@ def main() -> int:
             f"{run.key():<52} {state}val_loss {res['val_loss']:.4f} drift x{res['final_drift']:.3g} ({rec['wall_s']} s)",
             flush=True,
         )
-    outcome = select(done, args.dataset, args.steps, args.replicas, args.round)
+    outcome = select(done, args.dataset, args.steps, args.replicas, args.round, args.modes)
     print(json.dumps({"bench": "controller_dev.selection", **outcome}))
     return 0
 

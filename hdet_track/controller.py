@@ -452,9 +452,12 @@ class DriftController(Controller):
             replica: ``"spread"`` (the default) by the multipliers' whole log range (at least
             ``min_backoff``), a rollback's cut, while the healthy replicas keep their window; or
             ``"notch"``: as for any blown-up replica, one notch when the reset replicas had the
-            highest LR. With independent replicas the spread cut did better than the collective
-            guard at every max_lr of the development split, with no per-step collective, where
-            the notch did 4% worse at max_lr 0.5 (docs/controller.md, rounds 4 and 6).
+            highest LR; or ``"ramp"``: that notch plus the ramp-up still ahead (the log of
+            OneCycle's peak ahead over its LR at the sync), so that the top multiplier at the
+            peak runs at most at the highest LR a healthy replica just used (round 8). With
+            independent replicas the spread cut did better than the collective guard at every
+            max_lr of the development split, with no per-step collective, where the notch did 4%
+            worse at max_lr 0.5 (docs/controller.md, rounds 4 and 6).
         ceiling: the LR's drift never rises so far that the base LR at a later step (OneCycle's
             peak during the ramp-up) would exceed the highest LR a healthy replica has trained
             with so far: the base only goes where a replica has been. Upward moves only.
@@ -508,8 +511,8 @@ class DriftController(Controller):
                 "consensus), but got rollback=False"
             )
         self.step_guard_scope = "all" if step_guard_scope == "auto" and not rollback else step_guard_scope
-        if trip_backoff not in ("notch", "spread"):
-            raise ValueError(f"Expected trip_backoff in ('notch', 'spread'), but got {trip_backoff!r}")
+        if trip_backoff not in ("notch", "spread", "ramp"):
+            raise ValueError(f"Expected trip_backoff in ('notch', 'spread', 'ramp'), but got {trip_backoff!r}")
         self.trip_backoff = trip_backoff
         self._tested: dict[str, list[float]] = {}  # per name: the highest value a healthy replica used
         self._drift: dict[str, list[float]] = {}
@@ -613,6 +616,8 @@ class DriftController(Controller):
                 tripped = [r for r in blown if stats.tripped and stats.tripped[r]]
                 if tripped and self.trip_backoff == "spread":
                     cut, blown, why = self._rollback_cut(x), tripped, "tripped the local step guard"
+                elif tripped and self.trip_backoff == "ramp" and cut > 0:
+                    cut, why = cut + self._ramp_ahead(stats), "tripped the local step guard"
                 if cut > 0:
                     change = min(change, -cut)
                     s = min(s, 0.0)
@@ -668,6 +673,13 @@ class DriftController(Controller):
         n = len(stats.counts)
         reason = f"{reason or 'every replica blown up or non-finite'} (rollback {self.rollbacks} in a row)"
         return Decision(None, updates, [GuardAction("rollback", list(range(n)), reason, -cut)])
+
+    @staticmethod
+    def _ramp_ahead(stats: WindowStats) -> float:
+        """``trip_backoff="ramp"``: the log of OneCycle's highest LR from this sync to the end over
+        its LR at the sync (the largest over param groups; 0 after the peak)."""
+        refs, peaks = stats.references["lr"], (stats.peaks or stats.references)["lr"]
+        return max([math.log(p / r) for r, p in zip(refs, peaks) if r > 0 and p > r], default=0.0)
 
     def _rollback_cut(self, log_mults: list[float]) -> float:
         """A rollback's cut of the log LR drift: the multipliers' log range, at least ``min_backoff``."""

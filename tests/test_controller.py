@@ -346,8 +346,39 @@ def test_trip_backoff_spread_cuts_a_rollbacks_worth_and_keeps_the_healthy_replic
     wide = controller(step_guard_scope="local", trip_backoff="spread", min_backoff=4.0)
     wide.update(st, wide.health(st))
     assert wide.drift["lr"][0] == pytest.approx(-math.log(4.0))
-    with pytest.raises(ValueError, match=r"trip_backoff in \('notch', 'spread'\), but got 'all'"):
+    with pytest.raises(ValueError, match=r"trip_backoff in \('notch', 'spread', 'ramp'\), but got 'all'"):
         DriftController(step_guard_scope="local", trip_backoff="all")
+
+
+@pytest.mark.parametrize(("tripped", "ref", "peak"), [(3, 0.02, 0.1), (3, 0.1, 0.1), (3, 0.05, 0.04), (1, 0.02, 0.1)])
+def test_trip_backoff_ramp_cuts_a_notch_plus_the_ramp_up_ahead(tripped, ref, peak):
+    """trip_backoff="ramp" (round 8): the top replica tripped during the ramp-up at OneCycle's LR
+    ``ref`` with ``peak`` still ahead: the drift goes down one notch and by peak / ref, so the top
+    multiplier at the peak runs at the highest LR a healthy replica used at the sync. After the
+    peak (annealing: the highest LR ahead is the current one) only the notch; a lower multiplier's
+    trip cuts nothing."""
+    flags = [r == tripped for r in range(N)]
+    st = stats(windows([1.0] * N, noise=0.001, start=1.0), refs={"lr": [ref]}, peaks={"lr": [max(ref, peak)]})
+    st = WindowStats(**{**st.__dict__, "tripped": flags})
+    c = controller(step_guard_scope="local", trip_backoff="ramp")
+    health = c.health(st)
+    assert not health.rollback and health.healthy == [not f for f in flags]
+    d = c.update(st, health)
+    notch = math.log(RHO[3]) - math.log(RHO[2])
+    if tripped != N - 1:
+        assert d.guard == [] and c.drift["lr"][0] == 0.0 and c.guard_events == 0
+        return
+    expected = notch + math.log(max(ref, peak) / ref)
+    (backoff,) = d.guard
+    assert backoff.kind == "backoff" and "tripped the local step guard" in backoff.reason
+    assert c.drift["lr"][0] == pytest.approx(-expected) and backoff.drift_change == pytest.approx(-expected)
+    # the top multiplier at the peak ahead runs at the highest healthy LR of the sync
+    healthy_top = max(v[0] for r, v in enumerate(st.values["lr"]) if not flags[r])
+    assert max(ref, peak) * math.exp(c.drift["lr"][0]) * RHO[-1] == pytest.approx(healthy_top)
+    # the cut survives a resume
+    resumed = controller(step_guard_scope="local", trip_backoff="ramp")
+    resumed.load_state_dict(c.state_dict())
+    assert resumed.drift == c.drift and resumed.guard_events == 1
 
 
 @pytest.mark.parametrize(
