@@ -449,15 +449,16 @@ class DriftController(Controller):
             blown up. For replicas that train independently between syncs: under DDP a blow-up
             reaches every replica through the gradients before a local check fires.
         trip_backoff: how far the LR drift goes down at the sync after the local guard reset a
-            replica: ``"spread"`` (the default) by the multipliers' whole log range (at least
-            ``min_backoff``), a rollback's cut, while the healthy replicas keep their window; or
+            replica (the healthy replicas keep their window either way): ``"ramp"`` (the default
+            since round 8) when the reset replicas had the highest LR, by one notch plus the
+            ramp-up still ahead (the log of OneCycle's peak ahead over its LR at the sync), so
+            that the top multiplier at the peak runs at most at the highest LR a healthy replica
+            just used, and one notch after the peak; ``"spread"`` by the multipliers' whole log
+            range (at least ``min_backoff``), a rollback's cut, whichever replica tripped; or
             ``"notch"``: as for any blown-up replica, one notch when the reset replicas had the
-            highest LR; or ``"ramp"``: that notch plus the ramp-up still ahead (the log of
-            OneCycle's peak ahead over its LR at the sync), so that the top multiplier at the
-            peak runs at most at the highest LR a healthy replica just used (round 8). With
-            independent replicas the spread cut did better than the collective guard at every
-            max_lr of the development split, with no per-step collective, where the notch did 4%
-            worse at max_lr 0.5 (docs/controller.md, rounds 4 and 6).
+            highest LR. On the development split with independent replicas "ramp" ended
+            1.4%/3.4% above the best OneCycle at max_lr 0.1/0.5 where "spread" ended 2.3%/5.2%
+            (round 8); "notch" did 4% worse than the collective guard at 0.5 (rounds 4 and 6).
         ceiling: the LR's drift never rises so far that the base LR at a later step (OneCycle's
             peak during the ramp-up) would exceed the highest LR a healthy replica has trained
             with so far: the base only goes where a replica has been. Upward moves only.
@@ -481,7 +482,7 @@ class DriftController(Controller):
         ceiling: bool = False,
         step_guard: float | None = 10.0,
         step_guard_scope: str = "auto",
-        trip_backoff: str = "spread",
+        trip_backoff: str = "ramp",
     ) -> None:
         inf = math.inf
         self.guard = check_number("guard", guard, 1.0, inf, low_open=True, high_open=True)
@@ -611,7 +612,8 @@ class DriftController(Controller):
             blown = [r for r in left if health.reasons[r].startswith("blown")]
             if name == "lr" and blown and ok:
                 # The highest-LR replicas blew up: the base goes down one notch at least; after a
-                # local trip with trip_backoff="spread", by a rollback's cut.
+                # local trip with trip_backoff="ramp", by the ramp-up ahead too; with "spread", by
+                # a rollback's cut.
                 cut, why = max(0.0, max(x[r] for r in blown) - max(x[r] for r in ok)), "with the highest LR blew up"
                 tripped = [r for r in blown if stats.tripped and stats.tripped[r]]
                 if tripped and self.trip_backoff == "spread":

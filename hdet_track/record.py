@@ -41,8 +41,8 @@ class GuardAction:
     """Something the guard did at a sync.
 
     ``kind``: ``"left_out"`` (replicas given no weight, left out of the average and reset),
-    ``"backoff"`` (the LR drift was cut because the highest-LR replicas blew up, or a replica
-    tripped the local step guard with ``trip_backoff="spread"``) or
+    ``"backoff"`` (the LR drift was cut because the highest-LR replicas blew up or tripped the
+    local step guard, or any replica tripped it with ``trip_backoff="spread"``) or
     ``"rollback"`` (the consensus blew up: every replica was restored to the last good consensus
     and the LR drift was cut). ``drift_change`` is the change of the LR's log drift (0 if none).
     """

@@ -319,7 +319,7 @@ def test_local_step_guard_checks_own_loss_and_leaves_the_reset_replica_out():
 
 @pytest.mark.parametrize("tripped", [3, 1])
 def test_trip_backoff_spread_cuts_a_rollbacks_worth_and_keeps_the_healthy_replicas(tripped):
-    """trip_backoff="spread" (the default): a replica reset by the local guard cuts the LR drift by the
+    """trip_backoff="spread" (the default before round 8): a replica reset by the local guard cuts the LR drift by the
     multipliers' whole log range (a rollback's cut), whichever multiplier it had; "notch" backs
     off only when it had the highest LR. Either way no rollback: the healthy
     replicas keep their window."""
@@ -352,7 +352,7 @@ def test_trip_backoff_spread_cuts_a_rollbacks_worth_and_keeps_the_healthy_replic
 
 @pytest.mark.parametrize(("tripped", "ref", "peak"), [(3, 0.02, 0.1), (3, 0.1, 0.1), (3, 0.05, 0.04), (1, 0.02, 0.1)])
 def test_trip_backoff_ramp_cuts_a_notch_plus_the_ramp_up_ahead(tripped, ref, peak):
-    """trip_backoff="ramp" (round 8): the top replica tripped during the ramp-up at OneCycle's LR
+    """trip_backoff="ramp" (the default since round 8): the top replica tripped during the ramp-up at OneCycle's LR
     ``ref`` with ``peak`` still ahead: the drift goes down one notch and by peak / ref, so the top
     multiplier at the peak runs at the highest LR a healthy replica used at the sync. After the
     peak (annealing: the highest LR ahead is the current one) only the notch; a lower multiplier's
@@ -360,7 +360,8 @@ def test_trip_backoff_ramp_cuts_a_notch_plus_the_ramp_up_ahead(tripped, ref, pea
     flags = [r == tripped for r in range(N)]
     st = stats(windows([1.0] * N, noise=0.001, start=1.0), refs={"lr": [ref]}, peaks={"lr": [max(ref, peak)]})
     st = WindowStats(**{**st.__dict__, "tripped": flags})
-    c = controller(step_guard_scope="local", trip_backoff="ramp")
+    c = controller(step_guard_scope="local")
+    assert c.trip_backoff == "ramp"
     health = c.health(st)
     assert not health.rollback and health.healthy == [not f for f in flags]
     d = c.update(st, health)
