@@ -374,7 +374,7 @@ def blowup_health(stats: WindowStats, guard: float, rollback: bool) -> Health:
     ref = min(start, typical) if math.isfinite(start) and math.isfinite(typical) else math.nan
     healthy, reasons = list(basic.healthy), list(basic.reasons)
     for r, tripped in enumerate(stats.tripped or []):
-        if tripped and healthy[r]:
+        if tripped:  # also when its window holds the non-finite loss it tripped on: a blow-up, not noise
             healthy[r] = False
             reasons[r] = "blown up: the local step guard reset it in the window"
     if math.isfinite(ref) and ref > 0:
@@ -440,8 +440,8 @@ class DriftController(Controller):
         step_guard_scope: ``"auto"`` (the default): the scheduler compares the ranks' gradients
             (a fingerprint of sampled values, in the step guard's all-gather) at the first step
             after a spread step since the last consensus at which every rank has finite,
-            non-zero gradients: any sampled tensor the same on every rank (DDP) -> ``"all"``,
-            else ``"local"``. Until then, and without ``rollback``, the collective check runs.
+            non-zero gradients (never with ``sync_every=1``): any sampled tensor the same on every
+            rank (DDP) -> ``"all"``, else ``"local"``. Until then, and without ``rollback``, the collective check runs.
             The choice is kept in the state (docs/controller.md, round 7). ``"all"``: the collective check above.
             ``"local"``: each replica checks only its own loss against its own first loss of the
             window, with no collective; a replica that trips restores the kept consensus into
@@ -453,7 +453,8 @@ class DriftController(Controller):
             since round 8) when the reset replicas had the highest LR, by one notch plus the
             ramp-up still ahead (the log of OneCycle's peak ahead over its LR at the sync), so
             that the top multiplier at the peak runs at most at the highest LR a healthy replica
-            just used, and one notch after the peak; ``"spread"`` by the multipliers' whole log
+            just used (as far as ``max_drift`` and the LR bounds let the drift go), and one notch
+            after the peak; ``"spread"`` by the multipliers' whole log
             range (at least ``min_backoff``), a rollback's cut, whichever replica tripped; or
             ``"notch"``: as for any blown-up replica, one notch when the reset replicas had the
             highest LR. On the development split with independent replicas "ramp" ended
@@ -614,12 +615,15 @@ class DriftController(Controller):
                 # The highest-LR replicas blew up: the base goes down one notch at least; after a
                 # local trip with trip_backoff="ramp", by the ramp-up ahead too; with "spread", by
                 # a rollback's cut.
-                cut, why = max(0.0, max(x[r] for r in blown) - max(x[r] for r in ok)), "with the highest LR blew up"
+                top_ok = max(x[r] for r in ok)
+                cut, why = max(0.0, max(x[r] for r in blown) - top_ok), "with the highest LR blew up"
                 tripped = [r for r in blown if stats.tripped and stats.tripped[r]]
                 if tripped and self.trip_backoff == "spread":
                     cut, blown, why = self._rollback_cut(x), tripped, "tripped the local step guard"
-                elif tripped and self.trip_backoff == "ramp" and cut > 0:
-                    cut, why = cut + self._ramp_ahead(stats), "tripped the local step guard"
+                elif tripped and self.trip_backoff == "ramp" and max(x[r] for r in tripped) > top_ok:
+                    # only a trip of a replica above every healthy one adds the ramp-up ahead
+                    ramp = max(x[r] for r in tripped) - top_ok + self._ramp_ahead(stats)
+                    cut, why = max(cut, ramp), "blew up or tripped the local step guard"
                 if cut > 0:
                     change = min(change, -cut)
                     s = min(s, 0.0)
@@ -710,7 +714,7 @@ class DriftController(Controller):
             "rollbacks": self.rollbacks,
             "guard_events": self.guard_events,
             "tested": dict(self._tested),
-            "step_guard_scope": self.step_guard_scope,  # "auto" resolved at the first step
+            "step_guard_scope": self.step_guard_scope,  # "auto" once resolved from the gradients
         }
 
     def load_state_dict(self, state: dict) -> None:

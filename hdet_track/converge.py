@@ -35,43 +35,49 @@ FINGERPRINT_VALUES = 4  # values per sampled tensor, evenly spaced in it
 def gradient_fingerprint(tensors: Sequence[torch.Tensor]) -> list[float]:
     """This rank's gradients, sampled: ``[count, n, v_1 .. v_n, 0 ..]`` (a fixed length), where
     ``count`` is how many tensors have a gradient and ``v`` are ``FINGERPRINT_VALUES`` gradient
-    values per sampled tensor, read at fixed positions (a position repeats in a smaller tensor).
-    Exact: no reduction, so no summation order that could differ between ranks, and no copy of
-    the gradients (the values are stacked into one small tensor and read with one copy)."""
+    values in each of up to ``FINGERPRINT_TENSORS`` tensors evenly spaced over the model, read at
+    fixed positions (a position repeats in a smaller tensor). Exact: no reduction, so no summation
+    order that could differ between ranks; the values are read as views (no copy of a gradient,
+    contiguous or not), stacked per device and copied to the host once per device."""
     grads = [t.grad for t in tensors if t.grad is not None and t.grad.numel() > 0 and not t.grad.is_sparse]
     size = FINGERPRINT_TENSORS * FINGERPRINT_VALUES
-    values: list[float] = []
+    picked: list[torch.Tensor] = []
     if grads:
-        picks = np.linspace(0, len(grads) - 1, min(len(grads), FINGERPRINT_TENSORS)).round().astype(int)
-        picked = []
-        for i in np.unique(picks):
-            g = grads[i].detach().reshape(-1)
-            picked += [g[int(j)] for j in np.linspace(0, g.numel() - 1, FINGERPRINT_VALUES).round()]  # views
-        if len({v.device for v in picked}) == 1:
-            values = torch.stack(picked).cpu().to(torch.float64).tolist()  # MPS: no float64
-        else:  # a model spread over devices
-            values = [v.item() for v in picked]
+        for i in np.unique(np.linspace(0, len(grads) - 1, min(len(grads), FINGERPRINT_TENSORS)).round().astype(int)):
+            g = grads[i].detach()
+            for j in np.linspace(0, g.numel() - 1, FINGERPRINT_VALUES).round().astype(int):
+                picked.append(g[tuple(int(k) for k in np.unravel_index(j, g.shape))] if g.dim() else g)
+    values: list[float] = [0.0] * len(picked)
+    by_device: dict[torch.device, list[int]] = {}
+    for k, v in enumerate(picked):
+        by_device.setdefault(v.device, []).append(k)
+    for at in by_device.values():  # one small stack and one copy per device; float64 on the host (MPS has none)
+        for k, x in zip(at, torch.stack([picked[k] for k in at]).cpu().to(torch.float64).tolist()):
+            values[k] = x
     return [float(len(grads)), float(len(values))] + values + [0.0] * (size - len(values))
 
 
 def gradients_shared(fingerprints: Sequence[Sequence[float]]) -> bool | None:
     """Whether the ranks' gradients are shared (DDP averaged them), from every rank's
     :func:`gradient_fingerprint`; None when it cannot tell yet (a rank without gradients, a
-    non-finite value: a NaN at a step says nothing about who computed it, and NaN != NaN; or
-    only zeros: gradients zeroed before the step).
+    non-finite value: a NaN at a step says nothing about who computed it, and NaN != NaN; only
+    zeros: gradients zeroed before the step; or ranks with different numbers of gradients, as
+    when a parameter outside a DDP wrapper is used on some ranks only).
 
     Shared when any sampled tensor with a non-zero value holds the same values on every rank:
     under DDP a parameter outside the wrapper, or a per-rank term written into ``.grad``, must not
     make the rest look independent (independent replicas agreeing bit for bit on a tensor's
     non-zero gradient values is not a coincidence either). Reading shared gradients as
-    independent is the unsafe direction; the other only costs the collective check's speed."""
+    independent is the unsafe direction; the other, and undecided, only cost the collective
+    check's speed. The sample is 16 tensors spread over the model: DDP around a small part of a
+    large model can be missed, and then reads as independent (force ``step_guard_scope="all"``)."""
     if any(f[0] == 0 or not all(map(math.isfinite, f)) for f in fingerprints):
         return None
     if all(not any(f[2:]) for f in fingerprints):
         return None
     first = list(fingerprints[0])
-    if any(list(f[:2]) != first[:2] for f in fingerprints):  # different models: not shared
-        return False
+    if any(list(f[:2]) != first[:2] for f in fingerprints):
+        return None
     k = FINGERPRINT_VALUES
     for at in range(2, 2 + int(first[1]), k):
         if any(first[at : at + k]) and all(list(f[at : at + k]) == first[at : at + k] for f in fingerprints):

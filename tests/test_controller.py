@@ -350,6 +350,20 @@ def test_trip_backoff_spread_cuts_a_rollbacks_worth_and_keeps_the_healthy_replic
         DriftController(step_guard_scope="local", trip_backoff="all")
 
 
+def test_trip_backoff_ramp_adds_nothing_when_a_lower_replica_tripped_and_the_top_blew_up_at_the_sync():
+    """Replica 0 (lowest LR) tripped the local guard; replica 3 (highest) was only found blown up by
+    the sync guard: one notch, as for any blow-up, and no ramp-up term (that is for trips of the
+    top replica)."""
+    losses = windows([1.0, 1.0, 1.0, 5.0], noise=0.001, start=1.0)
+    st = stats(losses, refs={"lr": [0.02]}, peaks={"lr": [0.1]})
+    st = WindowStats(**{**st.__dict__, "tripped": [True, False, False, False]})
+    c = controller(step_guard_scope="local")
+    health = c.health(st)
+    assert health.healthy == [False, True, True, False]
+    c.update(st, health)
+    assert c.drift["lr"][0] == pytest.approx(-(math.log(RHO[3]) - math.log(RHO[2])))
+
+
 @pytest.mark.parametrize(("tripped", "ref", "peak"), [(3, 0.02, 0.1), (3, 0.1, 0.1), (3, 0.05, 0.04), (1, 0.02, 0.1)])
 def test_trip_backoff_ramp_cuts_a_notch_plus_the_ramp_up_ahead(tripped, ref, peak):
     """trip_backoff="ramp" (the default since round 8): the top replica tripped during the ramp-up at OneCycle's LR
@@ -376,6 +390,15 @@ def test_trip_backoff_ramp_cuts_a_notch_plus_the_ramp_up_ahead(tripped, ref, pea
     # the top multiplier at the peak ahead runs at the highest healthy LR of the sync
     healthy_top = max(v[0] for r, v in enumerate(st.values["lr"]) if not flags[r])
     assert max(ref, peak) * math.exp(c.drift["lr"][0]) * RHO[-1] == pytest.approx(healthy_top)
+    # a replica that tripped on a NaN loss (its window holds it) is a blow-up all the same
+    with_nan = st.losses.copy()
+    with_nan[3, 5] = math.nan
+    st_nan = WindowStats(**{**st.__dict__, "losses": with_nan, "sums": [float(row.sum()) for row in with_nan]})
+    assert not math.isfinite(st_nan.window_losses[3])  # as the scheduler sums the window (NaN included)
+    again = controller(step_guard_scope="local")
+    assert again.health(st_nan).reasons[3].startswith("blown up: the local step guard")
+    again.update(st_nan, again.health(st_nan))
+    assert again.drift["lr"][0] == pytest.approx(-expected)
     # the cut survives a resume
     resumed = controller(step_guard_scope="local", trip_backoff="ramp")
     resumed.load_state_dict(c.state_dict())
@@ -463,10 +486,20 @@ def test_one_shared_gradient_tensor_reads_as_shared_and_zeros_do_not():
         zero_tensor.append(gradient_fingerprint(params))
     assert gradients_shared(zero_tensor) is False
     other_model = [gradient_fingerprint(grads([0] * 39))] + [gradient_fingerprint(grads([0] * 40))] * 3
-    assert gradients_shared(other_model) is False
+    assert gradients_shared(other_model) is None  # a parameter used on some ranks only: undecided, not "independent"
     tiny = grads([0], numel=2)  # positions repeat in a tensor smaller than 4 values
     g = tiny[0].grad
     assert gradient_fingerprint(tiny)[:6] == [1.0, 4.0, float(g[0]), float(g[0]), float(g[1]), float(g[1])]
+    # a non-contiguous gradient (a transposed view) is read at the same logical positions, without a copy
+    torch.manual_seed(3)
+    strided, dense = torch.nn.Parameter(torch.ones(5, 7)), torch.nn.Parameter(torch.ones(5, 7))
+    strided.grad = torch.randn(7, 5).t()
+    dense.grad = strided.grad.contiguous()
+    assert not strided.grad.is_contiguous()
+    assert gradient_fingerprint([strided]) == gradient_fingerprint([dense])
+    scalar = torch.nn.Parameter(torch.tensor(2.0))
+    scalar.grad = torch.tensor(0.25)
+    assert gradient_fingerprint([scalar])[:6] == [1.0, 4.0, 0.25, 0.25, 0.25, 0.25]
 
 
 def test_a_custom_controller_with_auto_scope_resolves_once_and_checks_its_own_step():
