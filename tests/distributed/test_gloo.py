@@ -222,14 +222,16 @@ def test_finite_blowup_is_left_out_reset_and_shown(tmp_path, victim):
     assert list(crosses[0].x) == [10] and "blown up" in crosses[0].text[0]
 
 
-@pytest.mark.parametrize("scope", ["local", "auto"])
-def test_local_step_guard_resets_only_the_blown_replica_and_leaves_it_out(tmp_path, scope):
-    """``"auto"``: replicas with their own gradients take the local guard, every rank alike."""
+@pytest.mark.parametrize(("scope", "poison"), [("local", "scale"), ("auto", "scale"), ("auto", "nan")])
+def test_local_step_guard_resets_only_the_blown_replica_and_leaves_it_out(tmp_path, scope, poison):
+    """``"auto"``: replicas with their own gradients take the local guard, every rank alike.
+    ``"nan"``: the replica trips on a NaN loss, which stays in its window's sum: it is a blow-up
+    all the same, and the LR is cut (it used to read as "non-finite", with no cut)."""
     from hdet_track.readers.mlflow import MLflowReader
     from hdet_track.viz import step_guard_note
 
     uri = f"sqlite:///{tmp_path / 'local.db'}"
-    res = run_ranks(workers.local_step_guard_blowup, WORLD, uri, 3, scope)
+    res = run_ranks(workers.local_step_guard_blowup, WORLD, uri, 3, scope, poison)
     assert [res[r]["scope"] for r in range(WORLD)] == ["local"] * WORLD
     start = res[0]["start"]
     assert torch.equal(res[3]["after_8"], start)  # back at the kept consensus (the start) at once

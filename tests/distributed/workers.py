@@ -380,10 +380,19 @@ def tracked_resume(
 
 
 def _blowup_run(
-    rank: int, victim: int, uri: str, experiment: str, step_guard: float | None, ddp: bool, on_step, scope: str = "all"
+    rank: int,
+    victim: int,
+    uri: str,
+    experiment: str,
+    step_guard: float | None,
+    ddp: bool,
+    on_step,
+    scope: str = "all",
+    poison: str = "scale",
 ):
     """30 steps, sync every 10, the drift controller (``step_guard``), tracked in MLflow; replica
-    ``victim``'s weights are scaled 50x after step 7 (finite, but its loss explodes).
+    ``victim``'s weights are scaled 50x after step 7 (finite, but its loss explodes), or with
+    ``poison="nan"`` made NaN (its loss is NaN).
     ``on_step(step, sched, model, opt)`` after every step. Returns the scheduler and the model."""
     from hdet_track.controller import DriftController
     from hdet_track.tracking.mlflow import MLflowTracker
@@ -401,7 +410,7 @@ def _blowup_run(
         if rank == victim and step == 6:
             with torch.no_grad():
                 for p in model.parameters():
-                    p.mul_(50.0)
+                    p.mul_(50.0) if poison == "scale" else p.fill_(math.nan)
         sched.step(loss)
         on_step(step, sched, model, opt)
     sched.flush()
@@ -445,7 +454,9 @@ def step_guard_blowup(rank: int, world: int, uri: str, victim: int, scope: str =
     return out
 
 
-def local_step_guard_blowup(rank: int, world: int, uri: str, victim: int, scope: str = "local") -> dict:
+def local_step_guard_blowup(
+    rank: int, world: int, uri: str, victim: int, scope: str = "local", poison: str = "scale"
+) -> dict:
     """Independent replicas, ``step_guard_scope="local"``: the blown-up replica resets itself at step 8
     (no collective, no early sync) and is left out at the sync at 10."""
     out: dict = {"start": flat_params(make_model()), "records": []}
@@ -458,7 +469,7 @@ def local_step_guard_blowup(rank: int, world: int, uri: str, victim: int, scope:
         if step == 9:
             out["record"] = sched.last_sync
 
-    sched, model = _blowup_run(rank, victim, uri, "local-guard", 10.0, False, each_step, scope=scope)
+    sched, model = _blowup_run(rank, victim, uri, "local-guard", 10.0, False, each_step, scope=scope, poison=poison)
     return out | {
         "final_params": flat_params(model),
         "run_ids": sched.run_ids,
