@@ -93,6 +93,12 @@ ROUNDS: dict[int, dict[str, dict | None]] = {
         "ramp": {"trip_backoff": "ramp"},
         "spread": {"trip_backoff": "spread"},
     },
+    # Round 9 (both tasks, both modes): a blow-up must also exceed half the run's starting loss,
+    # against today's defaults (docs/controller.md, "Round 9").
+    9: {
+        "floor": {"guard_floor": 0.5},
+        "default": {},
+    },
 }
 SEEDS = {
     1: (100,),
@@ -102,6 +108,7 @@ SEEDS = {
     6: (100, 101, 102),
     7: (103, 104, 105),
     8: (106, 107, 108),
+    9: (106, 107, 108),
 }
 CANDIDATES: dict[str, dict | None] = {k: v for r in ROUNDS.values() for k, v in r.items()}
 REFERENCE_LRS = (0.02, 0.05, 0.1, 0.2, 0.5)

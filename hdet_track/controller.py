@@ -359,11 +359,12 @@ def trend_evidence(log_multipliers: Sequence[float], window_losses: Sequence[flo
     return max(-10.0, min(10.0, num / (standard_error * math.sqrt(sxx))))
 
 
-def blowup_health(stats: WindowStats, guard: float, rollback: bool) -> Health:
+def blowup_health(stats: WindowStats, guard: float, rollback: bool, floor: float = 0.0) -> Health:
     """The drift controller's sync guard: a replica is unhealthy when its window loss is non-finite,
     when the local step guard reset it in the window, or when it exceeds ``guard`` times the
     smaller of the window's starting loss (the median of the replicas' first losses, all taken at
-    the common consensus) and the median window loss. Every replica unhealthy: roll back (with
+    the common consensus) and the median window loss, and ``floor`` (a loss the run has left
+    behind: see ``DriftController(guard_floor=)``). Every replica unhealthy: roll back (with
     ``rollback``)."""
     basic = nonfinite_health(stats)
     means = stats.window_losses
@@ -379,15 +380,18 @@ def blowup_health(stats: WindowStats, guard: float, rollback: bool) -> Health:
             reasons[r] = "blown up: the local step guard reset it in the window"
     if math.isfinite(ref) and ref > 0:
         for r, m in enumerate(means):
-            if healthy[r] and math.isfinite(m) and m > guard * ref:
+            if healthy[r] and math.isfinite(m) and m > guard * ref and m > floor:
                 healthy[r] = False
                 reasons[r] = f"blown up: window loss {m:.4g} > {guard:g} x {ref:.4g}"
     return Health(healthy, reasons, rollback and not any(healthy))
 
 
-def step_guard_reason(losses: Sequence[float], firsts: Sequence[float], step_guard: float) -> str | None:
+def step_guard_reason(
+    losses: Sequence[float], firsts: Sequence[float], step_guard: float, floor: float = 0.0
+) -> str | None:
     """The collective step guard: every replica's loss at this step (``losses``) and at the
-    window's first step (``firsts``); why to converge and roll back now, or None."""
+    window's first step (``firsts``); why to converge and roll back now, or None. A finite loss
+    at or below ``floor`` is never a blow-up."""
     bad = [r for r, x in enumerate(losses) if not math.isfinite(x)]
     if bad:
         return f"step guard: replicas {bad} non-finite"
@@ -399,7 +403,7 @@ def step_guard_reason(losses: Sequence[float], firsts: Sequence[float], step_gua
     # different data (shards of unequal difficulty) start the window at different losses from
     # the same consensus, and a replica is never blown up at the consensus itself.
     refs = [max(f, ref) if math.isfinite(f) else ref for f in firsts]
-    high = [r for r, x in enumerate(losses) if x > step_guard * refs[r]]
+    high = [r for r, x in enumerate(losses) if x > step_guard * refs[r] and x > floor]
     if high:
         r = max(high, key=lambda q: losses[q] / refs[q])
         return f"step guard: replicas {high} at loss {losses[r]:.4g} > {step_guard:g} x {refs[r]:.4g}"
@@ -460,6 +464,11 @@ class DriftController(Controller):
             highest LR. On the development split with independent replicas "ramp" ended
             1.4%/3.4% above the best OneCycle at max_lr 0.1/0.5 where "spread" ended 2.3%/5.2%
             (round 8); "notch" did 4% worse than the collective guard at 0.5 (rounds 4 and 6).
+        guard_floor: a loss counts as blown up (step guard and sync guard alike) only if it also
+            exceeds ``guard_floor`` times the run's starting loss (the median of the replicas'
+            first losses in the run's first window); non-finite losses always count. None (the
+            default): no floor. Near-zero training losses (a small dataset learned by heart) are
+            noisy by ratio: one hard batch is 10x the window's first loss (round 9).
         ceiling: the LR's drift never rises so far that the base LR at a later step (OneCycle's
             peak during the ramp-up) would exceed the highest LR a healthy replica has trained
             with so far: the base only goes where a replica has been. Upward moves only.
@@ -484,6 +493,7 @@ class DriftController(Controller):
         step_guard: float | None = 10.0,
         step_guard_scope: str = "auto",
         trip_backoff: str = "ramp",
+        guard_floor: float | None = None,
     ) -> None:
         inf = math.inf
         self.guard = check_number("guard", guard, 1.0, inf, low_open=True, high_open=True)
@@ -516,6 +526,12 @@ class DriftController(Controller):
         if trip_backoff not in ("notch", "spread", "ramp"):
             raise ValueError(f"Expected trip_backoff in ('notch', 'spread', 'ramp'), but got {trip_backoff!r}")
         self.trip_backoff = trip_backoff
+        self.guard_floor = (
+            None
+            if guard_floor is None
+            else check_number("guard_floor", guard_floor, 0.0, inf, low_open=False, high_open=True)
+        )
+        self._start_loss = math.nan  # L0: the median first loss of the run's first window (guard_floor)
         self._tested: dict[str, list[float]] = {}  # per name: the highest value a healthy replica used
         self._drift: dict[str, list[float]] = {}
         self._evidence: dict[str, list[float]] = {}  # per name: [accumulated sum S, its variance V]
@@ -530,7 +546,22 @@ class DriftController(Controller):
 
     # -- health -------------------------------------------------------------------------------
     def health(self, stats: WindowStats) -> Health:
-        return blowup_health(stats, self.guard, self.rollback)
+        self._note_start(stats)
+        return blowup_health(stats, self.guard, self.rollback, self._floor(self._start_loss))
+
+    def _note_start(self, stats: WindowStats) -> None:
+        """``guard_floor``: the run's starting loss, from the first window a sync sees."""
+        if math.isnan(self._start_loss):
+            firsts = [row[np.isfinite(row)][0] for row in stats.losses if np.isfinite(row).any()]
+            self._start_loss = float(np.median(firsts)) if firsts else math.nan
+
+    def _floor(self, fallback: float) -> float:
+        """The loss at or below which nothing is a blow-up: ``guard_floor`` times the run's starting
+        loss (``fallback`` before the first sync); 0 without ``guard_floor`` or a positive start."""
+        start = self._start_loss if math.isfinite(self._start_loss) else fallback
+        if self.guard_floor is None or not (math.isfinite(start) and start > 0):
+            return 0.0
+        return self.guard_floor * start
 
     # -- the drift ----------------------------------------------------------------------------
     def _log_mults(self, name: str, stats: WindowStats) -> list[float]:
@@ -647,7 +678,11 @@ class DriftController(Controller):
         return Decision(weights, updates, guard)
 
     def check_step(self, losses: Sequence[float], firsts: Sequence[float]) -> str | None:
-        return None if self.step_guard is None else step_guard_reason(losses, firsts, self.step_guard)
+        if self.step_guard is None:
+            return None
+        start = [x for x in firsts if math.isfinite(x)]
+        floor = self._floor(float(np.median(start)) if start else math.nan)
+        return step_guard_reason(losses, firsts, self.step_guard, floor)
 
     def check_own_step(self, loss: float, first: float) -> str | None:
         """``step_guard_scope="local"``: this replica's loss at this step and at the window's first
@@ -656,11 +691,12 @@ class DriftController(Controller):
             return None
         if not math.isfinite(loss):
             return "step guard (local): non-finite loss"
-        if math.isfinite(first) and first > 0 and loss > self.step_guard * first:
+        if math.isfinite(first) and first > 0 and loss > self.step_guard * first and loss > self._floor(first):
             return f"step guard (local): loss {loss:.4g} > {self.step_guard:g} x {first:.4g}"
         return None
 
     def rolled_back(self, stats: WindowStats, reason: str | None = None) -> Decision:
+        self._note_start(stats)
         self.rollbacks += 1
         self.guard_events += 1
         cut = self._rollback_cut(self._log_mults("lr", stats))
@@ -715,6 +751,7 @@ class DriftController(Controller):
             "guard_events": self.guard_events,
             "tested": dict(self._tested),
             "step_guard_scope": self.step_guard_scope,  # "auto" once resolved from the gradients
+            "start_loss": self._start_loss,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -723,6 +760,7 @@ class DriftController(Controller):
         self.rollbacks = int(state.get("rollbacks", 0))
         self.guard_events = int(state.get("guard_events", 0))
         self._tested = {k: [float(x) for x in v] for k, v in state.get("tested", {}).items()}
+        self._start_loss = float(state.get("start_loss", math.nan))
         if self.step_guard_scope == "auto" and state.get("step_guard_scope") in ("all", "local"):
             self.step_guard_scope = state["step_guard_scope"]
 
