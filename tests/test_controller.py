@@ -528,3 +528,34 @@ def test_a_custom_controller_with_auto_scope_resolves_once_and_checks_its_own_st
     independent.resolve_scope(True)  # decided once
     assert independent.step_guard_scope == "local"
     assert independent.check_own_step(6.0, 1.0) == "high" and independent.check_own_step(4.0, 1.0) is None
+
+
+@pytest.mark.parametrize("scale", [1.0, 1000.0])
+def test_guard_floor_ignores_ratio_noise_near_zero_loss_but_not_a_blow_up(scale):
+    """guard_floor (round 9): a loss counts as blown up only above guard_floor x the run's starting
+    loss (the first window's median first loss). Near zero, one hard batch is 10x the window's
+    first loss and one window 2x another: noise, not a blow-up. Scale-free: losses x1000 decide alike."""
+    first = stats(windows([2.3, 2.3, 2.3, 2.3], noise=0.01, start=2.3) * scale)
+    late = windows([0.01, 0.01, 0.01, 0.05], noise=0.001, start=0.01) * scale
+    for floor, expect_blown in ((None, True), (0.5, False)):
+        c = controller(guard_floor=floor, step_guard_scope="local")
+        c.update(first, c.health(first))  # the run's first window: L0 = 2.3 (x scale)
+        h = c.health(stats(late))
+        assert h.healthy[3] is not expect_blown  # 0.05 > 2 x 0.01: blown only without the floor
+        assert (c.check_step([0.3 * scale] * N, [0.02 * scale] * N) is not None) is expect_blown
+        assert (c.check_own_step(0.3 * scale, 0.02 * scale) is not None) is expect_blown
+        # a real blow-up (above half the starting loss) and a non-finite loss count either way
+        assert c.check_step([5.0 * scale] + [0.02 * scale] * 3, [0.02 * scale] * N) is not None
+        assert c.check_own_step(5.0 * scale, 0.02 * scale) is not None
+        assert c.check_own_step(math.nan, 0.02 * scale) is not None
+        assert not c.health(stats(windows([0.01, 0.01, 0.01, 5.0], noise=0.001, start=0.01) * scale)).healthy[3]
+    # the starting loss is kept in the state: a resumed controller judges alike
+    c = controller(guard_floor=0.5)
+    c.health(first)
+    resumed = controller(guard_floor=0.5)
+    resumed.load_state_dict(c.state_dict())
+    assert resumed.check_own_step(0.3 * scale, 0.02 * scale) is None
+    # before the first sync the starting loss is the window's own first: the 10x test decides
+    assert controller(guard_floor=0.5).check_own_step(0.3 * scale, 0.02 * scale) is not None
+    with pytest.raises(ValueError, match="guard_floor"):
+        DriftController(guard_floor=-1.0)
