@@ -477,20 +477,26 @@ def local_step_guard_blowup(
     }
 
 
+def _auto_scope_run(model: nn.Module, total_steps: int, sync_every: int):
+    """SGD and an HDET scheduler whose drift controller decides its step guard's scope ("auto")."""
+    from hdet_track.controller import DriftController
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    sched = HDETScheduler(
+        opt, max_lr=0.05, total_steps=total_steps, spread=0.3, sync_every=sync_every, auto_lr=True, model=model,
+        controller=DriftController(step_guard_scope="auto"),
+    )  # fmt: skip
+    return opt, sched
+
+
 def nan_gradient_at_first_step(rank: int, world: int, ddp: bool) -> dict:
     """Rank 1's loss is NaN at step 2 (the first step "auto" may decide at), so its gradients are;
     under DDP every rank's averaged gradient is then NaN. ``step_guard_scope="auto"`` must not read
     NaN fingerprints as "different gradients" (NaN != NaN): it decides at the first step with
     finite gradients (after the rollback: the new window's second step)."""
-    from hdet_track.controller import DriftController
-
     model = make_model()
     net = DDP(model) if ddp else model
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    sched = HDETScheduler(
-        opt, max_lr=0.05, total_steps=20, spread=0.3, sync_every=10, auto_lr=True, model=model,
-        controller=DriftController(step_guard_scope="auto"),
-    )  # fmt: skip
+    opt, sched = _auto_scope_run(model, total_steps=20, sync_every=10)
     records = []
     for step in range(20):
         x, y = batch(rank, step)
@@ -528,14 +534,8 @@ def auto_scope(rank: int, world: int, setup: str) -> dict:
     """What ``step_guard_scope="auto"`` decides: ``"same-batches"``: independent replicas fed the
     same batch at every step (they agree at a window's first step, not after a spread step);
     ``"half-wrapped"``: DDP around part of the model (the rest holds per-rank gradients)."""
-    from hdet_track.controller import DriftController
-
     model = HalfWrapped() if setup == "half-wrapped" else make_model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    sched = HDETScheduler(
-        opt, max_lr=0.05, total_steps=8, spread=0.3, sync_every=4, auto_lr=True, model=model,
-        controller=DriftController(step_guard_scope="auto"),
-    )  # fmt: skip
+    opt, sched = _auto_scope_run(model, total_steps=8, sync_every=4)
     scopes = []
     for step in range(8):
         x, y = batch(0 if setup == "same-batches" else rank, step)
