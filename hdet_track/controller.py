@@ -28,6 +28,7 @@ Pure math on numbers: nothing here imports torch.distributed or a tracker.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -37,6 +38,9 @@ import numpy as np
 from ._checks import check_int, check_number
 from .record import ControllerUpdate, GuardAction
 from .schedule import decay_gamma
+
+logger = logging.getLogger(__name__)
+STORM_SYNCS = 5  # the guard acting at this many syncs in a row earns one warning
 
 __all__ = [
     "softmax_weights",
@@ -532,6 +536,7 @@ class DriftController(Controller):
             else check_number("guard_floor", guard_floor, 0.0, inf, low_open=False, high_open=True)
         )
         self._start_loss = math.nan  # L0: the median first loss of the run's first window (guard_floor)
+        self._storm, self._warned = 0, False  # syncs in a row at which the guard acted; warned once
         self._tested: dict[str, list[float]] = {}  # per name: the highest value a healthy replica used
         self._drift: dict[str, list[float]] = {}
         self._evidence: dict[str, list[float]] = {}  # per name: [accumulated sum S, its variance V]
@@ -675,6 +680,7 @@ class DriftController(Controller):
                 )
                 for t, (before, after, clipped) in enumerate(moved)
             ]
+        self._note_guard(stats.step, bool(guard) or bool(left))
         return Decision(weights, updates, guard)
 
     def check_step(self, losses: Sequence[float], firsts: Sequence[float]) -> str | None:
@@ -714,7 +720,22 @@ class DriftController(Controller):
         }
         n = len(stats.counts)
         reason = f"{reason or 'every replica blown up or non-finite'} (rollback {self.rollbacks} in a row)"
+        self._note_guard(stats.step, True)
         return Decision(None, updates, [GuardAction("rollback", list(range(n)), reason, -cut)])
+
+    def _note_guard(self, step: int, acted: bool) -> None:
+        """Warn once when the guard acts at ``STORM_SYNCS`` syncs in a row: near zero training loss
+        its ratio tests can read noise as blow-ups (docs/controller.md, round 9)."""
+        self._storm = self._storm + 1 if acted else 0
+        if self._storm == STORM_SYNCS and not self._warned:
+            self._warned = True
+            logger.warning(
+                "DriftController: the guard left replicas out or cut the LR at %d syncs in a row (step %d). "
+                "If the training loss is near zero (a small dataset learned by heart), its ratio tests may be "
+                "reading noise as blow-ups: try DriftController(guard_floor=0.5) (docs/controller.md, round 9).",
+                STORM_SYNCS,
+                step,
+            )
 
     @staticmethod
     def _ramp_ahead(stats: WindowStats) -> float:

@@ -559,3 +559,21 @@ def test_guard_floor_ignores_ratio_noise_near_zero_loss_but_not_a_blow_up(scale)
     assert controller(guard_floor=0.5).check_own_step(0.3 * scale, 0.02 * scale) is not None
     with pytest.raises(ValueError, match="guard_floor"):
         DriftController(guard_floor=-1.0)
+
+
+def test_a_guard_storm_warns_once_and_names_guard_floor(caplog):
+    """The guard acting at 5 syncs in a row (as on a small dataset near zero loss) earns one
+    warning that points to guard_floor; a sync without a guard action starts the count again."""
+    import logging
+
+    blown = stats(windows([1.0, 1.0, 1.0, 5.0], noise=0.001, start=1.0))
+    calm = stats(windows([1.0, 1.0, 1.0, 1.0], noise=0.001, start=1.0))
+    c = controller()
+    with caplog.at_level(logging.WARNING, logger="hdet_track.controller"):
+        for st in [blown] * 4 + [calm] + [blown] * 4:
+            c.update(st, c.health(st))
+        assert not caplog.records  # never 5 in a row
+        for _ in range(3):
+            c.update(blown, c.health(blown))
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "5 syncs in a row" in warned[0] and "guard_floor=0.5" in warned[0]
