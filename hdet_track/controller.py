@@ -363,6 +363,13 @@ def trend_evidence(log_multipliers: Sequence[float], window_losses: Sequence[flo
     return max(-10.0, min(10.0, num / (standard_error * math.sqrt(sxx))))
 
 
+def window_start(stats: WindowStats) -> float:
+    """The window's starting loss: the median of the replicas' first finite losses (all taken at the
+    common consensus); nan when no replica gave one."""
+    firsts = [row[np.isfinite(row)][0] for row in stats.losses if np.isfinite(row).any()]
+    return float(np.median(firsts)) if firsts else math.nan
+
+
 def blowup_health(stats: WindowStats, guard: float, rollback: bool, floor: float = 0.0) -> Health:
     """The drift controller's sync guard: a replica is unhealthy when its window loss is non-finite,
     when the local step guard reset it in the window, or when it exceeds ``guard`` times the
@@ -372,8 +379,7 @@ def blowup_health(stats: WindowStats, guard: float, rollback: bool, floor: float
     ``rollback``)."""
     basic = nonfinite_health(stats)
     means = stats.window_losses
-    firsts = [row[np.isfinite(row)][0] for row in stats.losses if np.isfinite(row).any()]
-    start = float(np.median(firsts)) if firsts else math.nan
+    start = window_start(stats)
     finite_means = [m for m, ok in zip(means, basic.healthy) if ok and math.isfinite(m)]
     typical = float(np.median([m for m in means if math.isfinite(m)])) if finite_means else math.nan
     ref = min(start, typical) if math.isfinite(start) and math.isfinite(typical) else math.nan
@@ -557,8 +563,7 @@ class DriftController(Controller):
     def _note_start(self, stats: WindowStats) -> None:
         """``guard_floor``: the run's starting loss, from the first window a sync sees."""
         if math.isnan(self._start_loss):
-            firsts = [row[np.isfinite(row)][0] for row in stats.losses if np.isfinite(row).any()]
-            self._start_loss = float(np.median(firsts)) if firsts else math.nan
+            self._start_loss = window_start(stats)
 
     def _floor(self, fallback: float) -> float:
         """The loss at or below which nothing is a blow-up: ``guard_floor`` times the run's starting
