@@ -39,7 +39,9 @@ sched = HDETScheduler(opt, 0.1, total_steps=20, sync_every=5, track=TRACK)
 for _ in range(20):
     loss = model(torch.randn(8, 4)).pow(2).mean()
     opt.zero_grad(); loss.backward(); opt.step(); sched.step(loss)
+import time; ended = time.monotonic()
 sched.close()
+closed = time.monotonic()
 """
 PROMISES = {
     "": TRAIN.replace("TRACK", "False") + "import hdet_track.compare, hdet_track.readers\n",
@@ -59,9 +61,11 @@ PROMISES = {
     + textwrap.dedent(
         """
         import os
+        from pathlib import Path
         from hdet_track.readers.wandb import WandbReader
         (run,) = WandbReader(os.environ['WANDB_DIR']).list_runs()
-        assert run.status == 'FINISHED', run
+        files = {str(p): p.stat().st_size for p in Path(os.environ['WANDB_DIR'], 'wandb').rglob('*.wandb')}
+        assert run.status == 'FINISHED', (run, files, f'close took {closed - ended:.1f} s')
         """
     ),
     "dashboard": "import streamlit, plotly\nimport hdet_track.viz, hdet_track.dashboard.state, hdet_track.readers.mlflow\n",
