@@ -66,7 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--low-lr", type=_positive_float, default=None, help="conservative max_lr (default 0.05; text 0.002)"
     )
     demo.add_argument(
-        "--high-lr", type=_positive_float, default=None, help="aggressive max_lr (default: digits 1, fashion-mnist 0.5, text 0.02)"
+        "--high-lr",
+        type=_positive_float,
+        default=None,
+        help="aggressive max_lr (default: digits 1, fashion-mnist 0.5, text 0.02)",
     )
     demo.add_argument(
         "--device",
