@@ -57,6 +57,8 @@ __all__ = [
     "trend_evidence",
     "blowup_health",
     "step_guard_reason",
+    "window_start",
+    "BlowupGuard",
     "make_controller",
     "CONTROLLERS",
 ]
@@ -420,6 +422,69 @@ def step_guard_reason(
     return None
 
 
+class BlowupGuard:
+    """What the drift controller calls *blown up*, at a sync and at every step, and what it
+    remembers for that: the run's starting loss (for ``floor``) and how many syncs in a row it
+    acted (to warn once about a storm). Its ratio tests are loss-scale-free; see
+    :class:`DriftController` for the meaning of ``ratio`` (``guard``), ``step_ratio``
+    (``step_guard``) and ``floor`` (``guard_floor``)."""
+
+    def __init__(self, ratio: float, step_ratio: float | None, floor: float | None) -> None:
+        self.ratio, self.step_ratio, self.floor = ratio, step_ratio, floor
+        self.start_loss = math.nan  # L0: the median first loss of the run's first window (floor)
+        self._storm, self._warned = 0, False  # syncs in a row at which the guard acted; warned once
+
+    def health(self, stats: WindowStats, rollback: bool) -> Health:
+        """The sync guard (:func:`blowup_health`) with this run's floor."""
+        self.note_start(stats)
+        return blowup_health(stats, self.ratio, rollback, self._floor(self.start_loss))
+
+    def note_start(self, stats: WindowStats) -> None:
+        """The run's starting loss, from the first window a sync sees."""
+        if math.isnan(self.start_loss):
+            self.start_loss = window_start(stats)
+
+    def _floor(self, fallback: float) -> float:
+        """The loss at or below which nothing is a blow-up: ``floor`` times the run's starting loss
+        (``fallback`` before the first sync); 0 without ``floor`` or a positive start."""
+        start = self.start_loss if math.isfinite(self.start_loss) else fallback
+        if self.floor is None or not (math.isfinite(start) and start > 0):
+            return 0.0
+        return self.floor * start
+
+    def check_step(self, losses: Sequence[float], firsts: Sequence[float]) -> str | None:
+        """The collective step guard (:func:`step_guard_reason`) with this run's floor."""
+        if self.step_ratio is None:
+            return None
+        start = [x for x in firsts if math.isfinite(x)]
+        floor = self._floor(float(np.median(start)) if start else math.nan)
+        return step_guard_reason(losses, firsts, self.step_ratio, floor)
+
+    def check_own_step(self, loss: float, first: float) -> str | None:
+        """The local step guard: this replica's loss at this step and at the window's first step."""
+        if self.step_ratio is None:
+            return None
+        if not math.isfinite(loss):
+            return "step guard (local): non-finite loss"
+        if math.isfinite(first) and first > 0 and loss > self.step_ratio * first and loss > self._floor(first):
+            return f"step guard (local): loss {loss:.4g} > {self.step_ratio:g} x {first:.4g}"
+        return None
+
+    def acted(self, step: int, acted: bool) -> None:
+        """Count the syncs in a row at which the guard acted; warn once at ``STORM_SYNCS``: near
+        zero training loss its ratio tests can read noise as blow-ups (docs/controller.md)."""
+        self._storm = self._storm + 1 if acted else 0
+        if self._storm == STORM_SYNCS and not self._warned:
+            self._warned = True
+            logger.warning(
+                "DriftController: the guard left replicas out or cut the LR at %d syncs in a row (step %d). "
+                "If the training loss is near zero (a small dataset learned by heart), its ratio tests may be "
+                "reading noise as blow-ups: try DriftController(guard_floor=0.5) (docs/controller.md, round 9).",
+                STORM_SYNCS,
+                step,
+            )
+
+
 class DriftController(Controller):
     """Shape-keeping, loss-scale-free, guarded: ``base = reference * exp(drift)`` (see docs/controller.md).
 
@@ -506,7 +571,7 @@ class DriftController(Controller):
         guard_floor: float | None = None,
     ) -> None:
         inf = math.inf
-        self.guard = check_number("guard", guard, 1.0, inf, low_open=True, high_open=True)
+        guard = check_number("guard", guard, 1.0, inf, low_open=True, high_open=True)
         self.forget = check_number("forget", forget, 0.0, 1.0, low_open=False, high_open=True)
         self.dead_zone = check_number("dead_zone", dead_zone, 0.0, inf, low_open=False, high_open=True)
         self.full_step_at = check_number(
@@ -520,7 +585,7 @@ class DriftController(Controller):
         self.rollback = bool(rollback)
         self.one_sided = bool(one_sided)
         self.ceiling = bool(ceiling)
-        self.step_guard = (
+        step_guard = (
             None
             if step_guard is None
             else check_number("step_guard", step_guard, 1.0, inf, low_open=True, high_open=True)
@@ -536,13 +601,12 @@ class DriftController(Controller):
         if trip_backoff not in ("notch", "spread", "ramp"):
             raise ValueError(f"Expected trip_backoff in ('notch', 'spread', 'ramp'), but got {trip_backoff!r}")
         self.trip_backoff = trip_backoff
-        self.guard_floor = (
+        guard_floor = (
             None
             if guard_floor is None
             else check_number("guard_floor", guard_floor, 0.0, inf, low_open=False, high_open=True)
         )
-        self._start_loss = math.nan  # L0: the median first loss of the run's first window (guard_floor)
-        self._storm, self._warned = 0, False  # syncs in a row at which the guard acted; warned once
+        self.blowups = BlowupGuard(guard, step_guard, guard_floor)
         self._tested: dict[str, list[float]] = {}  # per name: the highest value a healthy replica used
         self._drift: dict[str, list[float]] = {}
         self._evidence: dict[str, list[float]] = {}  # per name: [accumulated sum S, its variance V]
@@ -555,23 +619,21 @@ class DriftController(Controller):
             self._drift.setdefault(name, [0.0] * ctx.num_targets[name])
             self._evidence.setdefault(name, [0.0, 0.0])
 
-    # -- health -------------------------------------------------------------------------------
+    # -- health (BlowupGuard) ------------------------------------------------------------------
+    guard = property(lambda self: self.blowups.ratio, doc="The sync guard's ratio (``guard``).")
+    step_guard = property(lambda self: self.blowups.step_ratio, doc="The step guard's ratio (None: off).")
+    guard_floor = property(lambda self: self.blowups.floor, doc="``guard_floor`` (None: off).")
+
     def health(self, stats: WindowStats) -> Health:
-        self._note_start(stats)
-        return blowup_health(stats, self.guard, self.rollback, self._floor(self._start_loss))
+        return self.blowups.health(stats, self.rollback)
 
-    def _note_start(self, stats: WindowStats) -> None:
-        """``guard_floor``: the run's starting loss, from the first window a sync sees."""
-        if math.isnan(self._start_loss):
-            self._start_loss = window_start(stats)
+    def check_step(self, losses: Sequence[float], firsts: Sequence[float]) -> str | None:
+        return self.blowups.check_step(losses, firsts)
 
-    def _floor(self, fallback: float) -> float:
-        """The loss at or below which nothing is a blow-up: ``guard_floor`` times the run's starting
-        loss (``fallback`` before the first sync); 0 without ``guard_floor`` or a positive start."""
-        start = self._start_loss if math.isfinite(self._start_loss) else fallback
-        if self.guard_floor is None or not (math.isfinite(start) and start > 0):
-            return 0.0
-        return self.guard_floor * start
+    def check_own_step(self, loss: float, first: float) -> str | None:
+        """``step_guard_scope="local"``: this replica's loss at this step and at the window's first
+        step; a reason to reset this replica now, or None."""
+        return self.blowups.check_own_step(loss, first)
 
     # -- the drift ----------------------------------------------------------------------------
     def _log_mults(self, name: str, stats: WindowStats) -> list[float]:
@@ -653,18 +715,7 @@ class DriftController(Controller):
                 )
             blown = [r for r in left if health.reasons[r].startswith("blown")]
             if name == "lr" and blown and ok:
-                # The highest-LR replicas blew up: the base goes down one notch at least; after a
-                # local trip with trip_backoff="ramp", by the ramp-up ahead too; with "spread", by
-                # a rollback's cut.
-                top_ok = max(x[r] for r in ok)
-                cut, why = max(0.0, max(x[r] for r in blown) - top_ok), "with the highest LR blew up"
-                tripped = [r for r in blown if stats.tripped and stats.tripped[r]]
-                if tripped and self.trip_backoff == "spread":
-                    cut, blown, why = self._rollback_cut(x), tripped, "tripped the local step guard"
-                elif tripped and self.trip_backoff == "ramp" and max(x[r] for r in tripped) > top_ok:
-                    # only a trip of a replica above every healthy one adds the ramp-up ahead
-                    ramp = max(x[r] for r in tripped) - top_ok + self._ramp_ahead(stats)
-                    cut, why = max(cut, ramp), "blew up or tripped the local step guard"
+                cut, blown, why = self._backoff(x, ok, blown, stats)
                 if cut > 0:
                     change = min(change, -cut)
                     s = min(s, 0.0)
@@ -685,29 +736,11 @@ class DriftController(Controller):
                 )
                 for t, (before, after, clipped) in enumerate(moved)
             ]
-        self._note_guard(stats.step, bool(guard) or bool(left))
+        self.blowups.acted(stats.step, bool(guard) or bool(left))
         return Decision(weights, updates, guard)
 
-    def check_step(self, losses: Sequence[float], firsts: Sequence[float]) -> str | None:
-        if self.step_guard is None:
-            return None
-        start = [x for x in firsts if math.isfinite(x)]
-        floor = self._floor(float(np.median(start)) if start else math.nan)
-        return step_guard_reason(losses, firsts, self.step_guard, floor)
-
-    def check_own_step(self, loss: float, first: float) -> str | None:
-        """``step_guard_scope="local"``: this replica's loss at this step and at the window's first
-        step; a reason to reset this replica now, or None."""
-        if self.step_guard is None:
-            return None
-        if not math.isfinite(loss):
-            return "step guard (local): non-finite loss"
-        if math.isfinite(first) and first > 0 and loss > self.step_guard * first and loss > self._floor(first):
-            return f"step guard (local): loss {loss:.4g} > {self.step_guard:g} x {first:.4g}"
-        return None
-
     def rolled_back(self, stats: WindowStats, reason: str | None = None) -> Decision:
-        self._note_start(stats)
+        self.blowups.note_start(stats)
         self.rollbacks += 1
         self.guard_events += 1
         cut = self._rollback_cut(self._log_mults("lr", stats))
@@ -725,22 +758,26 @@ class DriftController(Controller):
         }
         n = len(stats.counts)
         reason = f"{reason or 'every replica blown up or non-finite'} (rollback {self.rollbacks} in a row)"
-        self._note_guard(stats.step, True)
+        self.blowups.acted(stats.step, True)
         return Decision(None, updates, [GuardAction("rollback", list(range(n)), reason, -cut)])
 
-    def _note_guard(self, step: int, acted: bool) -> None:
-        """Warn once when the guard acts at ``STORM_SYNCS`` syncs in a row: near zero training loss
-        its ratio tests can read noise as blow-ups (docs/controller.md, round 9)."""
-        self._storm = self._storm + 1 if acted else 0
-        if self._storm == STORM_SYNCS and not self._warned:
-            self._warned = True
-            logger.warning(
-                "DriftController: the guard left replicas out or cut the LR at %d syncs in a row (step %d). "
-                "If the training loss is near zero (a small dataset learned by heart), its ratio tests may be "
-                "reading noise as blow-ups: try DriftController(guard_floor=0.5) (docs/controller.md, round 9).",
-                STORM_SYNCS,
-                step,
-            )
+    def _backoff(
+        self, x: list[float], ok: list[int], blown: list[int], stats: WindowStats
+    ) -> tuple[float, list[int], str]:
+        """The LR drift's cut when replicas blew up (``x``: the log multipliers): one notch when the
+        highest-LR replicas did (0 otherwise); after a local trip with ``trip_backoff="ramp"``, by
+        the ramp-up ahead too; with ``"spread"``, by a rollback's cut. Returns (cut, the replicas
+        it names, why)."""
+        top_ok = max(x[r] for r in ok)
+        cut, why = max(0.0, max(x[r] for r in blown) - top_ok), "with the highest LR blew up"
+        tripped = [r for r in blown if stats.tripped and stats.tripped[r]]
+        if tripped and self.trip_backoff == "spread":
+            return self._rollback_cut(x), tripped, "tripped the local step guard"
+        if tripped and self.trip_backoff == "ramp" and max(x[r] for r in tripped) > top_ok:
+            # only a trip of a replica above every healthy one adds the ramp-up ahead
+            ramp = max(x[r] for r in tripped) - top_ok + self._ramp_ahead(stats)
+            cut, why = max(cut, ramp), "blew up or tripped the local step guard"
+        return cut, blown, why
 
     @staticmethod
     def _ramp_ahead(stats: WindowStats) -> float:
@@ -777,7 +814,7 @@ class DriftController(Controller):
             "guard_events": self.guard_events,
             "tested": dict(self._tested),
             "step_guard_scope": self.step_guard_scope,  # "auto" once resolved from the gradients
-            "start_loss": self._start_loss,
+            "start_loss": self.blowups.start_loss,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -786,7 +823,7 @@ class DriftController(Controller):
         self.rollbacks = int(state.get("rollbacks", 0))
         self.guard_events = int(state.get("guard_events", 0))
         self._tested = {k: [float(x) for x in v] for k, v in state.get("tested", {}).items()}
-        self._start_loss = float(state.get("start_loss", math.nan))
+        self.blowups.start_loss = float(state.get("start_loss", math.nan))
         if self.step_guard_scope == "auto" and state.get("step_guard_scope") in ("all", "local"):
             self.step_guard_scope = state["step_guard_scope"]
 
