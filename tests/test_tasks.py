@@ -152,3 +152,24 @@ def test_digits_split_is_standardised_without_outlying_pixels(seed):
     assert abs(float(task.x_train.mean())) < 1e-5 and float(task.x_train.std()) == pytest.approx(1.0, abs=1e-5)
     assert float(task.x_train.abs().max()) < 3 and float(task.x_val.abs().max()) < 3  # pixel values 0-16
     assert torch.equal(load_task("digits", seed=seed).x_val, task.x_val)  # the split is fixed by the seed
+
+
+def test_fashion_mnist_scales_every_pixel_alike(tmp_path):
+    """One mean and deviation for all pixels: a stroke on a pixel blank in every other training
+    image stays a few deviations out (per-pixel scaling made it hundreds)."""
+    rng = torch.Generator().manual_seed(0)
+    train = torch.randint(0, 256, (50, 28, 28), generator=rng, dtype=torch.uint8)
+    train[:, 0, 0] = 0
+    train[7, 0, 0] = 255  # one stroke on an otherwise blank corner
+    val = torch.randint(0, 256, (10, 28, 28), generator=rng, dtype=torch.uint8)
+    val[3, 0, 0] = 255
+    for name, array in [("train-images-idx3-ubyte", train), ("t10k-images-idx3-ubyte", val)]:
+        (tmp_path / name).write_bytes(struct.pack(">HBBIII", 0, 8, 3, len(array), 28, 28) + array.numpy().tobytes())
+    for name, n in [("train-labels-idx1-ubyte", 50), ("t10k-labels-idx1-ubyte", 10)]:
+        (tmp_path / name).write_bytes(struct.pack(">HBBI", 0, 8, 1, n) + bytes(i % 10 for i in range(n)))
+    task = load_task("fashion-mnist", data_dir=str(tmp_path))
+    raw = train.reshape(50, -1).float() / 255
+    mean, std = raw.mean(), raw.std()
+    assert torch.allclose(task.x_train, (raw - mean) / std, atol=1e-5)
+    assert torch.allclose(task.x_val, (val.reshape(10, -1).float() / 255 - mean) / std, atol=1e-5)
+    assert float(task.x_train[7, 0]) < 3 and float(task.x_val[3, 0]) < 3
