@@ -90,7 +90,7 @@ def test_wandb_offline_round_trip():
     sched, seen = job("wandb")
     sched.close()
     for path in glob.glob(os.path.join(os.environ["WANDB_DIR"], "wandb", "offline-run-*", "run-*.wandb")):
-        read_finished(path)  # wandb's service may still be flushing the exit record
+        assert read_finished(path).exit_code == 0  # whole on disk once close() returned
     reader = open_reader(os.environ["WANDB_DIR"])
     assert isinstance(reader, WandbReader)
     runs = reader.list_runs()

@@ -16,8 +16,10 @@ from hdet_track import HDETScheduler
 from hdet_track.readers.wandb_records import WandbFormatError, iter_payloads, read_wandb_file
 
 
-def read_finished(path, timeout=20.0):
-    """The run file once its exit record is on disk (wandb's service may still be flushing it)."""
+def read_finished(path, timeout=0.0):
+    """The run file, read once: a run hdet-track finishes is whole on disk when ``close()`` returns
+    (WandbTracker waits for W&B's service to write its end). ``timeout``: wait up to that long for
+    the exit record, for a run someone else finishes (wandb flushes it after ``finish()``)."""
     deadline = time.monotonic() + timeout
     while True:
         contents = read_wandb_file(path)
@@ -114,8 +116,46 @@ def test_record_parser_rejects_other_files_and_stops_at_truncation(tmp_path):
         sched.step(1.0)
     sched.close()
     path = glob.glob(os.path.join(run_dir(os.environ["WANDB_DIR"]), "run-*.wandb"))[0]
-    assert read_finished(path).exit_code == 0  # wandb's service has flushed the whole file
+    assert read_finished(path).exit_code == 0  # close() waited for wandb's service to write the whole file
     data = open(path, "rb").read()
     full = list(iter_payloads(data))
     cut = list(iter_payloads(data[: len(data) - 50]))  # a file still being written
     assert 0 < len(cut) < len(full) and cut == full[: len(cut)]
+
+
+def test_finish_waits_until_wandb_has_written_the_run_file(tmp_path):
+    """W&B's service writes the run file in 32 KiB blocks and closes it after ``finish()`` returns:
+    ``wait_until_written`` holds the tracker's finish until the exit record is on disk."""
+    import threading
+
+    from hdet_track.tracking.wandb import wait_until_written
+
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = HDETScheduler(opt, 0.1, total_steps=10, sync_every=5, track="wandb")
+    for _ in range(10):
+        opt.step()
+        sched.step(1.0)
+    sched.close()
+    whole = open(glob.glob(os.path.join(run_dir(os.environ["WANDB_DIR"]), "run-*.wandb"))[0], "rb").read()
+    assert read_wandb_file_bytes(whole).exit_code == 0
+    path = tmp_path / "run-x.wandb"
+    path.write_bytes(whole[:7])  # the header only: what a reader may find right after finish()
+    writer = threading.Timer(0.4, path.write_bytes, args=(whole,))
+    started = time.monotonic()
+    writer.start()
+    assert wait_until_written(path, timeout=20.0) and time.monotonic() - started >= 0.4
+    writer.join()
+    path.write_bytes(whole[: len(whole) // 2])  # never completed: give up at the timeout
+    started = time.monotonic()
+    assert not wait_until_written(path, timeout=0.5) and time.monotonic() - started >= 0.5
+    assert not wait_until_written(tmp_path / "missing.wandb", timeout=0.1)
+
+
+def read_wandb_file_bytes(data: bytes):
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".wandb") as f:
+        f.write(data)
+        f.flush()
+        return read_wandb_file(f.name)

@@ -3,7 +3,9 @@ sync axis, Parquet event chunks in the run's files under ``hdet_events/``."""
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -14,13 +16,36 @@ from ._common import run_params, run_tags
 from .archive import ARTIFACT_DIR, EventArchive
 from .base import Batch, Tracker
 
-__all__ = ["WandbTracker", "DEFAULT_PROJECT", "SYNC_STEP", "STEP"]
+__all__ = ["WandbTracker", "DEFAULT_PROJECT", "SYNC_STEP", "STEP", "wait_until_written"]
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_PROJECT = "hdet"
 STEP = names.STEP
 SYNC_STEP = names.SYNC_STEP
 _SYNC_PREFIXES = ("hdet/sync/", "hdet/controller/", "hdet/onecycle/")
 _STEP_GLOBS = (names.LOSS, names.LR, "hdet/replica_*")
+FINISH_WAIT_SECONDS = 15.0  # for W&B's service to close the run file after finish()
+
+
+def wait_until_written(path: str | os.PathLike, timeout: float) -> bool:
+    """Wait (at most ``timeout`` seconds) until the run file ``path`` (``run-<id>.wandb``) holds
+    the run's exit record. W&B's service writes that file in blocks and closes it after
+    ``run.finish()`` has returned, in its own process: until then a reader sees only part of the
+    run, or just the file's header."""
+    from ..readers.wandb_records import WandbFormatError, read_wandb_file
+
+    deadline, pause = time.monotonic() + timeout, 0.02
+    while True:
+        try:
+            if read_wandb_file(path).exit_code is not None:
+                return True
+        except (OSError, WandbFormatError):
+            pass
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+        pause = min(pause * 2, 0.5)
 
 
 def _import_wandb():
@@ -155,4 +180,14 @@ class WandbTracker(Tracker):
         if run_end.error:
             self._run.summary["hdet/error"] = run_end.error[-4000:]
         if self._existing is None:
+            path = self._run.settings.sync_file
             self._run.finish(exit_code=0 if run_end.status == "FINISHED" else 1)
+            # so that the run reads back whole as soon as close() returns (readers, `compare`)
+            if path and not wait_until_written(path, FINISH_WAIT_SECONDS):
+                logger.warning(
+                    "hdet-track: W&B had not written the end of run %s to %s within %.0f s; it will once "
+                    "its service closes the run",
+                    self._run.id,
+                    path,
+                    FINISH_WAIT_SECONDS,
+                )
