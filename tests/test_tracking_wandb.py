@@ -105,9 +105,8 @@ def test_failed_run_exit_code_and_status(tmp_path):
     assert "exploded" in contents.summary["hdet/error"]
 
 
-def test_record_parser_rejects_other_files_and_stops_at_truncation(tmp_path):
-    with pytest.raises(WandbFormatError):
-        list(iter_payloads(b"PAR1 not a wandb file"))
+def tiny_finished_run() -> str:
+    """The run file of a 10-step job tracked to W&B offline, once ``close()`` returned."""
     model = nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = HDETScheduler(opt, 0.1, total_steps=10, sync_every=5, track="wandb")
@@ -115,7 +114,13 @@ def test_record_parser_rejects_other_files_and_stops_at_truncation(tmp_path):
         opt.step()
         sched.step(1.0)
     sched.close()
-    path = glob.glob(os.path.join(run_dir(os.environ["WANDB_DIR"]), "run-*.wandb"))[0]
+    return glob.glob(os.path.join(run_dir(os.environ["WANDB_DIR"]), "run-*.wandb"))[0]
+
+
+def test_record_parser_rejects_other_files_and_stops_at_truncation(tmp_path):
+    with pytest.raises(WandbFormatError):
+        list(iter_payloads(b"PAR1 not a wandb file"))
+    path = tiny_finished_run()
     assert read_finished(path).exit_code == 0  # close() waited for wandb's service to write the whole file
     data = open(path, "rb").read()
     full = list(iter_payloads(data))
@@ -130,14 +135,7 @@ def test_finish_waits_until_wandb_has_written_the_run_file(tmp_path):
 
     from hdet_track.tracking.wandb import wait_until_written
 
-    model = nn.Linear(2, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    sched = HDETScheduler(opt, 0.1, total_steps=10, sync_every=5, track="wandb")
-    for _ in range(10):
-        opt.step()
-        sched.step(1.0)
-    sched.close()
-    whole = open(glob.glob(os.path.join(run_dir(os.environ["WANDB_DIR"]), "run-*.wandb"))[0], "rb").read()
+    whole = open(tiny_finished_run(), "rb").read()
     assert read_wandb_file_bytes(whole).exit_code == 0
     path = tmp_path / "run-x.wandb"
     path.write_bytes(whole[:7])  # the header only: what a reader may find right after finish()
