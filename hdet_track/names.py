@@ -25,6 +25,9 @@ __all__ = [
     "SYNC_DIVERGENCE_MAX",
     "SYNC_LEFT_OUT",
     "SYNC_ROLLBACK",
+    "SYNC_STEP_GUARD",
+    "STEP_GUARD_CODES",
+    "step_guard_scope",
     "check_name",
     "series_key",
     "parse_series_key",
@@ -56,6 +59,10 @@ SYNC_DIVERGENCE = "hdet/sync/divergence"
 SYNC_DIVERGENCE_MAX = "hdet/sync/divergence_max"
 SYNC_LEFT_OUT = "hdet/sync/left_out"
 SYNC_ROLLBACK = "hdet/sync/rollback"
+# The scope of the controller's step guard in the window, as a number (for runs read without their
+# event archive): 0 none, 1 collective ("all"), 2 local.
+SYNC_STEP_GUARD = "hdet/sync/step_guard"
+STEP_GUARD_CODES = {"": 0.0, "all": 1.0, "local": 2.0}
 CONTROLLER_FIELDS = ("base", "drift", "velocity", "delta", "evidence")
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
@@ -151,3 +158,8 @@ def parse_weight_metric(metric: str) -> tuple[str, int] | None:
 def onecycle_metric(key: str) -> str:
     """Plain OneCycleLR's value of series ``key`` (LR only) at each sync."""
     return f"hdet/onecycle/{key}"
+
+
+def step_guard_scope(code: float) -> str:
+    """The step guard's scope from its :data:`SYNC_STEP_GUARD` value (``""`` for none or unknown)."""
+    return next((scope for scope, c in STEP_GUARD_CODES.items() if c == code), "")

@@ -140,6 +140,24 @@ def test_history_fallback_matches_archive(tmp_path):
     np.testing.assert_allclose(fallback.controller_series("lr")["drift"], full.controller_series("lr")["drift"])
 
 
+def test_wandb_history_fallback_rebuilds_the_syncs():
+    """A W&B run without its event archive (files/hdet_events deleted): the syncs come back from the
+    per-sync rows (window losses, the step guard's scope), as they do from MLflow's histories."""
+    sched, _ = job("wandb")
+    sched.close()
+    reader = WandbReader(os.environ["WANDB_DIR"])
+    run_id = sched.run_ids["wandb"]
+    full = reader.read(run_id)
+    for directory in glob.glob(os.path.join(os.environ["WANDB_DIR"], "wandb", f"*-{run_id}", "files", "hdet_events")):
+        shutil.rmtree(directory)
+    fallback = reader.read(run_id)
+    assert any("no event archive" in w for w in fallback.warnings)
+    assert [c.step for c in fallback.converge] == [c.step for c in full.converge] == [10, 20, 30, 40]
+    for a, b in zip(fallback.converge, full.converge):
+        np.testing.assert_allclose(a.window_losses, b.window_losses, rtol=1e-12)
+        assert a.step_guard == b.step_guard and a.left_out == b.left_out == []
+
+
 def test_bad_sources_give_typed_errors_or_partial_runs(tmp_path):
     uri = f"sqlite:///{tmp_path / 'bad.db'}"
     client = MlflowClient(uri)

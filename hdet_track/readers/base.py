@@ -379,6 +379,20 @@ class HDETRun:
         )
 
 
+def converge_from_series(
+    step: int, window_losses: Sequence[float], left_out: float | None, step_guard: float | None
+) -> Converge:
+    """A sync's :class:`Converge` rebuilt from its logged series (a run without its event archive):
+    the window losses, the number left out (those are the non-finite windows) and the step guard's
+    code (:data:`~hdet_track.names.SYNC_STEP_GUARD`). Divergences and reasons are not in the series."""
+    losses = [float(x) for x in window_losses]
+    left = [r for r, v in enumerate(losses) if not math.isfinite(v)] if left_out else []
+    scope = names.step_guard_scope(step_guard) if step_guard is not None else ""
+    return Converge(
+        step=int(step), window_losses=losses, divergence=[math.nan] * len(losses), left_out=left, step_guard=scope
+    )
+
+
 def _reference(decision: ControllerDecision, target: int) -> float:
     """What the decision's base is measured against: its reference, else (schema 1) OneCycle's LR."""
     for values in (decision.reference, decision.onecycle):

@@ -16,11 +16,11 @@ from pathlib import Path
 import numpy as np
 
 from .. import names
-from ..events import ControllerDecision, Converge
+from ..events import ControllerDecision
 from ..summaries import SUMMARY_DIR
 from ..tracking.archive import ARTIFACT_DIR
 from .archive import read_archive
-from .base import HDETRun, ReaderError, RunNotFoundError, RunSummary, StepTable
+from .base import HDETRun, ReaderError, RunNotFoundError, RunSummary, StepTable, converge_from_series
 
 __all__ = ["MLflowReader"]
 
@@ -207,12 +207,12 @@ class MLflowReader:
             hist = {r: dict(zip(*self._history(run.run_id, k))) for r, k in windows.items()}
             n = max(hist) + 1
             left = dict(zip(*self._history(run.run_id, names.SYNC_LEFT_OUT))) if names.SYNC_LEFT_OUT in latest else {}
+            scope = (
+                dict(zip(*self._history(run.run_id, names.SYNC_STEP_GUARD))) if names.SYNC_STEP_GUARD in latest else {}
+            )
             for step in sorted({s for h in hist.values() for s in h}):
-                losses = [float(hist.get(r, {}).get(step, np.nan)) for r in range(n)]
-                left_out = [r for r, v in enumerate(losses) if not np.isfinite(v)] if left.get(step) else []
-                run.converge.append(
-                    Converge(step=int(step), window_losses=losses, divergence=[np.nan] * n, left_out=left_out)
-                )
+                losses = [hist.get(r, {}).get(step, np.nan) for r in range(n)]
+                run.converge.append(converge_from_series(step, losses, left.get(step), scope.get(step)))
         controller: dict[str, dict[str, dict[int, float]]] = defaultdict(dict)
         weights: dict[str, dict[int, dict[int, float]]] = defaultdict(dict)
         for key in latest:

@@ -14,7 +14,7 @@ import numpy as np
 from .. import names
 from ..summaries import SUMMARY_DIR
 from .archive import read_archive
-from .base import HDETRun, RunNotFoundError, RunSummary, StepTable
+from .base import HDETRun, RunNotFoundError, RunSummary, StepTable, converge_from_series
 from .wandb_records import WandbFormatError, read_wandb_file
 
 __all__ = ["WandbReader", "find_run_dirs"]
@@ -145,6 +145,17 @@ class WandbReader:
 
     def _read_history(self, run: HDETRun, history: list[dict]) -> None:
         rows: dict[int, dict[int, dict[str, float]]] = {}
+        syncs: dict[int, dict[str, float]] = {}
+        for row in history:
+            if isinstance(row.get(names.SYNC_STEP), (int, float)):
+                numbers = {k: float(v) for k, v in row.items() if isinstance(v, (int, float))}
+                syncs.setdefault(int(row[names.SYNC_STEP]), {}).update(numbers)
+        for step, values in sorted(syncs.items()):
+            windows = {r: v for k, v in values.items() if (r := names.parse_window_loss_metric(k)) is not None}
+            if windows:
+                losses = [windows.get(r, np.nan) for r in range(max(windows) + 1)]
+                left, scope = values.get(names.SYNC_LEFT_OUT), values.get(names.SYNC_STEP_GUARD)
+                run.converge.append(converge_from_series(step, losses, left, scope))
         for row in history:
             for key, value in row.items():
                 step = _row_step(row, key)

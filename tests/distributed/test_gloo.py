@@ -222,6 +222,22 @@ def test_finite_blowup_is_left_out_reset_and_shown(tmp_path, victim):
     assert list(crosses[0].x) == [10] and "blown up" in crosses[0].text[0]
 
 
+def without_archive(uri: str, run_id: str):
+    """The run read back from its metric histories alone (its event archive deleted)."""
+    import shutil
+    from pathlib import Path
+    from urllib.parse import urlparse
+
+    from mlflow.tracking import MlflowClient
+
+    from hdet_track.readers.mlflow import MLflowReader
+
+    shutil.rmtree(Path(urlparse(MlflowClient(uri).get_run(run_id).info.artifact_uri).path) / "hdet_events")
+    run = MLflowReader(uri).read(run_id)
+    assert any("metric histories" in w for w in run.warnings)
+    return run
+
+
 @pytest.mark.parametrize(("scope", "poison"), [("local", "scale"), ("auto", "scale"), ("auto", "nan")])
 def test_local_step_guard_resets_only_the_blown_replica_and_leaves_it_out(tmp_path, scope, poison):
     """``"auto"``: replicas with their own gradients take the local guard, every rank alike.
@@ -248,6 +264,8 @@ def test_local_step_guard_resets_only_the_blown_replica_and_leaves_it_out(tmp_pa
     # the scope that ran (not the setting "auto") is in every sync's record and read back from the store
     assert rec.step_guard == "local" and [c.step_guard for c in run.converge] == ["local"] * 3
     assert run.step_guard == "local" and step_guard_note(run).startswith("Step guard: local.")
+    history = without_archive(uri, run.run_id)  # from the metric histories alone: the scope is there too
+    assert [c.step_guard for c in history.converge] == ["local"] * 3
 
 
 @pytest.mark.parametrize("ddp", [True, False])
@@ -302,6 +320,9 @@ def test_step_guard_rolls_back_at_the_blow_up_step_with_shared_gradients(tmp_pat
     assert rollback["step"] == 8 and rollback["reason"].startswith("step guard: replicas [2]")
     assert [r.step_guard for r in res[0]["records"]] == ["all"] * 4
     assert run.step_guard == "all" and step_guard_note(run).startswith("Step guard: collective.")
+    history = without_archive(uri, run.run_id)
+    assert [c.step_guard for c in history.converge] == ["all"] * 4
+    assert step_guard_note(history).startswith("Step guard: collective.")
 
 
 def test_left_out_replicas_do_not_bypass_the_metric_budget(tmp_path):
