@@ -157,3 +157,39 @@ def read_wandb_file_bytes(data: bytes):
         f.write(data)
         f.flush()
         return read_wandb_file(f.name)
+
+
+def test_an_uncaught_error_prints_one_traceback_and_fails_the_run(tmp_path):
+    """wandb.init wraps the excepthook hdet-track installed, prints the traceback and calls ours:
+    ours records the failure (the run ends FAILED) without printing the traceback a second time."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "crash.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import torch
+            from hdet_track import HDETScheduler
+            model = torch.nn.Linear(2, 1)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            sched = HDETScheduler(opt, 0.1, total_steps=20, sync_every=5, track="wandb")
+            for k in range(1, 21):
+                opt.step()
+                sched.step(1.0)
+                if k == 7:
+                    sched.flush()
+                    raise RuntimeError("exploded at step 7")
+            """
+        )
+    )
+    env = dict(os.environ, WANDB_DIR=str(tmp_path), WANDB_MODE="offline", WANDB_SILENT="true")
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    output = proc.stdout + proc.stderr
+    assert output.count("Traceback (most recent call last)") == 1, output
+    assert output.count("RuntimeError: exploded at step 7") == 1, output
+    contents = read_finished(glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))[0], timeout=30.0)
+    assert contents.exit_code == 1 and contents.summary["hdet/status"] == "FAILED"
+    assert "exploded at step 7" in contents.summary["hdet/error"]

@@ -23,7 +23,7 @@ import threading
 import traceback
 from typing import Any
 
-__all__ = ["install", "register", "exit_status"]
+__all__ = ["install", "register", "exit_status", "end_runs_first_at_exit"]
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +129,8 @@ def install(rank: int) -> None:
 
     def excepthook(exc_type, exc, tb):  # type: ignore[no-untyped-def]
         _record_exception(exc_type, exc, tb)
-        previous_hook(exc_type, exc, tb)
+        if not (previous_hook is sys.__excepthook__ and _wandb_printed_it()):
+            previous_hook(exc_type, exc, tb)
 
     sys.excepthook = excepthook
     real_exit = sys.exit
@@ -151,6 +152,23 @@ def install(rank: int) -> None:
                     signal.signal(signum, _on_signal)
             except (ValueError, OSError):  # pragma: no cover - not the main interpreter
                 pass
+
+
+def end_runs_first_at_exit() -> None:
+    """Make the process's exit end the tracked runs before any exit handler registered so far (a
+    backend's: ``wandb.init`` registers one that would end the run first, without the status and
+    error hdet-track gives it). Call it after starting a backend run."""
+    if _STATE["installed"]:
+        atexit.unregister(_close_all)
+        atexit.register(_close_all, "exit")
+
+
+def _wandb_printed_it() -> bool:
+    """Whether the hook that called ours is W&B's (``wandb.init`` wraps the excepthook it finds):
+    it prints the traceback itself before calling the hook it wrapped, so ours must not print it
+    again through Python's default hook."""
+    owner = getattr(sys.excepthook, "__self__", None)
+    return type(owner).__name__ == "ExitHooks" and type(owner).__module__.startswith("wandb")
 
 
 def _on_signal(signum: int, frame: Any) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 
 from .. import names
 from ..events import RunEnd, RunStart
+from . import lifecycle
 from ._common import run_params, run_tags
 from .archive import ARTIFACT_DIR, EventArchive
 from .base import Batch, Tracker
@@ -135,6 +136,7 @@ class WandbTracker(Tracker):
             id=self._resume_id,
             resume="allow" if self._resume_id else None,
         )
+        lifecycle.end_runs_first_at_exit()  # before the exit handler wandb.init registered
         self._setup(run, tags)
 
     def _setup(self, run: Any, tags: dict[str, str]) -> None:
