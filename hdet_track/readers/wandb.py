@@ -1,6 +1,6 @@
 """Rebuild HDET runs from W&B run directories (offline runs, or synced runs' local copies).
 
-Each run directory holds ``run-<id>.wandb`` (parsed by :mod:`.wandb_records`) and, under
+Each run directory holds ``run-<id>.wandb`` (parsed by :mod:`hdet_track.wandb_file`) and, under
 ``files/hdet_events/``, the Parquet event archive. A directory still being written is read up to
 its last complete record.
 """
@@ -13,9 +13,9 @@ import numpy as np
 
 from .. import names
 from ..summaries import SUMMARY_DIR
+from ..wandb_file import WandbFormatError, read_wandb_file
 from .archive import read_archive
 from .base import HDETRun, RunNotFoundError, RunSummary, StepTable, converge_from_series
-from .wandb_records import WandbFormatError, read_wandb_file
 
 __all__ = ["WandbReader", "find_run_dirs"]
 

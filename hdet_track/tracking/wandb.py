@@ -34,7 +34,7 @@ def wait_until_written(path: str | os.PathLike, timeout: float) -> bool:
     the run's exit record. W&B's service writes that file in blocks and closes it after
     ``run.finish()`` has returned, in its own process: until then a reader sees only part of the
     run, or just the file's header."""
-    from ..readers.wandb_records import WandbFormatError, read_wandb_file
+    from ..wandb_file import WandbFormatError, read_wandb_file
 
     deadline, pause = time.monotonic() + timeout, 0.02
     while True:
