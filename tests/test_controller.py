@@ -532,7 +532,7 @@ def test_a_custom_controller_with_auto_scope_resolves_once_and_checks_its_own_st
 
 @pytest.mark.parametrize("scale", [1.0, 1000.0])
 def test_guard_floor_ignores_ratio_noise_near_zero_loss_but_not_a_blow_up(scale):
-    """guard_floor (round 9): a loss counts as blown up only above guard_floor x the run's starting
+    """guard_floor (round 9, the default 0.5 since round 10): a loss counts as blown up only above guard_floor x the run's starting
     loss (the first window's median first loss). Near zero, one hard batch is 10x the window's
     first loss and one window 2x another: noise, not a blow-up. Scale-free: losses x1000 decide alike."""
     first = stats(windows([2.3, 2.3, 2.3, 2.3], noise=0.01, start=2.3) * scale)
@@ -557,6 +557,7 @@ def test_guard_floor_ignores_ratio_noise_near_zero_loss_but_not_a_blow_up(scale)
     assert resumed.check_own_step(0.3 * scale, 0.02 * scale) is None
     # before the first sync the starting loss is the window's own first: the 10x test decides
     assert controller(guard_floor=0.5).check_own_step(0.3 * scale, 0.02 * scale) is not None
+    assert controller().guard_floor == DriftController().guard_floor == 0.5  # the default (round 10)
     with pytest.raises(ValueError, match="guard_floor"):
         DriftController(guard_floor=-1.0)
 
@@ -576,4 +577,4 @@ def test_a_guard_storm_warns_once_and_names_guard_floor(caplog):
         for _ in range(3):
             c.update(blown, c.health(blown))
     warned = [r.getMessage() for r in caplog.records]
-    assert len(warned) == 1 and "5 syncs in a row" in warned[0] and "guard_floor=0.5" in warned[0]
+    assert len(warned) == 1 and "5 syncs in a row" in warned[0] and "guard_floor" in warned[0]
