@@ -135,8 +135,9 @@ def test_finish_waits_until_wandb_has_written_the_run_file(tmp_path):
 
     from hdet_track.tracking.wandb import wait_until_written
 
-    whole = open(tiny_finished_run(), "rb").read()
-    assert read_wandb_file_bytes(whole).exit_code == 0
+    finished = tiny_finished_run()
+    assert read_wandb_file(finished).exit_code == 0
+    whole = open(finished, "rb").read()
     path = tmp_path / "run-x.wandb"
     path.write_bytes(whole[:7])  # the header only: what a reader may find right after finish()
     writer = threading.Timer(0.4, path.write_bytes, args=(whole,))
@@ -148,15 +149,6 @@ def test_finish_waits_until_wandb_has_written_the_run_file(tmp_path):
     started = time.monotonic()
     assert not wait_until_written(path, timeout=0.5) and time.monotonic() - started >= 0.5
     assert not wait_until_written(tmp_path / "missing.wandb", timeout=0.1)
-
-
-def read_wandb_file_bytes(data: bytes):
-    import tempfile
-
-    with tempfile.NamedTemporaryFile(suffix=".wandb") as f:
-        f.write(data)
-        f.flush()
-        return read_wandb_file(f.name)
 
 
 def test_an_uncaught_error_prints_one_traceback_and_fails_the_run(tmp_path):
