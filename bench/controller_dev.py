@@ -99,6 +99,12 @@ ROUNDS: dict[int, dict[str, dict | None]] = {
         "floor": {"guard_floor": 0.5},
         "default": {},
     },
+    # Round 11 (both modes): the first window's evidence ignored, against today's defaults, at four
+    # max_lr (docs/controller.md, "Round 11").
+    11: {
+        "skip-first": {"skip_windows": 1},
+        "default": {},
+    },
 }
 SEEDS = {
     1: (100,),
@@ -109,10 +115,12 @@ SEEDS = {
     7: (103, 104, 105),
     8: (106, 107, 108),
     9: (106, 107, 108),
+    11: (109, 110, 111),
 }
 CANDIDATES: dict[str, dict | None] = {k: v for r in ROUNDS.values() for k, v in r.items()}
 REFERENCE_LRS = (0.02, 0.05, 0.1, 0.2, 0.5)
 CANDIDATE_LRS = (0.02, 0.1, 0.5)
+ROUND_LRS = {11: (0.02, 0.1, 0.2, 0.5)}  # rounds that run the candidates at other max_lr
 MODES = ("shared", "independent")
 
 
@@ -221,6 +229,7 @@ def select(results: dict[str, dict], dataset: str, steps: int, replicas: int, ro
     """
     seeds = SEEDS[round_]
     candidates = ROUNDS[round_]
+    lrs = ROUND_LRS.get(round_, CANDIDATE_LRS)
 
     def runs(mode: str, arm: str, lr: float) -> list[dict] | None:
         rs = [results.get(DevRun(dataset, mode, arm, lr, steps, replicas, seed=s, round=round_).key()) for s in seeds]
@@ -239,20 +248,20 @@ def select(results: dict[str, dict], dataset: str, steps: int, replicas: int, ro
     for name in candidates:
         ratios, diverged = [], 0
         for m in modes:
-            for lr in CANDIDATE_LRS:
+            for lr in lrs:
                 rs = runs(m, name, lr)
                 if rs is None or bar[m] is None:
                     break
                 diverged += sum(r["diverged_at"] is not None for r in rs) if round_ > 1 else 0
                 ratios.append(mean_val(rs) / bar[m])
-        if len(ratios) == len(modes) * len(CANDIDATE_LRS):
+        if len(ratios) == len(modes) * len(lrs):
             finite = [x for x in ratios if math.isfinite(x)]
             worst_finite = max(finite) if finite else math.inf
             score[name] = {
                 "diverged": diverged,
                 "worst_ratio": max(ratios),
                 "worst_finite_ratio": worst_finite,
-                "ratios": [round(x, 4) for x in ratios],  # per (mode, max_lr), in CANDIDATE_LRS order
+                "ratios": [round(x, 4) for x in ratios],  # per (mode, max_lr), in the round's max_lr order
             }
     winner = None  # round 6's rule compares modes separately (docs/controller.md): read from the scores
     if len(score) == len(candidates) and "design" in candidates:
@@ -270,7 +279,17 @@ def select(results: dict[str, dict], dataset: str, steps: int, replicas: int, ro
         better = ramp["diverged"] == 0 and ramp["worst_ratio"] < spread["worst_ratio"] - 0.005
         nowhere_worse = all(a <= b + 0.005 for a, b in zip(ramp["ratios"], spread["ratios"]))
         winner = "ramp" if better and nowhere_worse else "spread"
+    if round_ == 11 and {"skip-first", "default"} <= set(score):
+        winner = "skip-first" if all(round11_better(score, m, modes, lrs) for m in modes) else "default"
     return {"round": round_, "bar": bar, "score": score, "winner": winner}
+
+
+def round11_better(score: dict, mode: str, modes, lrs) -> bool:
+    """Round 11's reading for one mode: "skip-first" has no divergence and its worst ratio over the
+    max_lr is lower than "default"'s by more than 0.005."""
+    i = list(modes).index(mode) * len(lrs)
+    part = {n: score[n]["ratios"][i : i + len(lrs)] for n in ("skip-first", "default")}
+    return all(math.isfinite(x) for x in part["skip-first"]) and max(part["skip-first"]) < max(part["default"]) - 0.005
 
 
 def main() -> int:
@@ -299,7 +318,7 @@ def main() -> int:
     for seed in seeds:
         for mode in args.modes:
             arms = [] if args.no_onecycle else [("onecycle", lr) for lr in args.lrs or REFERENCE_LRS]
-            arms += [(name, lr) for name in candidates for lr in args.lrs or CANDIDATE_LRS]
+            arms += [(name, lr) for name in candidates for lr in args.lrs or ROUND_LRS.get(args.round, CANDIDATE_LRS)]
             plan += [
                 DevRun(args.dataset, mode, arm, lr, args.steps, args.replicas, seed=seed, round=args.round)
                 for arm, lr in arms

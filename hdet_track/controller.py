@@ -547,6 +547,12 @@ class DriftController(Controller):
             one batch at 10x the window's first loss is noise there, not a blow-up. The default
             (0.5) since round 10: on digits it removed the guard storms and ended lower, on the
             development split it changed one run (docs/controller.md).
+        skip_windows: the evidence of the windows that end at or before step
+            ``skip_windows * sync_every`` of the schedule is not used (no move, no accumulation);
+            the guard acts regardless. The first window of a run started from scratch measures the
+            initial transient (the loss falls from its starting value and the larger step is ahead
+            at every max_lr), not where the peak should be (docs/controller.md, round 11). A resumed
+            or wrapped schedule past those steps is not affected.
         ceiling: the LR's drift never rises so far that the base LR at a later step (OneCycle's
             peak during the ramp-up) would exceed the highest LR a healthy replica has trained
             with so far: the base only goes where a replica has been. Upward moves only.
@@ -572,6 +578,7 @@ class DriftController(Controller):
         step_guard_scope: str = "auto",
         trip_backoff: str = "ramp",
         guard_floor: float | None = 0.5,
+        skip_windows: int = 0,
     ) -> None:
         inf = math.inf
         guard = check_number("guard", guard, 1.0, inf, low_open=True, high_open=True)
@@ -585,6 +592,7 @@ class DriftController(Controller):
         self.min_backoff = check_number("min_backoff", min_backoff, 1.0, inf, low_open=True, high_open=True)
         self.max_rollbacks = check_int("max_rollbacks", max_rollbacks, 0)
         self.warmup = check_int("warmup", warmup, 0)
+        self.skip_windows = check_int("skip_windows", skip_windows, 0)
         self.rollback = bool(rollback)
         self.one_sided = bool(one_sided)
         self.ceiling = bool(ceiling)
@@ -703,12 +711,14 @@ class DriftController(Controller):
         guard: list[GuardAction] = []
         left = [r for r, h in enumerate(health.healthy) if not h]
         updates = {}
+        transient = stats.step <= self.skip_windows * self.ctx.sync_every  # the initial windows' evidence
         for name in self.ctx.names:
             x = self._log_mults(name, stats)
             z = trend_evidence([x[r] for r in ok], [means[r] for r in ok], se) if len(ok) > 1 else 0.0
             s, v = self._evidence[name]
-            s, v = self.forget * s + z, self.forget**2 * v + 1.0
-            evidence = s / math.sqrt(v)
+            if not transient:
+                s, v = self.forget * s + z, self.forget**2 * v + 1.0
+            evidence = s / math.sqrt(v) if v > 0 else 0.0
             excess = (abs(evidence) - self.dead_zone) / (self.full_step_at - self.dead_zone)
             step = self._full_step(name) * (0.5 ** min(self.guard_events, 3) if name == "lr" else 1.0)
             change = -math.copysign(step * min(max(excess, 0.0), 1.0), evidence)
