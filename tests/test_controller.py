@@ -123,6 +123,36 @@ def test_lr_does_not_go_down_on_evidence_but_other_hyperparameters_do():
     assert symmetric.drift["lr"][0] < -0.5
 
 
+def test_skip_windows_ignores_the_first_windows_evidence_but_not_the_guard():
+    """The first window's evidence (steps up to skip_windows * sync_every) neither moves the drift
+    nor accumulates; from the next window on the controller decides as a fresh one would."""
+    clear = [windows([1.0, 0.98, 0.96, 0.94], seed=k) for k in range(3)]
+    skip, fresh = controller(skip_windows=1), controller()
+    st = stats(clear[0], step=T, c=skip)
+    d = skip.update(st, skip.health(st))
+    assert skip.drift["lr"] == [0.0] and d.updates["lr"][0].delta == 0.0
+    assert skip.state_dict()["evidence"]["lr"] == [0.0, 0.0]  # nothing carried into the next sync
+    for k in (1, 2):  # the skipping controller's 2nd and 3rd syncs are the fresh one's 1st and 2nd
+        a, b = stats(clear[k], step=T * (k + 1), c=skip), stats(clear[k], step=T * k, c=fresh)
+        skip.update(a, skip.health(a))
+        fresh.update(b, fresh.health(b))
+        assert skip.drift["lr"] == pytest.approx(fresh.drift["lr"]) and skip.drift["lr"][0] > 0
+    # a resumed or wrapped schedule past the first window: nothing is skipped
+    late, plain = controller(skip_windows=1), controller()
+    for c in (late, plain):
+        st = stats(clear[0], step=5 * T, c=c)
+        c.update(st, c.health(st))
+    assert late.drift == plain.drift and late.drift["lr"][0] > 0
+    # the guard acts in a skipped window: the top replica blew up, one notch down
+    guarded = controller(skip_windows=1)
+    losses = windows([1.0, 1.0, 1.0, 1.0], noise=0.001, start=1.0)
+    losses[3, 1:] = 3.0
+    st = stats(losses, step=T, c=guarded)
+    d = guarded.update(st, guarded.health(st))
+    assert [g.kind for g in d.guard] == ["backoff"]
+    assert guarded.drift["lr"][0] == pytest.approx(-(math.log(RHO[3]) - math.log(RHO[2])))
+
+
 def test_noise_alone_moves_nothing():
     c = controller()
     for k in range(1, 30):
@@ -283,6 +313,8 @@ def test_state_dict_round_trip():
         ({"step": 0}, "step"),
         ({"max_drift": 0.5}, "max_drift"),
         ({"max_rollbacks": -1}, "max_rollbacks to be an integer >= 0"),
+        ({"skip_windows": -1}, "skip_windows to be an integer >= 0, but got -1"),
+        ({"skip_windows": 1.5}, "skip_windows to be an integer >= 0, but got 1.5"),
     ],
 )
 def test_bad_arguments(kw, pattern):
