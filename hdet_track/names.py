@@ -26,6 +26,8 @@ __all__ = [
     "SYNC_LEFT_OUT",
     "SYNC_ROLLBACK",
     "SYNC_STEP_GUARD",
+    "left_out_metric",
+    "parse_left_out_metric",
     "STEP_GUARD_CODES",
     "step_guard_scope",
     "check_name",
@@ -69,6 +71,7 @@ _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 _TARGET = re.compile(r"^(pg|t)(\d+)$")
 _REPLICA = re.compile(r"^hdet/replica_(\d+)/(.+)$")
 _WINDOW = re.compile(r"^hdet/sync/window_loss/replica_(\d+)$")
+_LEFT_OUT = re.compile(r"^hdet/sync/left_out/replica_(\d+)$")
 _WEIGHT = re.compile(r"^hdet/controller/([^/]+)/weight/replica_(\d+)$")
 _CONTROLLER = re.compile(r"^hdet/controller/(.+)/(" + "|".join(CONTROLLER_FIELDS) + r")$")
 
@@ -128,6 +131,18 @@ def window_loss_metric(replica: int) -> str:
 
 def parse_window_loss_metric(metric: str) -> int | None:
     m = _WINDOW.match(metric)
+    return int(m.group(1)) if m else None
+
+
+def left_out_metric(replica: int) -> str:
+    """``hdet/sync/left_out/replica_03``: 1 at each sync that left replica 3 out of the average (logged
+    only there), so runs read without their event archive know which replicas were, also those with
+    a finite window loss (a blow-up, a local step guard's reset)."""
+    return f"hdet/sync/left_out/replica_{replica:02d}"
+
+
+def parse_left_out_metric(metric: str) -> int | None:
+    m = _LEFT_OUT.match(metric)
     return int(m.group(1)) if m else None
 
 

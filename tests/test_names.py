@@ -29,6 +29,8 @@ def test_other_metrics_are_not_mistaken_for_series():
         assert names.parse_weight_metric(metric) is None
     assert names.parse_window_loss_metric(names.window_loss_metric(12)) == 12
     assert names.parse_window_loss_metric("hdet/sync/window_loss") is None
+    assert names.parse_left_out_metric(names.left_out_metric(12)) == 12
+    assert names.parse_left_out_metric(names.SYNC_LEFT_OUT) is None  # the count, not a replica
     with pytest.raises(ValueError, match="series key"):
         names.parse_series_key("lr/x3")
 

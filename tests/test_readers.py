@@ -158,6 +158,40 @@ def test_wandb_history_fallback_rebuilds_the_syncs():
         assert a.step_guard == b.step_guard and a.left_out == b.left_out == []
 
 
+@pytest.mark.parametrize("track", ["mlflow", "wandb"])
+def test_history_fallback_knows_replicas_left_out_with_a_finite_window_loss(tmp_path, track):
+    """A loss spike trips the step guard: the replica is rolled back and left out while its window
+    loss stays finite. Without the event archive the histories still say which replica was left out
+    (they used to say none: only non-finite windows were read as left out)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    uri = f"sqlite:///{tmp_path / 'spike.db'}"
+    tracker = MLflowTracker(tracking_uri=uri) if track == "mlflow" else "wandb"
+    sched = HDETScheduler(opt, 0.1, total_steps=30, sync_every=10, auto_lr=True, model=model, track=tracker)
+    for k in range(1, 31):
+        opt.step()
+        sched.step(100.0 if k == 14 else 1.0)  # 100x the window's first loss at step 14
+    sched.close()
+    run_id = sched.run_ids[track]
+    if track == "mlflow":
+        reader = MLflowReader(uri)
+        full = reader.read(run_id)
+        shutil.rmtree(Path(urlparse(MlflowClient(uri).get_run(run_id).info.artifact_uri).path) / "hdet_events")
+    else:
+        reader = WandbReader(os.environ["WANDB_DIR"])
+        full = reader.read(run_id)
+        pattern = os.path.join(os.environ["WANDB_DIR"], "wandb", f"*-{run_id}", "files", "hdet_events")
+        for directory in glob.glob(pattern):
+            shutil.rmtree(directory)
+    fallback = reader.read(run_id)
+    assert fallback.warnings and not full.warnings
+    assert [c.step for c in full.converge] == [10, 14, 20, 30]  # the step guard converged at step 14
+    assert [c.left_out for c in full.converge] == [[], [0], [], []]
+    assert np.isfinite(full.converge[1].window_losses).all()
+    assert [(c.step, c.left_out) for c in fallback.converge] == [(c.step, c.left_out) for c in full.converge]
+
+
 def test_bad_sources_give_typed_errors_or_partial_runs(tmp_path):
     uri = f"sqlite:///{tmp_path / 'bad.db'}"
     client = MlflowClient(uri)

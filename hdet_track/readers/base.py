@@ -380,13 +380,22 @@ class HDETRun:
 
 
 def converge_from_series(
-    step: int, window_losses: Sequence[float], left_out: float | None, step_guard: float | None
+    step: int,
+    window_losses: Sequence[float],
+    left_out: float | None,
+    step_guard: float | None,
+    left_replicas: Sequence[int] | None = None,
 ) -> Converge:
     """A sync's :class:`Converge` rebuilt from its logged series (a run without its event archive):
-    the window losses, the number left out (those are the non-finite windows) and the step guard's
-    code (:data:`~hdet_track.names.SYNC_STEP_GUARD`). Divergences and reasons are not in the series."""
+    the window losses, the number left out, the replicas left out (``left_replicas``, from
+    :func:`~hdet_track.names.left_out_metric`; None for runs logged before it, where the non-finite
+    windows stand for them) and the step guard's code (:data:`~hdet_track.names.SYNC_STEP_GUARD`).
+    Divergences and reasons are not in the series."""
     losses = [float(x) for x in window_losses]
-    left = [r for r, v in enumerate(losses) if not math.isfinite(v)] if left_out else []
+    if left_replicas is not None:
+        left = sorted(int(r) for r in left_replicas)
+    else:
+        left = [r for r, v in enumerate(losses) if not math.isfinite(v)] if left_out else []
     scope = names.step_guard_scope(step_guard) if step_guard is not None else ""
     return Converge(
         step=int(step), window_losses=losses, divergence=[math.nan] * len(losses), left_out=left, step_guard=scope

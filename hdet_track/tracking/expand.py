@@ -186,6 +186,7 @@ def _sync_points(rec: SyncRecord, ts: int) -> list[Point]:
         Point(names.SYNC_STEP_GUARD, names.STEP_GUARD_CODES.get(rec.step_guard, 0.0), step, ts),
     ]
     points += [Point(names.window_loss_metric(r), loss, step, ts) for r, loss in enumerate(rec.window_losses)]
+    points += [Point(names.left_out_metric(r), 1.0, step, ts) for r in rec.left_out]
     keys_of: dict[str, list[str]] = {}
     for key in rec.values:
         keys_of.setdefault(names.parse_series_key(key)[0], []).append(key)

@@ -266,6 +266,7 @@ def test_local_step_guard_resets_only_the_blown_replica_and_leaves_it_out(tmp_pa
     assert run.step_guard == "local" and step_guard_note(run).startswith("Step guard: local.")
     history = without_archive(uri, run.run_id)  # from the metric histories alone: the scope is there too
     assert [c.step_guard for c in history.converge] == ["local"] * 3
+    assert [c.left_out for c in history.converge] == [[3], [], []]  # reset with a finite window loss
 
 
 @pytest.mark.parametrize("ddp", [True, False])
@@ -322,6 +323,7 @@ def test_step_guard_rolls_back_at_the_blow_up_step_with_shared_gradients(tmp_pat
     assert run.step_guard == "all" and step_guard_note(run).startswith("Step guard: collective.")
     history = without_archive(uri, run.run_id)
     assert [c.step_guard for c in history.converge] == ["all"] * 4
+    assert [c.left_out for c in history.converge] == [c.left_out for c in run.converge] == [[0, 1, 2, 3], [], [], []]
     assert step_guard_note(history).startswith("Step guard: collective.")
 
 
