@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -190,6 +191,22 @@ def test_history_fallback_knows_replicas_left_out_with_a_finite_window_loss(tmp_
     assert [c.left_out for c in full.converge] == [[], [0], [], []]
     assert np.isfinite(full.converge[1].window_losses).all()
     assert [(c.step, c.left_out) for c in fallback.converge] == [(c.step, c.left_out) for c in full.converge]
+    assert fallback.converge[1].reasons == ["left out (reason not logged)"]  # not "non-finite": it was finite
+
+
+def test_left_out_markers_are_trusted_only_when_they_match_the_count():
+    """A W&B run resumed from a checkpoint logs some syncs twice (a stale marker stays), and a run
+    started before the markers existed has syncs without them: there the non-finite windows stand
+    for the replicas left out, as before the markers."""
+    from hdet_track.readers.base import converge_from_series
+
+    inf = math.inf
+    assert converge_from_series(10, [1.0, 2.0, 3.0], 1.0, None, [2]).left_out == [2]  # finite, marked
+    assert converge_from_series(10, [1.0, inf, 3.0], 1.0, None, [0, 1]).left_out == [1]  # a stale marker
+    assert converge_from_series(10, [1.0, inf, 3.0], 1.0, None, []).left_out == [1]  # logged before markers
+    assert converge_from_series(10, [1.0, 2.0, 3.0], 0.0, None, [0]).left_out == []  # the count says none
+    old = converge_from_series(10, [1.0, inf], 1.0, 2.0)
+    assert old.left_out == [1] and old.reasons == ["non-finite"] and old.step_guard == "local"
 
 
 def test_bad_sources_give_typed_errors_or_partial_runs(tmp_path):

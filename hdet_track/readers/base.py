@@ -388,17 +388,30 @@ def converge_from_series(
 ) -> Converge:
     """A sync's :class:`Converge` rebuilt from its logged series (a run without its event archive):
     the window losses, the number left out, the replicas left out (``left_replicas``, from
-    :func:`~hdet_track.names.left_out_metric`; None for runs logged before it, where the non-finite
-    windows stand for them) and the step guard's code (:data:`~hdet_track.names.SYNC_STEP_GUARD`).
-    Divergences and reasons are not in the series."""
+    :func:`~hdet_track.names.left_out_metric`) and the step guard's code
+    (:data:`~hdet_track.names.SYNC_STEP_GUARD`). The replicas are trusted only when they are as many
+    as the number left out (a run logged before the series, or a resumed W&B run that logged a sync
+    twice, can disagree); otherwise the non-finite windows stand for them. Divergences are not in
+    the series, nor the reasons beyond "non-finite"."""
     losses = [float(x) for x in window_losses]
-    if left_replicas is not None:
-        left = sorted(int(r) for r in left_replicas)
+    count = int(left_out) if left_out is not None and math.isfinite(left_out) else 0
+    given = sorted({int(r) for r in left_replicas}) if left_replicas is not None else None
+    if given is not None and len(given) == count:
+        left = given
     else:
-        left = [r for r, v in enumerate(losses) if not math.isfinite(v)] if left_out else []
+        left = [r for r, v in enumerate(losses) if not math.isfinite(v)] if count else []
+    reasons = [
+        "non-finite" if r >= len(losses) or not math.isfinite(losses[r]) else "left out (reason not logged)"
+        for r in left
+    ]
     scope = names.step_guard_scope(step_guard) if step_guard is not None else ""
     return Converge(
-        step=int(step), window_losses=losses, divergence=[math.nan] * len(losses), left_out=left, step_guard=scope
+        step=int(step),
+        window_losses=losses,
+        divergence=[math.nan] * len(losses),
+        left_out=left,
+        reasons=reasons,
+        step_guard=scope,
     )
 
 
