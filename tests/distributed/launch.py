@@ -31,6 +31,16 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, out_dir: str, ar
         dist.barrier()  # nobody tears down its sockets while a peer still finishes a collective
     finally:
         dist.destroy_process_group()
+    open(os.path.join(out_dir, f"rank{rank}.done"), "w").close()  # what follows is torch's own exit
+
+
+def _exit_abort(exc: mp.ProcessExitedException, out_dir: str, world_size: int) -> bool:
+    """torch 2.13's gloo now and then aborts a process at interpreter exit, after
+    destroy_process_group() returned ("terminate called without an active exception", a C++ thread
+    with no Python frame; a plain gloo job without hdet-track does it too). That is not the test's
+    failure when every rank had finished cleanly."""
+    done = sum(os.path.exists(os.path.join(out_dir, f"rank{r}.done")) for r in range(world_size))
+    return exc.signal_name == "SIGABRT" and done == world_size
 
 
 def run_ranks(
@@ -50,13 +60,14 @@ def run_ranks(
         )
         try:
             deadline = time.monotonic() + timeout
-            while not ctx.join(max(deadline - time.monotonic(), 0.01)):
+            # on a failure the others get 10 s to end by themselves before they are terminated
+            while not ctx.join(max(deadline - time.monotonic(), 0.01), grace_period=10):
                 if time.monotonic() >= deadline:
                     for p in ctx.processes:
                         p.kill()
                     raise TimeoutError(f"{fn.__name__} did not finish on {world_size} ranks within {timeout} s")
-        except mp.ProcessExitedException:
-            if not allow_kill:
+        except mp.ProcessExitedException as exc:
+            if not allow_kill and not _exit_abort(exc, out_dir, world_size):
                 raise
             for p in ctx.processes:
                 p.join(timeout)

@@ -341,3 +341,11 @@ def test_left_out_replicas_do_not_bypass_the_metric_budget(tmp_path):
     logged = MlflowClient(uri).get_metric_history(run_id, "hdet/sync/left_out")
     assert 20 <= len(logged) <= 1000 // 4 and all(m.value == 1.0 for m in logged)
     assert max(m.step for m in logged) == 2000  # the run's last step is always there
+
+
+def test_the_harness_tolerates_an_abort_at_exit_only_after_a_clean_teardown():
+    """run_ranks() treats torch's exit-time abort (after destroy_process_group) as finished, and an
+    abort during the job as the failure it is."""
+    assert run_ranks(workers.abort_at_exit, WORLD, "exit") == list(range(WORLD))
+    with pytest.raises(torch.multiprocessing.ProcessExitedException, match="SIGABRT"):
+        run_ranks(workers.abort_at_exit, WORLD, "job")
