@@ -384,7 +384,7 @@ def converge_from_series(
     window_losses: Sequence[float],
     left_out: float | None,
     step_guard: float | None,
-    left_replicas: Sequence[int] | None = None,
+    left_replicas: Sequence[int] = (),
 ) -> Converge:
     """A sync's :class:`Converge` rebuilt from its logged series (a run without its event archive):
     the window losses, the number left out, the replicas left out (``left_replicas``, from
@@ -395,8 +395,8 @@ def converge_from_series(
     the series, nor the reasons beyond "non-finite"."""
     losses = [float(x) for x in window_losses]
     count = int(left_out) if left_out is not None and math.isfinite(left_out) else 0
-    given = sorted({int(r) for r in left_replicas}) if left_replicas is not None else None
-    if given is not None and len(given) == count:
+    given = sorted({int(r) for r in left_replicas})
+    if len(given) == count:
         left = given
     else:
         left = [r for r, v in enumerate(losses) if not math.isfinite(v)] if count else []

@@ -210,16 +210,16 @@ class MLflowReader:
             scope = (
                 dict(zip(*self._history(run.run_id, names.SYNC_STEP_GUARD))) if names.SYNC_STEP_GUARD in latest else {}
             )
-            left_series = {r: k for k in latest if (r := names.parse_left_out_metric(k)) is not None}
-            left_at: dict[int, list[int]] = defaultdict(list)  # step -> the replicas left out there
-            for r, key in left_series.items():
-                for step, value in zip(*self._history(run.run_id, key)):
-                    if value == 1.0:
-                        left_at[int(step)].append(r)
+            left_at: dict[int, list[int]] = defaultdict(list)  # step -> the replicas marked left out there
+            for key in latest:
+                if (r := names.parse_left_out_metric(key)) is not None:
+                    for step, value in zip(*self._history(run.run_id, key)):
+                        if value == 1.0:
+                            left_at[int(step)].append(r)
             for step in sorted({s for h in hist.values() for s in h}):
                 losses = [hist.get(r, {}).get(step, np.nan) for r in range(n)]
-                replicas = left_at.get(int(step), []) if left_series else None  # None: logged before the series
-                run.converge.append(converge_from_series(step, losses, left.get(step), scope.get(step), replicas))
+                marked = left_at.get(int(step), [])
+                run.converge.append(converge_from_series(step, losses, left.get(step), scope.get(step), marked))
         controller: dict[str, dict[str, dict[int, float]]] = defaultdict(dict)
         weights: dict[str, dict[int, dict[int, float]]] = defaultdict(dict)
         for key in latest:

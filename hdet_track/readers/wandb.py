@@ -150,19 +150,15 @@ class WandbReader:
             if isinstance(row.get(names.SYNC_STEP), (int, float)):
                 numbers = {k: float(v) for k, v in row.items() if isinstance(v, (int, float))}
                 syncs.setdefault(int(row[names.SYNC_STEP]), {}).update(numbers)
-        # runs logged before hdet/sync/left_out/replica_* know only the non-finite windows (None)
-        has_left = any(names.parse_left_out_metric(k) is not None for values in syncs.values() for k in values)
         for step, values in sorted(syncs.items()):
             windows = {r: v for k, v in values.items() if (r := names.parse_window_loss_metric(k)) is not None}
             if windows:
                 losses = [windows.get(r, np.nan) for r in range(max(windows) + 1)]
                 left, scope = values.get(names.SYNC_LEFT_OUT), values.get(names.SYNC_STEP_GUARD)
-                replicas = (
-                    [r for k, v in values.items() if (r := names.parse_left_out_metric(k)) is not None and v == 1.0]
-                    if has_left
-                    else None
-                )
-                run.converge.append(converge_from_series(step, losses, left, scope, replicas))
+                marked = [
+                    r for k, v in values.items() if (r := names.parse_left_out_metric(k)) is not None and v == 1.0
+                ]
+                run.converge.append(converge_from_series(step, losses, left, scope, marked))
         for row in history:
             for key, value in row.items():
                 step = _row_step(row, key)

@@ -34,13 +34,13 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, out_dir: str, ar
     open(os.path.join(out_dir, f"rank{rank}.done"), "w").close()  # what follows is torch's own exit
 
 
-def _exit_abort(exc: mp.ProcessExitedException, out_dir: str, world_size: int) -> bool:
-    """torch 2.13's gloo now and then aborts a process at interpreter exit, after
-    destroy_process_group() returned ("terminate called without an active exception", a C++ thread
-    with no Python frame; a plain gloo job without hdet-track does it too). That is not the test's
-    failure when every rank had finished cleanly."""
-    done = sum(os.path.exists(os.path.join(out_dir, f"rank{r}.done")) for r in range(world_size))
-    return exc.signal_name == "SIGABRT" and done == world_size
+def finished(out_dir: str | os.PathLike, world_size: int) -> bool:
+    """Whether every rank marked ``rank{r}.done`` in ``out_dir`` after destroy_process_group().
+
+    torch 2.13's gloo now and then aborts a process at interpreter exit after that ("terminate
+    called without an active exception", a C++ thread with no Python frame; a plain gloo job
+    without hdet-track does it too): not the test's failure when every rank had finished cleanly."""
+    return all(os.path.exists(os.path.join(out_dir, f"rank{r}.done")) for r in range(world_size))
 
 
 def run_ranks(
@@ -67,7 +67,7 @@ def run_ranks(
                         p.kill()
                     raise TimeoutError(f"{fn.__name__} did not finish on {world_size} ranks within {timeout} s")
         except mp.ProcessExitedException as exc:
-            if not allow_kill and not _exit_abort(exc, out_dir, world_size):
+            if not allow_kill and not (exc.signal_name == "SIGABRT" and finished(out_dir, world_size)):
                 raise
             for p in ctx.processes:
                 p.join(timeout)
