@@ -486,6 +486,47 @@ class BlowupGuard:
             )
 
 
+class Evidence:
+    """What the windows say, accumulated per explored hyperparameter, and how far it moves the
+    drift (see :class:`DriftController` for ``forget``, ``dead_zone``, ``full_step_at`` and
+    ``skip_windows``). Each sync's slope ``z`` (standard errors) enters ``S <- forget * S + z``,
+    ``V <- forget^2 * V + 1``; ``Z = S / sqrt(V)`` stays standard normal under pure noise."""
+
+    def __init__(self, forget: float, dead_zone: float, full_step_at: float, skip_windows: int) -> None:
+        inf = math.inf
+        self.forget = check_number("forget", forget, 0.0, 1.0, low_open=False, high_open=True)
+        self.dead_zone = check_number("dead_zone", dead_zone, 0.0, inf, low_open=False, high_open=True)
+        self.full_step_at = check_number(
+            "full_step_at", full_step_at, self.dead_zone, inf, low_open=True, high_open=True
+        )
+        self.skip_windows = check_int("skip_windows", skip_windows, 0)
+        self.sums: dict[str, list[float]] = {}  # per name: [accumulated sum S, its variance V]
+
+    def add(self, name: str, z: float, step: int, sync_every: int) -> float:
+        """Add a sync's ``z`` (none from the windows ending at or before ``skip_windows *
+        sync_every``: the initial transient) and return the accumulated ``Z``."""
+        s, v = self.sums.setdefault(name, [0.0, 0.0])
+        if step > self.skip_windows * sync_every:
+            s, v = self.forget * s + z, self.forget**2 * v + 1.0
+            self.sums[name] = [s, v]
+        return s / math.sqrt(v) if v > 0 else 0.0
+
+    def move(self, evidence: float) -> float:
+        """The signed fraction of a full step the drift moves on ``evidence``: against the slope,
+        nothing inside the dead zone, a full step from ``full_step_at`` on."""
+        excess = (abs(evidence) - self.dead_zone) / (self.full_step_at - self.dead_zone)
+        return -math.copysign(min(max(excess, 0.0), 1.0), evidence)
+
+    def drop_upward(self, name: str) -> None:
+        """After a backoff: no evidence for a larger value carries over."""
+        self.sums[name][0] = min(self.sums[name][0], 0.0)
+
+    def reset(self) -> None:
+        """After a rollback: the windows' evidence starts afresh."""
+        for name in self.sums:
+            self.sums[name] = [0.0, 0.0]
+
+
 class DriftController(Controller):
     """Shape-keeping, loss-scale-free, guarded: ``base = reference * exp(drift)`` (see docs/controller.md).
 
@@ -537,16 +578,13 @@ class DriftController(Controller):
             after the peak; ``"spread"`` by the multipliers' whole log
             range (at least ``min_backoff``), a rollback's cut, whichever replica tripped; or
             ``"notch"``: as for any blown-up replica, one notch when the reset replicas had the
-            highest LR. On the development split with independent replicas "ramp" ended
-            1.4%/3.4% above the best OneCycle at max_lr 0.1/0.5 where "spread" ended 2.3%/5.2%
-            (round 8); "notch" did 4% worse than the collective guard at 0.5 (rounds 4 and 6).
+            highest LR (docs/controller.md, rounds 4, 6 and 8 compare them).
         guard_floor: a loss counts as blown up (step guard and sync guard alike) only if it also
             exceeds ``guard_floor`` times the run's starting loss (the median of the replicas'
             first losses in the run's first window); non-finite losses always count. None: no
             floor. Near-zero training losses (a small dataset learned by heart) are noisy by ratio:
-            one batch at 10x the window's first loss is noise there, not a blow-up. The default
-            (0.5) since round 10: on digits it removed the guard storms and ended lower, on the
-            development split it changed one run (docs/controller.md).
+            one batch at 10x the window's first loss is noise there, not a blow-up (the default
+            since round 10, docs/controller.md).
         skip_windows: the evidence of the windows that end at or before step
             ``skip_windows * sync_every`` of the schedule is not used (no move, no accumulation);
             the guard acts regardless. The first window of a run started from scratch measures the
@@ -582,17 +620,12 @@ class DriftController(Controller):
     ) -> None:
         inf = math.inf
         guard = check_number("guard", guard, 1.0, inf, low_open=True, high_open=True)
-        self.forget = check_number("forget", forget, 0.0, 1.0, low_open=False, high_open=True)
-        self.dead_zone = check_number("dead_zone", dead_zone, 0.0, inf, low_open=False, high_open=True)
-        self.full_step_at = check_number(
-            "full_step_at", full_step_at, self.dead_zone, inf, low_open=True, high_open=True
-        )
+        self.evidence = Evidence(forget, dead_zone, full_step_at, skip_windows)
         self.step = None if step is None else check_number("step", step, 0.0, inf, low_open=True, high_open=True)
         self.max_drift = check_number("max_drift", max_drift, 1.0, inf, low_open=True, high_open=True)
         self.min_backoff = check_number("min_backoff", min_backoff, 1.0, inf, low_open=True, high_open=True)
         self.max_rollbacks = check_int("max_rollbacks", max_rollbacks, 0)
         self.warmup = check_int("warmup", warmup, 0)
-        self.skip_windows = check_int("skip_windows", skip_windows, 0)
         self.rollback = bool(rollback)
         self.one_sided = bool(one_sided)
         self.ceiling = bool(ceiling)
@@ -620,7 +653,6 @@ class DriftController(Controller):
         self.blowups = BlowupGuard(guard, step_guard, guard_floor)
         self._tested: dict[str, list[float]] = {}  # per name: the highest value a healthy replica used
         self._drift: dict[str, list[float]] = {}
-        self._evidence: dict[str, list[float]] = {}  # per name: [accumulated sum S, its variance V]
         self.rollbacks = 0  # consecutive
         self.guard_events = 0  # backoffs and rollbacks so far: each halves the LR's upward step (at most 8x)
 
@@ -628,7 +660,7 @@ class DriftController(Controller):
         super().bind(ctx)
         for name in ctx.names:
             self._drift.setdefault(name, [0.0] * ctx.num_targets[name])
-            self._evidence.setdefault(name, [0.0, 0.0])
+            self.evidence.sums.setdefault(name, [0.0, 0.0])
 
     # -- health (BlowupGuard) ------------------------------------------------------------------
     guard = property(lambda self: self.blowups.ratio, doc="The sync guard's ratio (``guard``).")
@@ -711,17 +743,12 @@ class DriftController(Controller):
         guard: list[GuardAction] = []
         left = [r for r, h in enumerate(health.healthy) if not h]
         updates = {}
-        transient = stats.step <= self.skip_windows * self.ctx.sync_every  # the initial windows' evidence
         for name in self.ctx.names:
             x = self._log_mults(name, stats)
             z = trend_evidence([x[r] for r in ok], [means[r] for r in ok], se) if len(ok) > 1 else 0.0
-            s, v = self._evidence[name]
-            if not transient:
-                s, v = self.forget * s + z, self.forget**2 * v + 1.0
-            evidence = s / math.sqrt(v) if v > 0 else 0.0
-            excess = (abs(evidence) - self.dead_zone) / (self.full_step_at - self.dead_zone)
+            evidence = self.evidence.add(name, z, stats.step, self.ctx.sync_every)
             step = self._full_step(name) * (0.5 ** min(self.guard_events, 3) if name == "lr" else 1.0)
-            change = -math.copysign(step * min(max(excess, 0.0), 1.0), evidence)
+            change = step * self.evidence.move(evidence)
             if name == "lr" and self.one_sided and change < 0:
                 change = (
                     0.0  # a window's loss favours the smaller step (short-horizon bias): only blow-ups lower the LR
@@ -731,10 +758,9 @@ class DriftController(Controller):
                 cut, blown, why = self._backoff(x, ok, blown, stats)
                 if cut > 0:
                     change = min(change, -cut)
-                    s = min(s, 0.0)
+                    self.evidence.drop_upward(name)
                     self.guard_events += 1
                     guard.append(GuardAction("backoff", blown, f"replicas {blown} {why}", change))
-            self._evidence[name] = [s, v]
             refs = stats.references[name]
             moved = self._move(name, change, refs, self._ceilings(name, stats, ok))
             updates[name] = [
@@ -759,8 +785,7 @@ class DriftController(Controller):
         cut = self._rollback_cut(self._log_mults("lr", stats))
         refs = stats.references["lr"]
         moved = self._move("lr", -cut, refs)
-        for name in self.ctx.names:
-            self._evidence[name] = [0.0, 0.0]
+        self.evidence.reset()
         updates = {
             "lr": [
                 ControllerUpdate(
@@ -822,7 +847,7 @@ class DriftController(Controller):
     def state_dict(self) -> dict:
         return {
             "drift": dict(self._drift),
-            "evidence": dict(self._evidence),
+            "evidence": {k: list(v) for k, v in self.evidence.sums.items()},
             "rollbacks": self.rollbacks,
             "guard_events": self.guard_events,
             "tested": dict(self._tested),
@@ -832,7 +857,7 @@ class DriftController(Controller):
 
     def load_state_dict(self, state: dict) -> None:
         self._drift = {k: [float(x) for x in v] for k, v in state["drift"].items()}
-        self._evidence = {k: [float(x) for x in v] for k, v in state["evidence"].items()}
+        self.evidence.sums = {k: [float(x) for x in v] for k, v in state["evidence"].items()}
         self.rollbacks = int(state.get("rollbacks", 0))
         self.guard_events = int(state.get("guard_events", 0))
         self._tested = {k: [float(x) for x in v] for k, v in state.get("tested", {}).items()}
