@@ -105,6 +105,13 @@ ROUNDS: dict[int, dict[str, dict | None]] = {
         "skip-first": {"skip_windows": 1},
         "default": {},
     },
+    # Round 12 (both modes): every blow-up's cut aims OneCycle's peak at half the LR that blew up,
+    # alone and with round 11's skip_windows=1, against today's defaults (docs/controller.md, "Round 12").
+    12: {
+        "edge": {"edge_backoff": True},
+        "edge-skip": {"edge_backoff": True, "skip_windows": 1},
+        "default": {},
+    },
 }
 SEEDS = {
     1: (100,),
@@ -116,11 +123,12 @@ SEEDS = {
     8: (106, 107, 108),
     9: (106, 107, 108),
     11: (109, 110, 111),
+    12: (112, 113, 114),
 }
 CANDIDATES: dict[str, dict | None] = {k: v for r in ROUNDS.values() for k, v in r.items()}
 REFERENCE_LRS = (0.02, 0.05, 0.1, 0.2, 0.5)
 CANDIDATE_LRS = (0.02, 0.1, 0.5)
-ROUND_LRS = {11: (0.02, 0.1, 0.2, 0.5)}  # rounds that run the candidates at other max_lr
+ROUND_LRS = {11: (0.02, 0.1, 0.2, 0.5), 12: (0.02, 0.1, 0.2, 0.5)}  # rounds that run the candidates at other max_lr
 MODES = ("shared", "independent")
 
 
@@ -281,7 +289,31 @@ def select(results: dict[str, dict], dataset: str, steps: int, replicas: int, ro
         winner = "ramp" if better and nowhere_worse else "spread"
     if round_ == 11 and {"skip-first", "default"} <= set(score):
         winner = "skip-first" if all(round11_better(score, m, modes, lrs) for m in modes) else "default"
+    if round_ == 12 and {"edge", "edge-skip", "default"} <= set(score):
+        winner = round12_winner(score, modes, lrs)
     return {"round": round_, "bar": bar, "score": score, "winner": winner}
+
+
+def round12_winner(score: dict, modes, lrs) -> str:
+    """Round 12's reading: a candidate qualifies if, in each mode, it has no divergence and its worst
+    ratio is lower than "default"'s by more than 0.005; of two, the lower worst ratio over both
+    modes wins, "edge" within 0.005; none: "default"."""
+
+    def part(name: str, mode: str) -> list[float]:
+        i = list(modes).index(mode) * len(lrs)
+        return score[name]["ratios"][i : i + len(lrs)]
+
+    def qualifies(name: str) -> bool:
+        return all(
+            all(math.isfinite(x) for x in part(name, m)) and max(part(name, m)) < max(part("default", m)) - 0.005
+            for m in modes
+        )
+
+    ok = [n for n in ("edge", "edge-skip") if qualifies(n)]
+    if len(ok) == 2:
+        edge, both = score["edge"]["worst_ratio"], score["edge-skip"]["worst_ratio"]
+        return "edge-skip" if both < edge - 0.005 else "edge"
+    return ok[0] if ok else "default"
 
 
 def round11_better(score: dict, mode: str, modes, lrs) -> bool:

@@ -591,6 +591,11 @@ class DriftController(Controller):
             initial transient (the loss falls from its starting value and the larger step is ahead
             at every max_lr), not where the peak should be (docs/controller.md, round 11). A resumed
             or wrapped schedule past those steps is not affected.
+        edge_backoff: at every backoff in which a replica above every healthy one blew up (sync
+            guard or local step guard) and at every rollback, the LR drift is cut at least so far
+            that the base at OneCycle's peak ahead is half the LR the highest blown-up replica used
+            at the sync (the quadratic model's best step is half its stability edge); the cuts
+            above stay where they are larger (docs/controller.md, round 12).
         ceiling: the LR's drift never rises so far that the base LR at a later step (OneCycle's
             peak during the ramp-up) would exceed the highest LR a healthy replica has trained
             with so far: the base only goes where a replica has been. Upward moves only.
@@ -617,6 +622,7 @@ class DriftController(Controller):
         trip_backoff: str = "ramp",
         guard_floor: float | None = 0.5,
         skip_windows: int = 0,
+        edge_backoff: bool = False,
     ) -> None:
         inf = math.inf
         guard = check_number("guard", guard, 1.0, inf, low_open=True, high_open=True)
@@ -629,6 +635,7 @@ class DriftController(Controller):
         self.rollback = bool(rollback)
         self.one_sided = bool(one_sided)
         self.ceiling = bool(ceiling)
+        self.edge_backoff = bool(edge_backoff)
         step_guard = (
             None
             if step_guard is None
@@ -782,7 +789,8 @@ class DriftController(Controller):
         self.blowups.note_start(stats)
         self.rollbacks += 1
         self.guard_events += 1
-        cut = self._rollback_cut(self._log_mults("lr", stats))
+        x = self._log_mults("lr", stats)
+        cut = max(self._rollback_cut(x), self._edge_cut(max(x), stats))
         refs = stats.references["lr"]
         moved = self._move("lr", -cut, refs)
         self.evidence.reset()
@@ -804,18 +812,27 @@ class DriftController(Controller):
     ) -> tuple[float, list[int], str]:
         """The LR drift's cut when replicas blew up (``x``: the log multipliers): one notch when the
         highest-LR replicas did (0 otherwise); after a local trip with ``trip_backoff="ramp"``, by
-        the ramp-up ahead too; with ``"spread"``, by a rollback's cut. Returns (cut, the replicas
-        it names, why)."""
+        the ramp-up ahead too; with ``"spread"``, by a rollback's cut; with ``edge_backoff``, at
+        least by :meth:`_edge_cut` when a replica above every healthy one blew up. Returns (cut, the
+        replicas it names, why)."""
         top_ok = max(x[r] for r in ok)
         cut, why = max(0.0, max(x[r] for r in blown) - top_ok), "with the highest LR blew up"
         tripped = [r for r in blown if stats.tripped and stats.tripped[r]]
         if tripped and self.trip_backoff == "spread":
-            return self._rollback_cut(x), tripped, "tripped the local step guard"
-        if tripped and self.trip_backoff == "ramp" and max(x[r] for r in tripped) > top_ok:
+            cut, blown, why = self._rollback_cut(x), tripped, "tripped the local step guard"
+        elif tripped and self.trip_backoff == "ramp" and max(x[r] for r in tripped) > top_ok:
             # only a trip of a replica above every healthy one adds the ramp-up ahead
             ramp = max(x[r] for r in tripped) - top_ok + self._ramp_ahead(stats)
             cut, why = max(cut, ramp), "blew up or tripped the local step guard"
+        edge = self._edge_cut(max(x[r] for r in blown), stats) if max(x[r] for r in blown) > top_ok else -math.inf
+        if edge > cut:
+            cut, why = edge, why + "; the peak's base cut to half its LR"
         return cut, blown, why
+
+    def _edge_cut(self, x_top: float, stats: WindowStats) -> float:
+        """``edge_backoff``: the cut of the log LR drift that puts the base at OneCycle's peak ahead at
+        half the LR of the replica with log multiplier ``x_top`` at the sync (-inf when off)."""
+        return self._ramp_ahead(stats) + math.log(2.0) - x_top if self.edge_backoff else -math.inf
 
     @staticmethod
     def _ramp_ahead(stats: WindowStats) -> float:
