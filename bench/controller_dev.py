@@ -288,40 +288,30 @@ def select(results: dict[str, dict], dataset: str, steps: int, replicas: int, ro
         nowhere_worse = all(a <= b + 0.005 for a, b in zip(ramp["ratios"], spread["ratios"]))
         winner = "ramp" if better and nowhere_worse else "spread"
     if round_ == 11 and {"skip-first", "default"} <= set(score):
-        winner = "skip-first" if all(round11_better(score, m, modes, lrs) for m in modes) else "default"
+        winner = (
+            "skip-first" if all(better_than_default(score, "skip-first", m, modes, lrs) for m in modes) else "default"
+        )
     if round_ == 12 and {"edge", "edge-skip", "default"} <= set(score):
         winner = round12_winner(score, modes, lrs)
     return {"round": round_, "bar": bar, "score": score, "winner": winner}
 
 
 def round12_winner(score: dict, modes, lrs) -> str:
-    """Round 12's reading: a candidate qualifies if, in each mode, it has no divergence and its worst
-    ratio is lower than "default"'s by more than 0.005; of two, the lower worst ratio over both
-    modes wins, "edge" within 0.005; none: "default"."""
-
-    def part(name: str, mode: str) -> list[float]:
-        i = list(modes).index(mode) * len(lrs)
-        return score[name]["ratios"][i : i + len(lrs)]
-
-    def qualifies(name: str) -> bool:
-        return all(
-            all(math.isfinite(x) for x in part(name, m)) and max(part(name, m)) < max(part("default", m)) - 0.005
-            for m in modes
-        )
-
-    ok = [n for n in ("edge", "edge-skip") if qualifies(n)]
+    """Round 12's reading: a candidate qualifies if it is better than "default" in each mode; of
+    two, the lower worst ratio over both modes wins, "edge" within 0.005; none: "default"."""
+    ok = [n for n in ("edge", "edge-skip") if all(better_than_default(score, n, m, modes, lrs) for m in modes)]
     if len(ok) == 2:
         edge, both = score["edge"]["worst_ratio"], score["edge-skip"]["worst_ratio"]
         return "edge-skip" if both < edge - 0.005 else "edge"
     return ok[0] if ok else "default"
 
 
-def round11_better(score: dict, mode: str, modes, lrs) -> bool:
-    """Round 11's reading for one mode: "skip-first" has no divergence and its worst ratio over the
+def better_than_default(score: dict, name: str, mode: str, modes, lrs) -> bool:
+    """Rounds 11-12's reading for one mode: ``name`` has no divergence and its worst ratio over the
     max_lr is lower than "default"'s by more than 0.005."""
     i = list(modes).index(mode) * len(lrs)
-    part = {n: score[n]["ratios"][i : i + len(lrs)] for n in ("skip-first", "default")}
-    return all(math.isfinite(x) for x in part["skip-first"]) and max(part["skip-first"]) < max(part["default"]) - 0.005
+    part = {n: score[n]["ratios"][i : i + len(lrs)] for n in (name, "default")}
+    return all(math.isfinite(x) for x in part[name]) and max(part[name]) < max(part["default"]) - 0.005
 
 
 def main() -> int:

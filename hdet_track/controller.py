@@ -824,7 +824,8 @@ class DriftController(Controller):
             # only a trip of a replica above every healthy one adds the ramp-up ahead
             ramp = max(x[r] for r in tripped) - top_ok + self._ramp_ahead(stats)
             cut, why = max(cut, ramp), "blew up or tripped the local step guard"
-        edge = self._edge_cut(max(x[r] for r in blown), stats) if max(x[r] for r in blown) > top_ok else -math.inf
+        x_blown = max(x[r] for r in blown)
+        edge = self._edge_cut(x_blown, stats) if x_blown > top_ok else -math.inf
         if edge > cut:
             cut, why = edge, why + "; the peak's base cut to half its LR"
         return cut, blown, why
