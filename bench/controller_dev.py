@@ -112,6 +112,12 @@ ROUNDS: dict[int, dict[str, dict | None]] = {
         "edge-skip": {"edge_backoff": True, "skip_windows": 1},
         "default": {},
     },
+    # Round 13 (both modes): does round 12's edge-skip replicate on new seeds? Against today's
+    # defaults, read by direction, not by a margin (docs/controller.md, "Round 13").
+    13: {
+        "edge-skip": {"edge_backoff": True, "skip_windows": 1},
+        "default": {},
+    },
 }
 SEEDS = {
     1: (100,),
@@ -124,11 +130,16 @@ SEEDS = {
     9: (106, 107, 108),
     11: (109, 110, 111),
     12: (112, 113, 114),
+    13: (115, 116, 117),
 }
 CANDIDATES: dict[str, dict | None] = {k: v for r in ROUNDS.values() for k, v in r.items()}
 REFERENCE_LRS = (0.02, 0.05, 0.1, 0.2, 0.5)
 CANDIDATE_LRS = (0.02, 0.1, 0.5)
-ROUND_LRS = {11: (0.02, 0.1, 0.2, 0.5), 12: (0.02, 0.1, 0.2, 0.5)}  # rounds that run the candidates at other max_lr
+ROUND_LRS = {
+    11: (0.02, 0.1, 0.2, 0.5),
+    12: (0.02, 0.1, 0.2, 0.5),
+    13: (0.02, 0.1, 0.2, 0.5),
+}  # rounds that run the candidates at other max_lr
 MODES = ("shared", "independent")
 
 
@@ -293,6 +304,8 @@ def select(results: dict[str, dict], dataset: str, steps: int, replicas: int, ro
         )
     if round_ == 12 and {"edge", "edge-skip", "default"} <= set(score):
         winner = round12_winner(score, modes, lrs)
+    if round_ == 13 and {"edge-skip", "default"} <= set(score):
+        winner = "edge-skip" if all(replicates(score, "edge-skip", m, modes, lrs) for m in modes) else "default"
     return {"round": round_, "bar": bar, "score": score, "winner": winner}
 
 
@@ -312,6 +325,15 @@ def better_than_default(score: dict, name: str, mode: str, modes, lrs) -> bool:
     i = list(modes).index(mode) * len(lrs)
     part = {n: score[n]["ratios"][i : i + len(lrs)] for n in (name, "default")}
     return all(math.isfinite(x) for x in part[name]) and max(part[name]) < max(part["default"]) - 0.005
+
+
+def replicates(score: dict, name: str, mode: str, modes, lrs) -> bool:
+    """Round 13's reading for one mode: ``name`` has no divergence, its worst ratio over the max_lr
+    is not higher than "default"'s and its mean ratio is lower (a direction, not a margin)."""
+    i = list(modes).index(mode) * len(lrs)
+    part = {n: score[n]["ratios"][i : i + len(lrs)] for n in (name, "default")}
+    finite = all(math.isfinite(x) for x in part[name])
+    return finite and max(part[name]) <= max(part["default"]) and np.mean(part[name]) < np.mean(part["default"])
 
 
 def main() -> int:
