@@ -59,6 +59,9 @@ __all__ = [
     "step_guard_reason",
     "window_start",
     "BlowupGuard",
+    "Evidence",
+    "Backoffs",
+    "TestedCeiling",
     "make_controller",
     "CONTROLLERS",
 ]
@@ -527,6 +530,105 @@ class Evidence:
             self.sums[name] = [0.0, 0.0]
 
 
+class Backoffs:
+    """How far the LR drift goes down when the guard acts: a *backoff* at a sync where replicas
+    blew up, a *rollback* when the consensus did. ``x`` below are the replicas' log multipliers.
+
+    Args:
+        min_backoff: a rollback cuts the LR drift by at least this factor (and by the ratio of the
+            highest to the lowest multiplier when that is larger).
+        trip_backoff: the cut at the sync after the local step guard reset a replica (the healthy
+            replicas keep their window either way): ``"ramp"`` (the default since round 8) when
+            the reset replicas had the highest LR, by one notch plus the ramp-up still ahead (the
+            log of OneCycle's peak ahead over its LR at the sync), so that the top multiplier at
+            the peak runs at most at the highest LR a healthy replica just used (as far as
+            ``max_drift`` and the LR bounds let the drift go), and one notch after the peak;
+            ``"spread"``: a rollback's cut, whichever replica tripped; ``"notch"``: as for any
+            blown-up replica, one notch when the reset replicas had the highest LR
+            (docs/controller.md, rounds 4, 6 and 8 compare them).
+        edge_backoff: at every backoff in which a replica above every healthy one blew up (sync
+            guard or local step guard) and at every rollback, cut at least so far that the base at
+            OneCycle's peak ahead is half the LR the highest blown-up replica used at the sync (the
+            quadratic model's best step is half its stability edge); the cuts above stay where
+            they are larger (docs/controller.md, round 12).
+
+    A *notch* is how far the highest blown-up replica's log multiplier is above every healthy one's.
+    """
+
+    def __init__(self, min_backoff: float, trip_backoff: str, edge_backoff: bool) -> None:
+        self.min_backoff = check_number("min_backoff", min_backoff, 1.0, math.inf, low_open=True, high_open=True)
+        if trip_backoff not in ("notch", "spread", "ramp"):
+            raise ValueError(f"Expected trip_backoff in ('notch', 'spread', 'ramp'), but got {trip_backoff!r}")
+        self.trip_backoff = trip_backoff
+        self.edge_backoff = bool(edge_backoff)
+
+    def at_sync(
+        self, x: list[float], ok: list[int], blown: list[int], stats: WindowStats
+    ) -> tuple[float, list[int], str]:
+        """The cut when the replicas ``blown`` blew up and ``ok`` are healthy: one notch (0 when no
+        blown-up replica is above every healthy one), then ``trip_backoff``'s and ``edge_backoff``'s
+        rules. Returns (cut, the replicas it names, why)."""
+        top_ok = max(x[r] for r in ok)
+        cut, why = max(0.0, max(x[r] for r in blown) - top_ok), "with the highest LR blew up"
+        tripped = [r for r in blown if stats.tripped and stats.tripped[r]]
+        if tripped and self.trip_backoff == "spread":
+            cut, blown, why = self.spread(x), tripped, "tripped the local step guard"
+        elif tripped and self.trip_backoff == "ramp" and max(x[r] for r in tripped) > top_ok:
+            # only a trip of a replica above every healthy one adds the ramp-up ahead
+            ramp = max(x[r] for r in tripped) - top_ok + self.ramp_ahead(stats)
+            cut, why = max(cut, ramp), "blew up or tripped the local step guard"
+        x_blown = max(x[r] for r in blown)
+        edge = self.edge(x_blown, stats) if x_blown > top_ok else -math.inf
+        if edge > cut:
+            cut, why = edge, why + "; the peak's base cut to half its LR"
+        return cut, blown, why
+
+    def at_rollback(self, x: list[float], stats: WindowStats) -> float:
+        """The cut at a rollback: the spread's, or the edge's when that is larger."""
+        return max(self.spread(x), self.edge(max(x), stats))
+
+    def spread(self, x: list[float]) -> float:
+        """The multipliers' log range, at least ``min_backoff``."""
+        return max(max(x) - min(x), math.log(self.min_backoff))
+
+    def edge(self, x_top: float, stats: WindowStats) -> float:
+        """``edge_backoff``: the cut that puts the base at OneCycle's peak ahead at half the LR of
+        the replica with log multiplier ``x_top`` at the sync (-inf when off)."""
+        return self.ramp_ahead(stats) + math.log(2.0) - x_top if self.edge_backoff else -math.inf
+
+    @staticmethod
+    def ramp_ahead(stats: WindowStats) -> float:
+        """The log of OneCycle's highest LR from this sync to the end over its LR at the sync (the
+        largest over param groups; 0 after the peak)."""
+        refs, peaks = stats.references["lr"], (stats.peaks or stats.references)["lr"]
+        return max([math.log(p / r) for r, p in zip(refs, peaks) if r > 0 and p > r], default=0.0)
+
+
+class TestedCeiling:
+    """``ceiling``: the highest value per target that healthy replicas have trained with, and the
+    highest LR drift that keeps every later base within it (OneCycle's peak during the ramp-up):
+    the base only goes where a replica has been. The values are recorded whether or not the rule
+    is on."""
+
+    def __init__(self, on: bool) -> None:
+        self.on = bool(on)
+        self.tested: dict[str, list[float]] = {}  # per name: the highest value a healthy replica used
+
+    def limits(self, name: str, n: int, stats: WindowStats, ok: list[int]) -> list[float]:
+        """Record what the healthy replicas ``ok`` used; the highest drift per target (``inf``
+        where the rule does not apply)."""
+        tested = self.tested.setdefault(name, [0.0] * n)
+        for r in ok:
+            for t in range(n):
+                v = stats.values[name][r][t]
+                if math.isfinite(v):
+                    tested[t] = max(tested[t], v)
+        if not (self.on and name == "lr"):
+            return [math.inf] * n
+        peaks = (stats.peaks or stats.references)[name]
+        return [math.log(tested[t] / peaks[t]) if tested[t] > 0 and peaks[t] > 0 else -math.inf for t in range(n)]
+
+
 class DriftController(Controller):
     """Shape-keeping, loss-scale-free, guarded: ``base = reference * exp(drift)`` (see docs/controller.md).
 
@@ -543,8 +645,10 @@ class DriftController(Controller):
         max_drift: the drift stays within ``[1 / max_drift, max_drift]``.
         rollback: keep the last good consensus and roll back to it when the consensus blows up
             (one copy of the parameters and buffers in memory and in checkpoints).
-        min_backoff: a rollback cuts the LR drift by at least this factor (and by the ratio of the
-            highest to the lowest multiplier when that is larger).
+        min_backoff, trip_backoff, edge_backoff: how far the LR drift goes down when the guard
+            acts (:class:`Backoffs`): a rollback cuts at least ``min_backoff``; after a local
+            step-guard trip, ``"ramp"`` (the default), ``"spread"`` or ``"notch"``; ``edge_backoff``
+            aims the peak's base at half the LR that blew up (off by default).
         max_rollbacks: consecutive rollbacks after which training stops (NonFiniteReplicasError).
         warmup: steps before the drift starts moving (0: from the first sync); the guard acts
             from the first sync regardless.
@@ -569,16 +673,6 @@ class DriftController(Controller):
             itself at once and is left out at the next sync like a replica the sync guard finds
             blown up. For replicas that train independently between syncs: under DDP a blow-up
             reaches every replica through the gradients before a local check fires.
-        trip_backoff: how far the LR drift goes down at the sync after the local guard reset a
-            replica (the healthy replicas keep their window either way): ``"ramp"`` (the default
-            since round 8) when the reset replicas had the highest LR, by one notch plus the
-            ramp-up still ahead (the log of OneCycle's peak ahead over its LR at the sync), so
-            that the top multiplier at the peak runs at most at the highest LR a healthy replica
-            just used (as far as ``max_drift`` and the LR bounds let the drift go), and one notch
-            after the peak; ``"spread"`` by the multipliers' whole log
-            range (at least ``min_backoff``), a rollback's cut, whichever replica tripped; or
-            ``"notch"``: as for any blown-up replica, one notch when the reset replicas had the
-            highest LR (docs/controller.md, rounds 4, 6 and 8 compare them).
         guard_floor: a loss counts as blown up (step guard and sync guard alike) only if it also
             exceeds ``guard_floor`` times the run's starting loss (the median of the replicas'
             first losses in the run's first window); non-finite losses always count. None: no
@@ -591,14 +685,8 @@ class DriftController(Controller):
             initial transient (the loss falls from its starting value and the larger step is ahead
             at every max_lr), not where the peak should be (docs/controller.md, round 11). A resumed
             or wrapped schedule past those steps is not affected.
-        edge_backoff: at every backoff in which a replica above every healthy one blew up (sync
-            guard or local step guard) and at every rollback, the LR drift is cut at least so far
-            that the base at OneCycle's peak ahead is half the LR the highest blown-up replica used
-            at the sync (the quadratic model's best step is half its stability edge); the cuts
-            above stay where they are larger (docs/controller.md, round 12).
-        ceiling: the LR's drift never rises so far that the base LR at a later step (OneCycle's
-            peak during the ramp-up) would exceed the highest LR a healthy replica has trained
-            with so far: the base only goes where a replica has been. Upward moves only.
+        ceiling: the LR's drift never rises so far that the base LR at a later step would exceed
+            the highest LR a healthy replica has trained with so far (:class:`TestedCeiling`).
     """
 
     name = "drift"
@@ -629,13 +717,11 @@ class DriftController(Controller):
         self.evidence = Evidence(forget, dead_zone, full_step_at, skip_windows)
         self.step = None if step is None else check_number("step", step, 0.0, inf, low_open=True, high_open=True)
         self.max_drift = check_number("max_drift", max_drift, 1.0, inf, low_open=True, high_open=True)
-        self.min_backoff = check_number("min_backoff", min_backoff, 1.0, inf, low_open=True, high_open=True)
         self.max_rollbacks = check_int("max_rollbacks", max_rollbacks, 0)
         self.warmup = check_int("warmup", warmup, 0)
         self.rollback = bool(rollback)
         self.one_sided = bool(one_sided)
-        self.ceiling = bool(ceiling)
-        self.edge_backoff = bool(edge_backoff)
+        self.ceilings = TestedCeiling(ceiling)
         step_guard = (
             None
             if step_guard is None
@@ -649,16 +735,13 @@ class DriftController(Controller):
                 "consensus), but got rollback=False"
             )
         self.step_guard_scope = "all" if step_guard_scope == "auto" and not rollback else step_guard_scope
-        if trip_backoff not in ("notch", "spread", "ramp"):
-            raise ValueError(f"Expected trip_backoff in ('notch', 'spread', 'ramp'), but got {trip_backoff!r}")
-        self.trip_backoff = trip_backoff
+        self.backoffs = Backoffs(min_backoff, trip_backoff, edge_backoff)
         guard_floor = (
             None
             if guard_floor is None
             else check_number("guard_floor", guard_floor, 0.0, inf, low_open=False, high_open=True)
         )
         self.blowups = BlowupGuard(guard, step_guard, guard_floor)
-        self._tested: dict[str, list[float]] = {}  # per name: the highest value a healthy replica used
         self._drift: dict[str, list[float]] = {}
         self.rollbacks = 0  # consecutive
         self.guard_events = 0  # backoffs and rollbacks so far: each halves the LR's upward step (at most 8x)
@@ -673,6 +756,10 @@ class DriftController(Controller):
     guard = property(lambda self: self.blowups.ratio, doc="The sync guard's ratio (``guard``).")
     step_guard = property(lambda self: self.blowups.step_ratio, doc="The step guard's ratio (None: off).")
     guard_floor = property(lambda self: self.blowups.floor, doc="``guard_floor`` (None: off).")
+    ceiling = property(lambda self: self.ceilings.on, doc="``ceiling`` (:class:`TestedCeiling`).")
+    min_backoff = property(lambda self: self.backoffs.min_backoff, doc="``min_backoff`` (:class:`Backoffs`).")
+    trip_backoff = property(lambda self: self.backoffs.trip_backoff, doc="``trip_backoff`` (:class:`Backoffs`).")
+    edge_backoff = property(lambda self: self.backoffs.edge_backoff, doc="``edge_backoff`` (:class:`Backoffs`).")
 
     def health(self, stats: WindowStats) -> Health:
         return self.blowups.health(stats, self.rollback)
@@ -695,21 +782,6 @@ class DriftController(Controller):
             return float(self.step)
         logs = [math.log(m) for m in self.ctx.multipliers[name]]
         return (max(logs) - min(logs)) / 2
-
-    def _ceilings(self, name: str, stats: WindowStats, ok: list[int]) -> list[float]:
-        """The highest drift per target that keeps every later base within the values healthy
-        replicas have trained with (``inf`` where the rule does not apply)."""
-        n = self.ctx.num_targets[name]
-        tested = self._tested.setdefault(name, [0.0] * n)
-        for r in ok:
-            for t in range(n):
-                v = stats.values[name][r][t]
-                if math.isfinite(v):
-                    tested[t] = max(tested[t], v)
-        if not (self.ceiling and name == "lr"):
-            return [math.inf] * n
-        peaks = (stats.peaks or stats.references)[name]
-        return [math.log(tested[t] / peaks[t]) if tested[t] > 0 and peaks[t] > 0 else -math.inf for t in range(n)]
 
     def _move(
         self, name: str, change: float, refs: list[float], ceilings: list[float] | None = None
@@ -738,7 +810,7 @@ class DriftController(Controller):
         self.rollbacks = 0
         ok = [r for r, h in enumerate(health.healthy) if h]
         if stats.step < self.warmup:
-            self._ceilings("lr", stats, ok)  # what healthy replicas used counts from the first sync
+            self.ceilings.limits("lr", self.ctx.num_targets["lr"], stats, ok)  # counts from the first sync
             return Decision()
         means = stats.window_losses
         se = window_noise(stats.losses[ok]) if ok else math.nan
@@ -762,14 +834,14 @@ class DriftController(Controller):
                 )
             blown = [r for r in left if health.reasons[r].startswith("blown")]
             if name == "lr" and blown and ok:
-                cut, blown, why = self._backoff(x, ok, blown, stats)
+                cut, blown, why = self.backoffs.at_sync(x, ok, blown, stats)
                 if cut > 0:
                     change = min(change, -cut)
                     self.evidence.drop_upward(name)
                     self.guard_events += 1
                     guard.append(GuardAction("backoff", blown, f"replicas {blown} {why}", change))
             refs = stats.references[name]
-            moved = self._move(name, change, refs, self._ceilings(name, stats, ok))
+            moved = self._move(name, change, refs, self.ceilings.limits(name, self.ctx.num_targets[name], stats, ok))
             updates[name] = [
                 ControllerUpdate(
                     delta=after - before,
@@ -790,7 +862,7 @@ class DriftController(Controller):
         self.rollbacks += 1
         self.guard_events += 1
         x = self._log_mults("lr", stats)
-        cut = max(self._rollback_cut(x), self._edge_cut(max(x), stats))
+        cut = self.backoffs.at_rollback(x, stats)
         refs = stats.references["lr"]
         moved = self._move("lr", -cut, refs)
         self.evidence.reset()
@@ -806,45 +878,6 @@ class DriftController(Controller):
         reason = f"{reason or 'every replica blown up or non-finite'} (rollback {self.rollbacks} in a row)"
         self.blowups.acted(stats.step, True)
         return Decision(None, updates, [GuardAction("rollback", list(range(n)), reason, -cut)])
-
-    def _backoff(
-        self, x: list[float], ok: list[int], blown: list[int], stats: WindowStats
-    ) -> tuple[float, list[int], str]:
-        """The LR drift's cut when replicas blew up (``x``: the log multipliers): one notch when the
-        highest-LR replicas did (0 otherwise); after a local trip with ``trip_backoff="ramp"``, by
-        the ramp-up ahead too; with ``"spread"``, by a rollback's cut; with ``edge_backoff``, at
-        least by :meth:`_edge_cut` when a replica above every healthy one blew up. Returns (cut, the
-        replicas it names, why)."""
-        top_ok = max(x[r] for r in ok)
-        cut, why = max(0.0, max(x[r] for r in blown) - top_ok), "with the highest LR blew up"
-        tripped = [r for r in blown if stats.tripped and stats.tripped[r]]
-        if tripped and self.trip_backoff == "spread":
-            cut, blown, why = self._rollback_cut(x), tripped, "tripped the local step guard"
-        elif tripped and self.trip_backoff == "ramp" and max(x[r] for r in tripped) > top_ok:
-            # only a trip of a replica above every healthy one adds the ramp-up ahead
-            ramp = max(x[r] for r in tripped) - top_ok + self._ramp_ahead(stats)
-            cut, why = max(cut, ramp), "blew up or tripped the local step guard"
-        x_blown = max(x[r] for r in blown)
-        edge = self._edge_cut(x_blown, stats) if x_blown > top_ok else -math.inf
-        if edge > cut:
-            cut, why = edge, why + "; the peak's base cut to half its LR"
-        return cut, blown, why
-
-    def _edge_cut(self, x_top: float, stats: WindowStats) -> float:
-        """``edge_backoff``: the cut of the log LR drift that puts the base at OneCycle's peak ahead at
-        half the LR of the replica with log multiplier ``x_top`` at the sync (-inf when off)."""
-        return self._ramp_ahead(stats) + math.log(2.0) - x_top if self.edge_backoff else -math.inf
-
-    @staticmethod
-    def _ramp_ahead(stats: WindowStats) -> float:
-        """``trip_backoff="ramp"``: the log of OneCycle's highest LR from this sync to the end over
-        its LR at the sync (the largest over param groups; 0 after the peak)."""
-        refs, peaks = stats.references["lr"], (stats.peaks or stats.references)["lr"]
-        return max([math.log(p / r) for r, p in zip(refs, peaks) if r > 0 and p > r], default=0.0)
-
-    def _rollback_cut(self, log_mults: list[float]) -> float:
-        """A rollback's cut of the log LR drift: the multipliers' log range, at least ``min_backoff``."""
-        return max(max(log_mults) - min(log_mults), math.log(self.min_backoff))
 
     def _base_from(self, name: str, target: int, reference: float, drift: float) -> float:
         value = reference * math.exp(drift)
@@ -868,7 +901,7 @@ class DriftController(Controller):
             "evidence": {k: list(v) for k, v in self.evidence.sums.items()},
             "rollbacks": self.rollbacks,
             "guard_events": self.guard_events,
-            "tested": dict(self._tested),
+            "tested": dict(self.ceilings.tested),
             "step_guard_scope": self.step_guard_scope,  # "auto" once resolved from the gradients
             "start_loss": self.blowups.start_loss,
         }
@@ -878,7 +911,7 @@ class DriftController(Controller):
         self.evidence.sums = {k: [float(x) for x in v] for k, v in state["evidence"].items()}
         self.rollbacks = int(state.get("rollbacks", 0))
         self.guard_events = int(state.get("guard_events", 0))
-        self._tested = {k: [float(x) for x in v] for k, v in state.get("tested", {}).items()}
+        self.ceilings.tested = {k: [float(x) for x in v] for k, v in state.get("tested", {}).items()}
         self.blowups.start_loss = float(state.get("start_loss", math.nan))
         if self.step_guard_scope == "auto" and state.get("step_guard_scope") in ("all", "local"):
             self.step_guard_scope = state["step_guard_scope"]
