@@ -118,6 +118,12 @@ ROUNDS: dict[int, dict[str, dict | None]] = {
         "edge-skip": {"edge_backoff": True, "skip_windows": 1},
         "default": {},
     },
+    # Round 14 (both modes): round 12's edge cut for the sync guard's backoffs and rollbacks only (a
+    # local trip keeps round 8's cut), against today's defaults (docs/controller.md, "Round 14").
+    14: {
+        "edge-sync": {"edge_backoff": "sync"},
+        "default": {},
+    },
 }
 SEEDS = {
     1: (100,),
@@ -131,6 +137,7 @@ SEEDS = {
     11: (109, 110, 111),
     12: (112, 113, 114),
     13: (115, 116, 117),
+    14: (118, 119, 120),
 }
 CANDIDATES: dict[str, dict | None] = {k: v for r in ROUNDS.values() for k, v in r.items()}
 REFERENCE_LRS = (0.02, 0.05, 0.1, 0.2, 0.5)
@@ -139,6 +146,7 @@ ROUND_LRS = {
     11: (0.02, 0.1, 0.2, 0.5),
     12: (0.02, 0.1, 0.2, 0.5),
     13: (0.02, 0.1, 0.2, 0.5),
+    14: (0.02, 0.1, 0.2, 0.5),
 }  # rounds that run the candidates at other max_lr
 MODES = ("shared", "independent")
 
@@ -306,6 +314,8 @@ def select(results: dict[str, dict], dataset: str, steps: int, replicas: int, ro
         winner = round12_winner(score, modes, lrs)
     if round_ == 13 and {"edge-skip", "default"} <= set(score):
         winner = "edge-skip" if all(replicates(score, "edge-skip", m, modes, lrs) for m in modes) else "default"
+    if round_ == 14 and {"edge-sync", "default"} <= set(score):
+        winner = "edge-sync" if repairs(score, "edge-sync", modes, lrs) else "default"
     return {"round": round_, "bar": bar, "score": score, "winner": winner}
 
 
@@ -334,6 +344,17 @@ def replicates(score: dict, name: str, mode: str, modes, lrs) -> bool:
     part = {n: score[n]["ratios"][i : i + len(lrs)] for n in (name, "default")}
     finite = all(math.isfinite(x) for x in part[name])
     return finite and max(part[name]) <= max(part["default"]) and np.mean(part[name]) < np.mean(part["default"])
+
+
+def repairs(score: dict, name: str, modes, lrs) -> bool:
+    """Round 14's reading: ``name`` has no divergence, is nowhere higher than "default" by more than
+    0.005, has a worst ratio not higher than "default"'s in any mode and lower in at least one."""
+    mine, base = score[name]["ratios"], score["default"]["ratios"]
+    if score[name]["diverged"] or any(a > b + 0.005 for a, b in zip(mine, base)):
+        return False
+    n = len(lrs)
+    worst = [(max(mine[i * n : (i + 1) * n]), max(base[i * n : (i + 1) * n])) for i in range(len(modes))]
+    return all(a <= b for a, b in worst) and any(a < b for a, b in worst)
 
 
 def main() -> int:

@@ -546,21 +546,26 @@ class Backoffs:
             ``"spread"``: a rollback's cut, whichever replica tripped; ``"notch"``: as for any
             blown-up replica, one notch when the reset replicas had the highest LR
             (docs/controller.md, rounds 4, 6 and 8 compare them).
-        edge_backoff: at every backoff in which a replica above every healthy one blew up (sync
-            guard or local step guard) and at every rollback, cut at least so far that the base at
-            OneCycle's peak ahead is half the LR the highest blown-up replica used at the sync (the
-            quadratic model's best step is half its stability edge); the cuts above stay where
-            they are larger (docs/controller.md, round 12).
+        edge_backoff: ``"all"`` (or True): at every backoff in which a replica above every
+            healthy one blew up (sync guard or local step guard) and at every rollback, cut at
+            least so far that the base at OneCycle's peak ahead is half the LR the highest
+            blown-up replica used at the sync (the quadratic model's best step is half its
+            stability edge); the cuts above stay where they are larger (docs/controller.md, round
+            12). ``"sync"``: the same, counting only the replicas the sync guard found blown up
+            (a local trip's cut keeps ``trip_backoff``'s rule; round 14). ``"off"`` (or False).
 
     A *notch* is how far the highest blown-up replica's log multiplier is above every healthy one's.
     """
 
-    def __init__(self, min_backoff: float, trip_backoff: str, edge_backoff: bool) -> None:
+    def __init__(self, min_backoff: float, trip_backoff: str, edge_backoff: bool | str) -> None:
         self.min_backoff = check_number("min_backoff", min_backoff, 1.0, math.inf, low_open=True, high_open=True)
         if trip_backoff not in ("notch", "spread", "ramp"):
             raise ValueError(f"Expected trip_backoff in ('notch', 'spread', 'ramp'), but got {trip_backoff!r}")
         self.trip_backoff = trip_backoff
-        self.edge_backoff = bool(edge_backoff)
+        edge = {True: "all", False: "off"}[edge_backoff] if isinstance(edge_backoff, bool) else edge_backoff
+        if edge not in ("off", "sync", "all"):
+            raise ValueError(f"Expected edge_backoff in ('off', 'sync', 'all') or a bool, but got {edge_backoff!r}")
+        self.edge_backoff = edge
 
     def at_sync(
         self, x: list[float], ok: list[int], blown: list[int], stats: WindowStats
@@ -577,7 +582,8 @@ class Backoffs:
             # only a trip of a replica above every healthy one adds the ramp-up ahead
             ramp = max(x[r] for r in tripped) - top_ok + self.ramp_ahead(stats)
             cut, why = max(cut, ramp), "blew up or tripped the local step guard"
-        x_blown = max(x[r] for r in blown)
+        edged = [r for r in blown if self.edge_backoff == "all" or not (stats.tripped and stats.tripped[r])]
+        x_blown = max([x[r] for r in edged], default=-math.inf)
         edge = self.edge(x_blown, stats) if x_blown > top_ok else -math.inf
         if edge > cut:
             cut, why = edge, why + "; the peak's base cut to half its LR"
@@ -594,7 +600,7 @@ class Backoffs:
     def edge(self, x_top: float, stats: WindowStats) -> float:
         """``edge_backoff``: the cut that puts the base at OneCycle's peak ahead at half the LR of
         the replica with log multiplier ``x_top`` at the sync (-inf when off)."""
-        return self.ramp_ahead(stats) + math.log(2.0) - x_top if self.edge_backoff else -math.inf
+        return self.ramp_ahead(stats) + math.log(2.0) - x_top if self.edge_backoff != "off" else -math.inf
 
     @staticmethod
     def ramp_ahead(stats: WindowStats) -> float:
@@ -648,7 +654,8 @@ class DriftController(Controller):
         min_backoff, trip_backoff, edge_backoff: how far the LR drift goes down when the guard
             acts (:class:`Backoffs`): a rollback cuts at least ``min_backoff``; after a local
             step-guard trip, ``"ramp"`` (the default), ``"spread"`` or ``"notch"``; ``edge_backoff``
-            aims the peak's base at half the LR that blew up (off by default).
+            aims the peak's base at half the LR that blew up (``"off"`` by default; ``"sync"``,
+            ``"all"``).
         max_rollbacks: consecutive rollbacks after which training stops (NonFiniteReplicasError).
         warmup: steps before the drift starts moving (0: from the first sync); the guard acts
             from the first sync regardless.
@@ -710,7 +717,7 @@ class DriftController(Controller):
         trip_backoff: str = "ramp",
         guard_floor: float | None = 0.5,
         skip_windows: int = 0,
-        edge_backoff: bool = False,
+        edge_backoff: bool | str = "off",
     ) -> None:
         inf = math.inf
         guard = check_number("guard", guard, 1.0, inf, low_open=True, high_open=True)

@@ -439,30 +439,35 @@ def test_trip_backoff_ramp_cuts_a_notch_plus_the_ramp_up_ahead(tripped, ref, pea
 
 @pytest.mark.parametrize(("ref", "peak"), [(0.02, 0.1), (0.1, 0.1)])
 @pytest.mark.parametrize("tripped", [False, True])
-def test_edge_backoff_aims_the_peaks_base_at_half_the_lr_that_blew_up(ref, peak, tripped):
-    """edge_backoff=True (round 12): the top replica blew up (found by the sync guard, or reset by
-    the local step guard) at OneCycle's LR ``ref`` with ``peak`` ahead: the drift is cut so that the
-    base at the peak is half the LR that replica used at the sync. Off, the sync guard cuts one notch
-    (no ramp-up term) and a trip cuts round 8's notch plus ramp-up; after the peak the larger of the
-    notch and log(2 / 1.5) applies. A blow-up below a healthy replica cuts nothing either way."""
+@pytest.mark.parametrize("rule", [True, "all", "sync"])
+def test_edge_backoff_aims_the_peaks_base_at_half_the_lr_that_blew_up(ref, peak, tripped, rule):
+    """edge_backoff="all" (True; round 12): the top replica blew up (found by the sync guard, or
+    reset by the local step guard) at OneCycle's LR ``ref`` with ``peak`` ahead: the drift is cut so
+    that the base at the peak is half the LR that replica used at the sync. "sync" (round 14): the
+    same for a replica the sync guard found, a local trip keeps round 8's cut. Off, the sync guard
+    cuts one notch (no ramp-up term) and a trip cuts round 8's notch plus ramp-up; after the peak the
+    larger of the notch and log(2 / 1.5) applies. A blow-up below a healthy replica cuts nothing."""
     losses = windows([1.0, 1.0, 1.0, 1.0], noise=0.001, start=1.0)
     losses[3, 1:] = 5.0
     st = stats(losses, refs={"lr": [ref]}, peaks={"lr": [peak]})
     st = WindowStats(**{**st.__dict__, "tripped": [False, False, False, tripped]})
-    edge, plain = controller(edge_backoff=True), controller()
-    assert plain.edge_backoff is False
+    edge, plain = controller(edge_backoff=rule), controller()
+    assert plain.edge_backoff == "off" and edge.edge_backoff == ("all" if rule is True else rule)
     for c in (edge, plain):
         c.update(st, c.health(st))
-    blown_lr = st.values["lr"][3][0]  # the top replica's LR at the sync: ref * 1.5
-    assert peak * math.exp(edge.drift["lr"][0]) == pytest.approx(blown_lr / 2)
     notch, ramp = math.log(RHO[3] / RHO[2]), math.log(peak / ref)
     assert plain.drift["lr"][0] == pytest.approx(-(notch + (ramp if tripped else 0.0)))
-    assert edge.drift["lr"][0] < plain.drift["lr"][0]  # log(2 / 1.5) > the notch (log(1.5 / 1.167))
     assert edge.guard_events == 1
+    if rule == "sync" and tripped:  # a local trip: round 8's cut, as without the rule
+        assert edge.drift["lr"][0] == pytest.approx(plain.drift["lr"][0])
+        return
+    blown_lr = st.values["lr"][3][0]  # the top replica's LR at the sync: ref * 1.5
+    assert peak * math.exp(edge.drift["lr"][0]) == pytest.approx(blown_lr / 2)
+    assert edge.drift["lr"][0] < plain.drift["lr"][0]  # log(2 / 1.5) > the notch (log(1.5 / 1.167))
     # a lower replica's blow-up: no cut with or without the rule
     low = losses[[3, 0, 1, 2]]
     st_low = stats(low, refs={"lr": [ref]}, peaks={"lr": [peak]})
-    c = controller(edge_backoff=True)
+    c = controller(edge_backoff=rule)
     d = c.update(st_low, c.health(st_low))
     assert c.health(st_low).healthy == [False, True, True, True] and d.guard == [] and c.drift["lr"][0] == 0.0
 
@@ -470,11 +475,15 @@ def test_edge_backoff_aims_the_peaks_base_at_half_the_lr_that_blew_up(ref, peak,
 @pytest.mark.parametrize(
     ("ref", "expected"), [(0.004, math.log(0.1 / 0.004) + math.log(2 / 1.5)), (0.05, math.log(3.0))]
 )
-def test_edge_backoff_rollback_cuts_the_larger_of_the_spread_and_the_half_edge(ref, expected):
+@pytest.mark.parametrize("rule", ["all", "sync"])
+def test_edge_backoff_rollback_cuts_the_larger_of_the_spread_and_the_half_edge(ref, expected, rule):
     """A rollback early in the ramp-up (OneCycle's LR 25x below its peak) cuts so far that the base at
-    the peak is half the top replica's LR at the blow-up; later the spread's cut (log 3) is larger."""
+    the peak is half the top replica's LR at the blow-up; later the spread's cut (log 3) is larger.
+    Both rules act at every rollback; a bad value is refused, naming the argument."""
+    with pytest.raises(ValueError, match=r"edge_backoff in \('off', 'sync', 'all'\) or a bool, but got 'local'"):
+        DriftController(edge_backoff="local")
     st = stats(windows([5.0] * N, start=1.0), refs={"lr": [ref]}, peaks={"lr": [0.1]})
-    c = controller(edge_backoff=True)
+    c = controller(edge_backoff=rule)
     assert c.health(st).rollback
     (action,) = c.rolled_back(st).guard
     assert c.drift["lr"][0] == pytest.approx(-expected) and action.drift_change == pytest.approx(-expected)
