@@ -552,7 +552,8 @@ class Backoffs:
             blown-up replica used at the sync (the quadratic model's best step is half its
             stability edge); the cuts above stay where they are larger (docs/controller.md, round
             12). ``"sync"``: the same, counting only the replicas the sync guard found blown up
-            (a local trip's cut keeps ``trip_backoff``'s rule; round 14). ``"off"`` (or False).
+            (a local trip's cut keeps ``trip_backoff``'s rule; the default since round 14). ``"off"``
+            (or False): the notch and ``trip_backoff``'s rules only.
 
     A *notch* is how far the highest blown-up replica's log multiplier is above every healthy one's.
     """
@@ -654,8 +655,9 @@ class DriftController(Controller):
         min_backoff, trip_backoff, edge_backoff: how far the LR drift goes down when the guard
             acts (:class:`Backoffs`): a rollback cuts at least ``min_backoff``; after a local
             step-guard trip, ``"ramp"`` (the default), ``"spread"`` or ``"notch"``; ``edge_backoff``
-            aims the peak's base at half the LR that blew up (``"off"`` by default; ``"sync"``,
-            ``"all"``).
+            aims the peak's base at half the LR that blew up: ``"sync"`` (the default since round
+            14) for the sync guard's blow-ups and every rollback, ``"all"`` also for local trips,
+            ``"off"``.
         max_rollbacks: consecutive rollbacks after which training stops (NonFiniteReplicasError).
         warmup: steps before the drift starts moving (0: from the first sync); the guard acts
             from the first sync regardless.
@@ -717,7 +719,7 @@ class DriftController(Controller):
         trip_backoff: str = "ramp",
         guard_floor: float | None = 0.5,
         skip_windows: int = 0,
-        edge_backoff: bool | str = "off",
+        edge_backoff: bool | str = "sync",
     ) -> None:
         inf = math.inf
         guard = check_number("guard", guard, 1.0, inf, low_open=True, high_open=True)

@@ -143,8 +143,8 @@ def test_skip_windows_ignores_the_first_windows_evidence_but_not_the_guard():
         st = stats(clear[0], step=5 * T, c=c)
         c.update(st, c.health(st))
     assert late.drift == plain.drift and late.drift["lr"][0] > 0
-    # the guard acts in a skipped window: the top replica blew up, one notch down
-    guarded = controller(skip_windows=1)
+    # the guard acts in a skipped window: the top replica blew up, one notch down (the notch rule)
+    guarded = controller(skip_windows=1, edge_backoff="off")
     losses = windows([1.0, 1.0, 1.0, 1.0], noise=0.001, start=1.0)
     losses[3, 1:] = 3.0
     st = stats(losses, step=T, c=guarded)
@@ -174,8 +174,9 @@ def test_continuity_base_is_the_reference_until_the_drift_moves():
 
 @pytest.mark.parametrize(("top", "blown"), [(1.9, False), (2.1, True), (math.inf, True), (math.nan, True)])
 def test_guard_threshold_and_backoff(top, blown):
-    """Replica 3 (the highest LR) ends the window at ``top`` x the others' level (1.0)."""
-    c = controller(guard=2.0)
+    """Replica 3 (the highest LR) ends the window at ``top`` x the others' level (1.0). The cut is
+    the notch rule (edge_backoff="off"); the default's edge cut is tested below."""
+    c = controller(guard=2.0, edge_backoff="off")
     losses = windows([1.0, 1.0, 1.0, 1.0], noise=0.001, start=1.0)
     losses[3, 1:] = top
     st = stats(losses)
@@ -385,15 +386,19 @@ def test_trip_backoff_spread_cuts_a_rollbacks_worth_and_keeps_the_healthy_replic
 def test_trip_backoff_ramp_adds_nothing_when_a_lower_replica_tripped_and_the_top_blew_up_at_the_sync():
     """Replica 0 (lowest LR) tripped the local guard; replica 3 (highest) was only found blown up by
     the sync guard: one notch, as for any blow-up, and no ramp-up term (that is for trips of the
-    top replica)."""
+    top replica); with the default edge_backoff="sync" the sync guard's blow-up of the top replica
+    aims the peak's base at half its LR instead."""
     losses = windows([1.0, 1.0, 1.0, 5.0], noise=0.001, start=1.0)
     st = stats(losses, refs={"lr": [0.02]}, peaks={"lr": [0.1]})
     st = WindowStats(**{**st.__dict__, "tripped": [True, False, False, False]})
-    c = controller(step_guard_scope="local")
+    c = controller(step_guard_scope="local", edge_backoff="off")
     health = c.health(st)
     assert health.healthy == [False, True, True, False]
     c.update(st, health)
     assert c.drift["lr"][0] == pytest.approx(-(math.log(RHO[3]) - math.log(RHO[2])))
+    default = controller(step_guard_scope="local")
+    default.update(st, default.health(st))
+    assert 0.1 * math.exp(default.drift["lr"][0]) == pytest.approx(st.values["lr"][3][0] / 2)
 
 
 @pytest.mark.parametrize(("tripped", "ref", "peak"), [(3, 0.02, 0.1), (3, 0.1, 0.1), (3, 0.05, 0.04), (1, 0.02, 0.1)])
@@ -451,8 +456,9 @@ def test_edge_backoff_aims_the_peaks_base_at_half_the_lr_that_blew_up(ref, peak,
     losses[3, 1:] = 5.0
     st = stats(losses, refs={"lr": [ref]}, peaks={"lr": [peak]})
     st = WindowStats(**{**st.__dict__, "tripped": [False, False, False, tripped]})
-    edge, plain = controller(edge_backoff=rule), controller()
+    edge, plain = controller(edge_backoff=rule), controller(edge_backoff=False)
     assert plain.edge_backoff == "off" and edge.edge_backoff == ("all" if rule is True else rule)
+    assert DriftController().edge_backoff == "sync"  # the default since round 14
     for c in (edge, plain):
         c.update(st, c.health(st))
     notch, ramp = math.log(RHO[3] / RHO[2]), math.log(peak / ref)
@@ -487,7 +493,7 @@ def test_edge_backoff_rollback_cuts_the_larger_of_the_spread_and_the_half_edge(r
     assert c.health(st).rollback
     (action,) = c.rolled_back(st).guard
     assert c.drift["lr"][0] == pytest.approx(-expected) and action.drift_change == pytest.approx(-expected)
-    plain = controller()
+    plain = controller(edge_backoff="off")
     plain.rolled_back(st)
     assert plain.drift["lr"][0] == pytest.approx(-math.log(3.0))
 
