@@ -47,6 +47,8 @@ from hdet_track.launch import launch_local  # noqa: E402
 
 # The candidates of docs/controller.md. Round 1: the first revision's design values (no ceiling)
 # and one-knob alternatives. Round 2: the tested-LR ceiling against the first revision.
+# Rounds 9-14 pin the settings that became defaults after them (guard_floor, edge_backoff), so that
+# rerunning them reproduces their records; earlier rounds ran on the defaults of their day.
 ROUNDS: dict[int, dict[str, dict | None]] = {
     1: {
         "design": {"ceiling": False},
@@ -96,33 +98,33 @@ ROUNDS: dict[int, dict[str, dict | None]] = {
     # Round 9 (both tasks, both modes): a blow-up must also exceed half the run's starting loss,
     # against today's defaults (docs/controller.md, "Round 9").
     9: {
-        "floor": {"guard_floor": 0.5},
-        "default": {},
+        "floor": {"guard_floor": 0.5, "edge_backoff": "off"},
+        "default": {"guard_floor": None, "edge_backoff": "off"},  # the defaults then, pinned
     },
     # Round 11 (both modes): the first window's evidence ignored, against today's defaults, at four
     # max_lr (docs/controller.md, "Round 11").
     11: {
-        "skip-first": {"skip_windows": 1},
-        "default": {},
+        "skip-first": {"skip_windows": 1, "edge_backoff": "off"},
+        "default": {"edge_backoff": "off"},  # the defaults then, pinned
     },
     # Round 12 (both modes): every blow-up's cut aims OneCycle's peak at half the LR that blew up,
     # alone and with round 11's skip_windows=1, against today's defaults (docs/controller.md, "Round 12").
     12: {
         "edge": {"edge_backoff": True},
         "edge-skip": {"edge_backoff": True, "skip_windows": 1},
-        "default": {},
+        "default": {"edge_backoff": "off"},  # the defaults then, pinned
     },
     # Round 13 (both modes): does round 12's edge-skip replicate on new seeds? Against today's
     # defaults, read by direction, not by a margin (docs/controller.md, "Round 13").
     13: {
         "edge-skip": {"edge_backoff": True, "skip_windows": 1},
-        "default": {},
+        "default": {"edge_backoff": "off"},  # the defaults then, pinned
     },
     # Round 14 (both modes): round 12's edge cut for the sync guard's backoffs and rollbacks only (a
     # local trip keeps round 8's cut), against today's defaults (docs/controller.md, "Round 14").
     14: {
         "edge-sync": {"edge_backoff": "sync"},
-        "default": {},
+        "default": {"edge_backoff": "off"},  # the defaults then (edge-sync is the default since)
     },
 }
 SEEDS = {

@@ -61,7 +61,7 @@ __all__ = [
     "BlowupGuard",
     "Evidence",
     "Backoffs",
-    "TestedCeiling",
+    "Ceiling",
     "make_controller",
     "CONTROLLERS",
 ]
@@ -563,7 +563,7 @@ class Backoffs:
         if trip_backoff not in ("notch", "spread", "ramp"):
             raise ValueError(f"Expected trip_backoff in ('notch', 'spread', 'ramp'), but got {trip_backoff!r}")
         self.trip_backoff = trip_backoff
-        edge = {True: "all", False: "off"}[edge_backoff] if isinstance(edge_backoff, bool) else edge_backoff
+        edge = ("all" if edge_backoff else "off") if isinstance(edge_backoff, (bool, np.bool_)) else edge_backoff
         if edge not in ("off", "sync", "all"):
             raise ValueError(f"Expected edge_backoff in ('off', 'sync', 'all') or a bool, but got {edge_backoff!r}")
         self.edge_backoff = edge
@@ -577,13 +577,13 @@ class Backoffs:
         top_ok = max(x[r] for r in ok)
         cut, why = max(0.0, max(x[r] for r in blown) - top_ok), "with the highest LR blew up"
         tripped = [r for r in blown if stats.tripped and stats.tripped[r]]
+        edged = [r for r in blown if self.edge_backoff == "all" or r not in tripped]  # before "spread" renames
         if tripped and self.trip_backoff == "spread":
             cut, blown, why = self.spread(x), tripped, "tripped the local step guard"
         elif tripped and self.trip_backoff == "ramp" and max(x[r] for r in tripped) > top_ok:
             # only a trip of a replica above every healthy one adds the ramp-up ahead
             ramp = max(x[r] for r in tripped) - top_ok + self.ramp_ahead(stats)
             cut, why = max(cut, ramp), "blew up or tripped the local step guard"
-        edged = [r for r in blown if self.edge_backoff == "all" or not (stats.tripped and stats.tripped[r])]
         x_blown = max([x[r] for r in edged], default=-math.inf)
         edge = self.edge(x_blown, stats) if x_blown > top_ok else -math.inf
         if edge > cut:
@@ -611,7 +611,7 @@ class Backoffs:
         return max([math.log(p / r) for r, p in zip(refs, peaks) if r > 0 and p > r], default=0.0)
 
 
-class TestedCeiling:
+class Ceiling:
     """``ceiling``: the highest value per target that healthy replicas have trained with, and the
     highest LR drift that keeps every later base within it (OneCycle's peak during the ramp-up):
     the base only goes where a replica has been. The values are recorded whether or not the rule
@@ -695,7 +695,7 @@ class DriftController(Controller):
             at every max_lr), not where the peak should be (docs/controller.md, round 11). A resumed
             or wrapped schedule past those steps is not affected.
         ceiling: the LR's drift never rises so far that the base LR at a later step would exceed
-            the highest LR a healthy replica has trained with so far (:class:`TestedCeiling`).
+            the highest LR a healthy replica has trained with so far (:class:`Ceiling`).
     """
 
     name = "drift"
@@ -730,7 +730,7 @@ class DriftController(Controller):
         self.warmup = check_int("warmup", warmup, 0)
         self.rollback = bool(rollback)
         self.one_sided = bool(one_sided)
-        self.ceilings = TestedCeiling(ceiling)
+        self.ceilings = Ceiling(ceiling)
         step_guard = (
             None
             if step_guard is None
@@ -765,7 +765,7 @@ class DriftController(Controller):
     guard = property(lambda self: self.blowups.ratio, doc="The sync guard's ratio (``guard``).")
     step_guard = property(lambda self: self.blowups.step_ratio, doc="The step guard's ratio (None: off).")
     guard_floor = property(lambda self: self.blowups.floor, doc="``guard_floor`` (None: off).")
-    ceiling = property(lambda self: self.ceilings.on, doc="``ceiling`` (:class:`TestedCeiling`).")
+    ceiling = property(lambda self: self.ceilings.on, doc="``ceiling`` (:class:`Ceiling`).")
     min_backoff = property(lambda self: self.backoffs.min_backoff, doc="``min_backoff`` (:class:`Backoffs`).")
     trip_backoff = property(lambda self: self.backoffs.trip_backoff, doc="``trip_backoff`` (:class:`Backoffs`).")
     edge_backoff = property(lambda self: self.backoffs.edge_backoff, doc="``edge_backoff`` (:class:`Backoffs`).")

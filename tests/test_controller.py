@@ -293,13 +293,15 @@ def test_drift_stays_within_max_drift_and_explicit_bounds():
     assert d.updates["lr"][0].base_after == pytest.approx(1.0)  # lr_bounds (1e-7, 1.0) given: the base stays in
 
 
-def test_state_dict_round_trip():
-    a = controller()
+@pytest.mark.parametrize("kw", [{}, {"ceiling": True}])
+def test_state_dict_round_trip(kw):
+    a = controller(**kw)
     for k in range(1, 5):
         st = stats(windows([1.0, 0.95, 0.9, 0.85], seed=k), step=20 * k, c=a)
         a.update(st, a.health(st))
-    b = controller()
+    b = controller(**kw)
     b.load_state_dict(a.state_dict())
+    assert b.state_dict()["tested"] == a.state_dict()["tested"] and a.state_dict()["tested"]["lr"][0] > 0
     st = stats(windows([1.0, 0.97, 0.9, 0.88], seed=9), step=100, c=a)
     assert a.update(st, a.health(st)) == b.update(st, b.health(st))
     assert a.drift == b.drift
@@ -316,6 +318,7 @@ def test_state_dict_round_trip():
         ({"max_rollbacks": -1}, "max_rollbacks to be an integer >= 0"),
         ({"skip_windows": -1}, "skip_windows to be an integer >= 0, but got -1"),
         ({"skip_windows": 1.5}, "skip_windows to be an integer >= 0, but got 1.5"),
+        ({"min_backoff": 1.0}, r"min_backoff in \(1.0, inf\), but got 1.0"),
     ],
 )
 def test_bad_arguments(kw, pattern):
@@ -476,6 +479,22 @@ def test_edge_backoff_aims_the_peaks_base_at_half_the_lr_that_blew_up(ref, peak,
     c = controller(edge_backoff=rule)
     d = c.update(st_low, c.health(st_low))
     assert c.health(st_low).healthy == [False, True, True, True] and d.guard == [] and c.drift["lr"][0] == 0.0
+
+
+def test_edge_backoff_sync_cuts_for_the_sync_guards_blow_up_when_another_replica_tripped():
+    """edge_backoff="sync" with trip_backoff="spread": replica 0 tripped the local guard (a rollback's
+    cut, log 3) while the top replica was found blown up by the sync guard at OneCycle's LR 0.004
+    with the peak 0.1 ahead: the edge cut (larger early in the ramp-up) applies to the top replica."""
+    losses = windows([1.0, 1.0, 1.0, 5.0], noise=0.001, start=1.0)
+    st = stats(losses, refs={"lr": [0.004]}, peaks={"lr": [0.1]})
+    st = WindowStats(**{**st.__dict__, "tripped": [True, False, False, False]})
+    sync = controller(step_guard_scope="local", trip_backoff="spread", edge_backoff="sync")
+    off = controller(step_guard_scope="local", trip_backoff="spread", edge_backoff="off")
+    for c in (sync, off):
+        c.update(st, c.health(st))
+    assert off.drift["lr"][0] == pytest.approx(-math.log(3.0))
+    assert 0.1 * math.exp(sync.drift["lr"][0]) == pytest.approx(st.values["lr"][3][0] / 2)
+    assert sync.drift["lr"][0] < off.drift["lr"][0]
 
 
 @pytest.mark.parametrize(
