@@ -144,12 +144,7 @@ SEEDS = {
 CANDIDATES: dict[str, dict | None] = {k: v for r in ROUNDS.values() for k, v in r.items()}
 REFERENCE_LRS = (0.02, 0.05, 0.1, 0.2, 0.5)
 CANDIDATE_LRS = (0.02, 0.1, 0.5)
-ROUND_LRS = {
-    11: (0.02, 0.1, 0.2, 0.5),
-    12: (0.02, 0.1, 0.2, 0.5),
-    13: (0.02, 0.1, 0.2, 0.5),
-    14: (0.02, 0.1, 0.2, 0.5),
-}  # rounds that run the candidates at other max_lr
+ROUND_LRS = {r: (0.02, 0.1, 0.2, 0.5) for r in (11, 12, 13, 14)}  # rounds that run the candidates at other max_lr
 MODES = ("shared", "independent")
 
 
@@ -331,31 +326,32 @@ def round12_winner(score: dict, modes, lrs) -> str:
     return ok[0] if ok else "default"
 
 
+def mode_ratios(score: dict, name: str, mode: str, modes, lrs) -> list[float]:
+    """``name``'s ratios for one mode, in the round's max_lr order."""
+    i = list(modes).index(mode) * len(lrs)
+    return score[name]["ratios"][i : i + len(lrs)]
+
+
 def better_than_default(score: dict, name: str, mode: str, modes, lrs) -> bool:
     """Rounds 11-12's reading for one mode: ``name`` has no divergence and its worst ratio over the
     max_lr is lower than "default"'s by more than 0.005."""
-    i = list(modes).index(mode) * len(lrs)
-    part = {n: score[n]["ratios"][i : i + len(lrs)] for n in (name, "default")}
-    return all(math.isfinite(x) for x in part[name]) and max(part[name]) < max(part["default"]) - 0.005
+    mine, base = (mode_ratios(score, n, mode, modes, lrs) for n in (name, "default"))
+    return all(math.isfinite(x) for x in mine) and max(mine) < max(base) - 0.005
 
 
 def replicates(score: dict, name: str, mode: str, modes, lrs) -> bool:
     """Round 13's reading for one mode: ``name`` has no divergence, its worst ratio over the max_lr
     is not higher than "default"'s and its mean ratio is lower (a direction, not a margin)."""
-    i = list(modes).index(mode) * len(lrs)
-    part = {n: score[n]["ratios"][i : i + len(lrs)] for n in (name, "default")}
-    finite = all(math.isfinite(x) for x in part[name])
-    return finite and max(part[name]) <= max(part["default"]) and np.mean(part[name]) < np.mean(part["default"])
+    mine, base = (mode_ratios(score, n, mode, modes, lrs) for n in (name, "default"))
+    return all(math.isfinite(x) for x in mine) and max(mine) <= max(base) and np.mean(mine) < np.mean(base)
 
 
 def repairs(score: dict, name: str, modes, lrs) -> bool:
     """Round 14's reading: ``name`` has no divergence, is nowhere higher than "default" by more than
     0.005, has a worst ratio not higher than "default"'s in any mode and lower in at least one."""
-    mine, base = score[name]["ratios"], score["default"]["ratios"]
-    if score[name]["diverged"] or any(a > b + 0.005 for a, b in zip(mine, base)):
+    if score[name]["diverged"] or any(a > b + 0.005 for a, b in zip(score[name]["ratios"], score["default"]["ratios"])):
         return False
-    n = len(lrs)
-    worst = [(max(mine[i * n : (i + 1) * n]), max(base[i * n : (i + 1) * n])) for i in range(len(modes))]
+    worst = [[max(mode_ratios(score, n, m, modes, lrs)) for n in (name, "default")] for m in modes]
     return all(a <= b for a, b in worst) and any(a < b for a, b in worst)
 
 

@@ -577,18 +577,19 @@ class Backoffs:
         top_ok = max(x[r] for r in ok)
         cut, why = max(0.0, max(x[r] for r in blown) - top_ok), "with the highest LR blew up"
         tripped = [r for r in blown if stats.tripped and stats.tripped[r]]
-        edged = [r for r in blown if self.edge_backoff == "all" or r not in tripped]  # before "spread" renames
+        named = blown
         if tripped and self.trip_backoff == "spread":
-            cut, blown, why = self.spread(x), tripped, "tripped the local step guard"
+            cut, named, why = self.spread(x), tripped, "tripped the local step guard"
         elif tripped and self.trip_backoff == "ramp" and max(x[r] for r in tripped) > top_ok:
             # only a trip of a replica above every healthy one adds the ramp-up ahead
             ramp = max(x[r] for r in tripped) - top_ok + self.ramp_ahead(stats)
             cut, why = max(cut, ramp), "blew up or tripped the local step guard"
-        x_blown = max([x[r] for r in edged], default=-math.inf)
-        edge = self.edge(x_blown, stats) if x_blown > top_ok else -math.inf
+        edged = [x[r] for r in blown if self.edge_backoff == "all" or r not in tripped]
+        x_edge = max(edged, default=-math.inf)
+        edge = self.edge(x_edge, stats) if x_edge > top_ok else -math.inf
         if edge > cut:
             cut, why = edge, why + "; the peak's base cut to half its LR"
-        return cut, blown, why
+        return cut, named, why
 
     def at_rollback(self, x: list[float], stats: WindowStats) -> float:
         """The cut at a rollback: the spread's, or the edge's when that is larger."""
