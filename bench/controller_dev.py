@@ -41,7 +41,7 @@ from torch import nn  # noqa: E402
 
 from hdet_track import HDETScheduler, NonFiniteReplicasError  # noqa: E402
 from hdet_track.compare import diverged_at  # noqa: E402
-from hdet_track.controller import DriftController  # noqa: E402
+from hdet_track.controller import DriftController, Evidence  # noqa: E402
 from hdet_track.examples.tasks import ImageTask, load_task  # noqa: E402
 from hdet_track.launch import launch_local  # noqa: E402
 
@@ -126,7 +126,18 @@ ROUNDS: dict[int, dict[str, dict | None]] = {
         "edge-sync": {"edge_backoff": "sync"},
         "default": {"edge_backoff": "off"},  # the defaults then (edge-sync is the default since)
     },
+    # Round 15 (both modes): the first window's evidence held until the second window confirms it,
+    # against today's defaults with the backoff's evidence fix; "published" is round 14's default as
+    # it ran, the sign error included (docs/controller.md, "Round 15").
+    15: {
+        "confirm-first": {"skip_windows": 1, "confirm_skipped": True},
+        "default": {},
+        "published": {},  # run with InvertedDrop
+    },
 }
+# The arms that ran with the sign error in Evidence.drop_upward fixed in round 15: every arm before
+# round 15 (so that rerunning them reproduces their records) and round 15's "published".
+INVERTED_DROP = {(r, arm) for r, arms in ROUNDS.items() if r < 15 for arm in arms} | {(15, "published")}
 SEEDS = {
     1: (100,),
     2: (100, 101, 102),
@@ -140,12 +151,29 @@ SEEDS = {
     12: (112, 113, 114),
     13: (115, 116, 117),
     14: (118, 119, 120),
+    15: (121, 122, 123),
 }
 CANDIDATES: dict[str, dict | None] = {k: v for r in ROUNDS.values() for k, v in r.items()}
 REFERENCE_LRS = (0.02, 0.05, 0.1, 0.2, 0.5)
 CANDIDATE_LRS = (0.02, 0.1, 0.5)
-ROUND_LRS = {r: (0.02, 0.1, 0.2, 0.5) for r in (11, 12, 13, 14)}  # rounds that run the candidates at other max_lr
+ROUND_LRS = {r: (0.02, 0.1, 0.2, 0.5) for r in (11, 12, 13, 14, 15)}  # rounds that run the candidates at other max_lr
 MODES = ("shared", "independent")
+
+
+class InvertedDrop(Evidence):
+    """Evidence as rounds 1-14 ran it: after a backoff the *upward* evidence (a negative sum) carried
+    over and the downward one was dropped, the opposite of the intent (fixed in round 15)."""
+
+    def drop_upward(self, name: str) -> None:
+        self.sums[name][0] = min(self.sums[name][0], 0.0)
+
+
+def drift_controller(settings: dict, round_: int, arm: str) -> DriftController:
+    ctrl = DriftController(**settings)
+    if (round_, arm) in INVERTED_DROP:
+        e = ctrl.evidence
+        ctrl.evidence = InvertedDrop(e.forget, e.dead_zone, e.full_step_at, e.skip_windows, e.confirm_skipped)
+    return ctrl
 
 
 @dataclass(frozen=True)
@@ -192,7 +220,7 @@ def train(run: DevRun) -> dict:
         spread=run.spread if hdet else 0.0,
         sync_every=run.sync_every,
         auto_lr=auto,
-        controller=DriftController(**settings) if settings is not None else "drift",
+        controller=drift_controller(settings, run.round, run.arm) if settings is not None else "drift",
         model=model,
         seed=run.seed,
     )
@@ -313,6 +341,8 @@ def select(results: dict[str, dict], dataset: str, steps: int, replicas: int, ro
         winner = "edge-skip" if all(replicates(score, "edge-skip", m, modes, lrs) for m in modes) else "default"
     if round_ == 14 and {"edge-sync", "default"} <= set(score):
         winner = "edge-sync" if repairs(score, "edge-sync", modes, lrs) else "default"
+    if round_ == 15 and {"confirm-first", "default"} <= set(score):
+        winner = "confirm-first" if all(replicates(score, "confirm-first", m, modes, lrs) for m in modes) else "default"
     return {"round": round_, "bar": bar, "score": score, "winner": winner}
 
 

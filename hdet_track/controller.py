@@ -495,7 +495,9 @@ class Evidence:
     ``skip_windows``). Each sync's slope ``z`` (standard errors) enters ``S <- forget * S + z``,
     ``V <- forget^2 * V + 1``; ``Z = S / sqrt(V)`` stays standard normal under pure noise."""
 
-    def __init__(self, forget: float, dead_zone: float, full_step_at: float, skip_windows: int) -> None:
+    def __init__(
+        self, forget: float, dead_zone: float, full_step_at: float, skip_windows: int, confirm_skipped: bool = False
+    ) -> None:
         inf = math.inf
         self.forget = check_number("forget", forget, 0.0, 1.0, low_open=False, high_open=True)
         self.dead_zone = check_number("dead_zone", dead_zone, 0.0, inf, low_open=False, high_open=True)
@@ -503,16 +505,34 @@ class Evidence:
             "full_step_at", full_step_at, self.dead_zone, inf, low_open=True, high_open=True
         )
         self.skip_windows = check_int("skip_windows", skip_windows, 0)
+        self.confirm_skipped = bool(confirm_skipped)
         self.sums: dict[str, list[float]] = {}  # per name: [accumulated sum S, its variance V]
+        self.held: dict[str, list[float]] = {}  # per name: the skipped windows' z, awaiting confirmation
 
-    def add(self, name: str, z: float, step: int, sync_every: int) -> float:
-        """Add a sync's ``z`` (none from the windows ending at or before ``skip_windows *
-        sync_every``: the initial transient) and return the accumulated ``Z``."""
+    def add(self, name: str, z: float, step: int, sync_every: int) -> tuple[float, float]:
+        """Add a sync's ``z`` and return the accumulated ``Z`` and the signed fraction of a full
+        step the drift moves (:meth:`move`).
+
+        The windows ending at or before ``skip_windows * sync_every`` (the initial transient) add
+        nothing. With ``confirm_skipped`` their ``z`` are held instead: if the next window's own
+        ``z`` passes the dead zone in the direction the held ones point, they are added first, in
+        order, and their moves made now (up to ``skip_windows + 1`` full steps at that sync);
+        otherwise they are dropped."""
         s, v = self.sums.setdefault(name, [0.0, 0.0])
-        if step > self.skip_windows * sync_every:
-            s, v = self.forget * s + z, self.forget**2 * v + 1.0
-            self.sums[name] = [s, v]
-        return s / math.sqrt(v) if v > 0 else 0.0
+        if step <= self.skip_windows * sync_every:
+            if self.confirm_skipped:
+                self.held.setdefault(name, []).append(float(z))
+            return (s / math.sqrt(v) if v > 0 else 0.0), 0.0
+        fraction = 0.0
+        held = self.held.pop(name, [])
+        if held and abs(z) >= self.dead_zone and _direction(held, self.forget) == math.copysign(1.0, z):
+            for h in held:
+                s, v = self.forget * s + h, self.forget**2 * v + 1.0
+                fraction += self.move(s / math.sqrt(v))
+        s, v = self.forget * s + z, self.forget**2 * v + 1.0
+        self.sums[name] = [s, v]
+        evidence = s / math.sqrt(v)
+        return evidence, fraction + self.move(evidence)
 
     def move(self, evidence: float) -> float:
         """The signed fraction of a full step the drift moves on ``evidence``: against the slope,
@@ -521,13 +541,25 @@ class Evidence:
         return -math.copysign(min(max(excess, 0.0), 1.0), evidence)
 
     def drop_upward(self, name: str) -> None:
-        """After a backoff: no evidence for a larger value carries over."""
-        self.sums[name][0] = min(self.sums[name][0], 0.0)
+        """After a backoff: no evidence for a larger value carries over (a negative ``S``: larger
+        values did better), nor any held window's. Before round 15 this kept the negative part
+        instead, the opposite of what it was meant to do (docs/controller.md, round 15)."""
+        self.sums[name][0] = max(self.sums[name][0], 0.0)
+        self.held.pop(name, None)
 
     def reset(self) -> None:
         """After a rollback: the windows' evidence starts afresh."""
         for name in self.sums:
             self.sums[name] = [0.0, 0.0]
+        self.held.clear()
+
+
+def _direction(zs: Sequence[float], forget: float) -> float:
+    """The sign (+1, -1) of the evidence ``zs`` accumulated from nothing; 0 when it is 0."""
+    s = 0.0
+    for z in zs:
+        s = forget * s + z
+    return math.copysign(1.0, s) if s != 0 else 0.0
 
 
 class Backoffs:
@@ -695,6 +727,9 @@ class DriftController(Controller):
             initial transient (the loss falls from its starting value and the larger step is ahead
             at every max_lr), not where the peak should be (docs/controller.md, round 11). A resumed
             or wrapped schedule past those steps is not affected.
+        confirm_skipped: the skipped windows' evidence is held, not dropped: it is used (accumulated
+            and its moves made) at the next sync if that window's own evidence passes the dead zone
+            in the same direction, else dropped (docs/controller.md, round 15).
         ceiling: the LR's drift never rises so far that the base LR at a later step would exceed
             the highest LR a healthy replica has trained with so far (:class:`Ceiling`).
     """
@@ -721,10 +756,11 @@ class DriftController(Controller):
         guard_floor: float | None = 0.5,
         skip_windows: int = 0,
         edge_backoff: bool | str = "sync",
+        confirm_skipped: bool = False,
     ) -> None:
         inf = math.inf
         guard = check_number("guard", guard, 1.0, inf, low_open=True, high_open=True)
-        self.evidence = Evidence(forget, dead_zone, full_step_at, skip_windows)
+        self.evidence = Evidence(forget, dead_zone, full_step_at, skip_windows, confirm_skipped)
         self.step = None if step is None else check_number("step", step, 0.0, inf, low_open=True, high_open=True)
         self.max_drift = check_number("max_drift", max_drift, 1.0, inf, low_open=True, high_open=True)
         self.max_rollbacks = check_int("max_rollbacks", max_rollbacks, 0)
@@ -835,9 +871,9 @@ class DriftController(Controller):
         for name in self.ctx.names:
             x = self._log_mults(name, stats)
             z = trend_evidence([x[r] for r in ok], [means[r] for r in ok], se) if len(ok) > 1 else 0.0
-            evidence = self.evidence.add(name, z, stats.step, self.ctx.sync_every)
+            evidence, fraction = self.evidence.add(name, z, stats.step, self.ctx.sync_every)
             step = self._full_step(name) * (0.5 ** min(self.guard_events, 3) if name == "lr" else 1.0)
-            change = step * self.evidence.move(evidence)
+            change = step * fraction
             if name == "lr" and self.one_sided and change < 0:
                 change = (
                     0.0  # a window's loss favours the smaller step (short-horizon bias): only blow-ups lower the LR
@@ -909,6 +945,7 @@ class DriftController(Controller):
         return {
             "drift": dict(self._drift),
             "evidence": {k: list(v) for k, v in self.evidence.sums.items()},
+            "held": {k: list(v) for k, v in self.evidence.held.items()},
             "rollbacks": self.rollbacks,
             "guard_events": self.guard_events,
             "tested": dict(self.ceilings.tested),
@@ -919,6 +956,7 @@ class DriftController(Controller):
     def load_state_dict(self, state: dict) -> None:
         self._drift = {k: [float(x) for x in v] for k, v in state["drift"].items()}
         self.evidence.sums = {k: [float(x) for x in v] for k, v in state["evidence"].items()}
+        self.evidence.held = {k: [float(x) for x in v] for k, v in state.get("held", {}).items()}
         self.rollbacks = int(state.get("rollbacks", 0))
         self.guard_events = int(state.get("guard_events", 0))
         self.ceilings.tested = {k: [float(x) for x in v] for k, v in state.get("tested", {}).items()}

@@ -153,6 +153,93 @@ def test_skip_windows_ignores_the_first_windows_evidence_but_not_the_guard():
     assert guarded.drift["lr"][0] == pytest.approx(-(math.log(RHO[3]) - math.log(RHO[2])))
 
 
+def test_confirm_skipped_holds_the_first_windows_evidence_until_the_next_window_agrees():
+    """confirm_skipped: the skipped window's evidence is held; a second window pointing the same way
+    (beyond the dead zone) releases it, and the drift is then where a controller that used both
+    windows stands; a second window inside the dead zone or pointing the other way drops it."""
+    up = [windows([1.0, 0.98, 0.96, 0.94], seed=k) for k in range(2)]
+    flat = windows([1.0] * N, noise=0.01, seed=5)
+    down = windows([0.94, 0.96, 0.98, 1.0], seed=6)
+    names = ("lr", "weight_decay")
+
+    def run(c, wins, first_step=T):
+        for k, w in enumerate(wins):
+            st = stats(w, step=first_step + T * k, c=c, names=names)
+            d = c.update(st, c.health(st))
+        return d
+
+    def make(**kw):
+        c = DriftController(**kw)
+        c.bind(context(names))
+        return c
+
+    held, fresh = make(skip_windows=1, confirm_skipped=True), make()
+    run(held, up[:1])
+    assert held.drift == {"lr": [0.0], "weight_decay": [0.0]}
+    assert held.state_dict()["held"]["lr"][0] < -3  # kept for the next sync, not accumulated
+    d = run(held, up[1:], first_step=2 * T)
+    run(fresh, up)
+    assert held.drift["lr"] == pytest.approx(fresh.drift["lr"]) and held.drift["lr"][0] > 1.0  # two full steps
+    assert held.drift["weight_decay"] == pytest.approx(fresh.drift["weight_decay"])  # two-sided hps alike
+    assert held.state_dict()["evidence"] == fresh.state_dict()["evidence"]
+    assert d.updates["lr"][0].delta == pytest.approx(held.drift["lr"][0])  # both moves at the second sync
+    assert held.state_dict()["held"] == {}
+    for second in (flat, down):  # not confirmed: the skip-only controller's decisions
+        c, skip = make(skip_windows=1, confirm_skipped=True), make(skip_windows=1)
+        run(c, [up[0], second])
+        run(skip, [up[0], second])
+        assert c.drift == skip.drift and c.state_dict()["evidence"] == skip.state_dict()["evidence"]
+    assert DriftController().state_dict()["held"] == {}  # off by default: nothing held
+
+
+def test_confirm_skipped_resumes_with_what_it_holds_and_a_backoff_drops_it():
+    up = [windows([1.0, 0.98, 0.96, 0.94], seed=k) for k in range(2)]
+    a = controller(skip_windows=1, confirm_skipped=True)
+    st = stats(up[0], step=T, c=a)
+    a.update(st, a.health(st))
+    b = controller(skip_windows=1, confirm_skipped=True)
+    b.load_state_dict(a.state_dict())  # a job stopped between the first and the second sync
+    for c in (a, b):
+        st = stats(up[1], step=2 * T, c=c)
+        c.update(st, c.health(st))
+    assert b.drift == a.drift and a.drift["lr"][0] > 1.0
+    # the top replica blows up in the held window: its upward evidence is not released later
+    guarded = controller(skip_windows=1, confirm_skipped=True, edge_backoff="off")
+    losses = windows([1.0, 0.98, 0.96, 0.94], start=1.0)
+    losses[3, 1:] = 3.0
+    st = stats(losses, step=T, c=guarded)
+    assert [g.kind for g in guarded.update(st, guarded.health(st)).guard] == ["backoff"]
+    after_backoff = guarded.drift["lr"][0]
+    st = stats(up[1], step=2 * T, c=guarded)
+    guarded.update(st, guarded.health(st))
+    half = (math.log(RHO[3]) - math.log(RHO[0])) / 2 / 2  # the step is halved after a guard event
+    assert guarded.drift["lr"][0] - after_backoff == pytest.approx(half)  # its own window's move only
+
+
+def test_a_backoff_drops_the_upward_evidence_it_had():
+    """Higher LRs did better among the healthy replicas, but the top one blew up: after the backoff,
+    no upward evidence carries over, so a flat next window moves nothing (rounds 1-14 kept that
+    evidence and moved up again; docs/controller.md, round 15)."""
+    c = controller(edge_backoff="off")
+    losses = windows([1.0, 0.9, 0.8, 0.8], start=1.0)
+    losses[3, 1:] = 3.0
+    st = stats(losses, c=c)
+    d = c.update(st, c.health(st))
+    assert [g.kind for g in d.guard] == ["backoff"] and d.updates["lr"][0].velocity < -3
+    after_backoff = c.drift["lr"][0]
+    assert c.state_dict()["evidence"]["lr"][0] == 0.0
+    st = stats(windows([1.0] * N, noise=0.01, seed=2), step=40, c=c)
+    d = c.update(st, c.health(st))
+    assert abs(d.updates["lr"][0].velocity) < 1.5 and c.drift["lr"][0] == after_backoff
+    # downward evidence (for a two-sided hyperparameter it would move down) is kept
+    c2 = controller(edge_backoff="off")
+    losses = windows([0.8, 0.9, 1.0, 1.0], start=0.8)
+    losses[3, 1:] = 3.0
+    st = stats(losses, c=c2)
+    c2.update(st, c2.health(st))
+    assert c2.state_dict()["evidence"]["lr"][0] > 3
+
+
 def test_noise_alone_moves_nothing():
     c = controller()
     for k in range(1, 30):
