@@ -127,8 +127,8 @@ ROUNDS: dict[int, dict[str, dict | None]] = {
         "default": {"edge_backoff": "off"},  # the defaults then (edge-sync is the default since)
     },
     # Round 15 (both modes): the first window's evidence held until the second window confirms it,
-    # against today's defaults with the backoff's evidence fix; "published" is round 14's default as
-    # it ran, the sign error included (docs/controller.md, "Round 15").
+    # against today's defaults with the backoff's evidence fix; "published" is the default adopted in
+    # round 14 (the published study's), the sign error included (docs/controller.md, "Round 15").
     15: {
         "confirm-first": {"skip_windows": 1, "confirm_skipped": True},
         "default": {},

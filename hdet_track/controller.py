@@ -509,9 +509,9 @@ class Evidence:
         self.sums: dict[str, list[float]] = {}  # per name: [accumulated sum S, its variance V]
         self.held: dict[str, list[float]] = {}  # per name: the skipped windows' z, awaiting confirmation
 
-    def add(self, name: str, z: float, step: int, sync_every: int) -> tuple[float, float]:
-        """Add a sync's ``z`` and return the accumulated ``Z`` and the signed fraction of a full
-        step the drift moves (:meth:`move`).
+    def add(self, name: str, z: float, step: int, sync_every: int) -> tuple[float, list[float]]:
+        """Add a sync's ``z`` and return the accumulated ``Z`` and the signed fractions of a full
+        step the drift moves at this sync (:meth:`move`): this window's, after any held ones'.
 
         The windows ending at or before ``skip_windows * sync_every`` (the initial transient) add
         nothing. With ``confirm_skipped`` their ``z`` are held instead: if the next window's own
@@ -522,17 +522,17 @@ class Evidence:
         if step <= self.skip_windows * sync_every:
             if self.confirm_skipped:
                 self.held.setdefault(name, []).append(float(z))
-            return (s / math.sqrt(v) if v > 0 else 0.0), 0.0
-        fraction = 0.0
+            return (s / math.sqrt(v) if v > 0 else 0.0), []
+        moves = []
         held = self.held.pop(name, [])
-        if held and abs(z) >= self.dead_zone and _direction(held, self.forget) == math.copysign(1.0, z):
+        if held and z != 0 and abs(z) >= self.dead_zone and _direction(held, self.forget) == math.copysign(1.0, z):
             for h in held:
                 s, v = self.forget * s + h, self.forget**2 * v + 1.0
-                fraction += self.move(s / math.sqrt(v))
+                moves.append(self.move(s / math.sqrt(v)))
         s, v = self.forget * s + z, self.forget**2 * v + 1.0
         self.sums[name] = [s, v]
         evidence = s / math.sqrt(v)
-        return evidence, fraction + self.move(evidence)
+        return evidence, moves + [self.move(evidence)]
 
     def move(self, evidence: float) -> float:
         """The signed fraction of a full step the drift moves on ``evidence``: against the slope,
@@ -871,13 +871,12 @@ class DriftController(Controller):
         for name in self.ctx.names:
             x = self._log_mults(name, stats)
             z = trend_evidence([x[r] for r in ok], [means[r] for r in ok], se) if len(ok) > 1 else 0.0
-            evidence, fraction = self.evidence.add(name, z, stats.step, self.ctx.sync_every)
+            evidence, fractions = self.evidence.add(name, z, stats.step, self.ctx.sync_every)
             step = self._full_step(name) * (0.5 ** min(self.guard_events, 3) if name == "lr" else 1.0)
-            change = step * fraction
-            if name == "lr" and self.one_sided and change < 0:
-                change = (
-                    0.0  # a window's loss favours the smaller step (short-horizon bias): only blow-ups lower the LR
-                )
+            if name == "lr" and self.one_sided:
+                # a window's loss favours the smaller step (short-horizon bias): only blow-ups lower the LR
+                fractions = [max(f, 0.0) for f in fractions]
+            change = step * sum(fractions)
             blown = [r for r in left if health.reasons[r].startswith("blown")]
             if name == "lr" and blown and ok:
                 cut, blown, why = self.backoffs.at_sync(x, ok, blown, stats)

@@ -184,12 +184,30 @@ def test_confirm_skipped_holds_the_first_windows_evidence_until_the_next_window_
     assert held.state_dict()["evidence"] == fresh.state_dict()["evidence"]
     assert d.updates["lr"][0].delta == pytest.approx(held.drift["lr"][0])  # both moves at the second sync
     assert held.state_dict()["held"] == {}
-    for second in (flat, down):  # not confirmed: the skip-only controller's decisions
+    weak = windows([1.0, 0.998, 0.996, 0.994], noise=0.01, seed=5)  # "up" too, but inside the dead zone
+    for second in (flat, weak, down):  # not confirmed: the skip-only controller's decisions
         c, skip = make(skip_windows=1, confirm_skipped=True), make(skip_windows=1)
         run(c, [up[0], second])
         run(skip, [up[0], second])
         assert c.drift == skip.drift and c.state_dict()["evidence"] == skip.state_dict()["evidence"]
-    assert DriftController().state_dict()["held"] == {}  # off by default: nothing held
+        if second is weak:  # it points the held window's way, but not beyond the dead zone
+            assert -1.5 < c.state_dict()["evidence"]["lr"][0] < 0
+
+
+def test_confirm_skipped_over_two_windows_never_lowers_the_lr_on_evidence():
+    """skip_windows=2: a held "down" window and a held "up" window, then a confirming "up": each
+    move is judged on its own (one_sided drops the LR's down move), as a controller without skipping
+    would have moved sync by sync; weight decay (two-sided) takes all three."""
+    names = ("lr", "weight_decay")
+    wins = [windows([0.94, 0.96, 0.98, 1.0], seed=1)] + [windows([1.0, 0.98, 0.96, 0.94], seed=k) for k in (2, 3)]
+    held, fresh = DriftController(skip_windows=2, confirm_skipped=True), DriftController()
+    for c in (held, fresh):
+        c.bind(context(names))
+    for k, w in enumerate(wins, 1):
+        for c in (held, fresh):
+            st = stats(w, step=T * k, c=c, names=names)
+            c.update(st, c.health(st))
+    assert held.drift == fresh.drift and held.drift["lr"][0] > 0
 
 
 def test_confirm_skipped_resumes_with_what_it_holds_and_a_backoff_drops_it():
@@ -214,6 +232,12 @@ def test_confirm_skipped_resumes_with_what_it_holds_and_a_backoff_drops_it():
     guarded.update(st, guarded.health(st))
     half = (math.log(RHO[3]) - math.log(RHO[0])) / 2 / 2  # the step is halved after a guard event
     assert guarded.drift["lr"][0] - after_backoff == pytest.approx(half)  # its own window's move only
+    # a rollback in the held window drops it too
+    rolled = controller(skip_windows=1, confirm_skipped=True)
+    st = stats(up[0], step=T, c=rolled)
+    rolled.update(st, rolled.health(st))
+    rolled.rolled_back(stats(windows([5.0] * N, start=1.0), step=T + 5, c=rolled))
+    assert rolled.state_dict()["held"] == {}
 
 
 def test_a_backoff_drops_the_upward_evidence_it_had():
