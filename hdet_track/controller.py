@@ -523,16 +523,20 @@ class Evidence:
             if self.confirm_skipped:
                 self.held.setdefault(name, []).append(float(z))
             return (s / math.sqrt(v) if v > 0 else 0.0), []
-        moves = []
         held = self.held.pop(name, [])
-        if held and z != 0 and abs(z) >= self.dead_zone and _direction(held, self.forget) == math.copysign(1.0, z):
-            for h in held:
-                s, v = self.forget * s + h, self.forget**2 * v + 1.0
-                moves.append(self.move(s / math.sqrt(v)))
-        s, v = self.forget * s + z, self.forget**2 * v + 1.0
+        pointed = self._accumulate(0.0, 0.0, held)[0]  # where the held windows point, from nothing
+        confirmed = abs(z) >= self.dead_zone and pointed * z > 0
+        moves = []
+        for h in (held if confirmed else []) + [z]:
+            s, v = self._accumulate(s, v, [h])
+            moves.append(self.move(s / math.sqrt(v)))
         self.sums[name] = [s, v]
-        evidence = s / math.sqrt(v)
-        return evidence, moves + [self.move(evidence)]
+        return s / math.sqrt(v), moves
+
+    def _accumulate(self, s: float, v: float, zs: Sequence[float]) -> tuple[float, float]:
+        for z in zs:
+            s, v = self.forget * s + z, self.forget**2 * v + 1.0
+        return s, v
 
     def move(self, evidence: float) -> float:
         """The signed fraction of a full step the drift moves on ``evidence``: against the slope,
@@ -552,14 +556,6 @@ class Evidence:
         for name in self.sums:
             self.sums[name] = [0.0, 0.0]
         self.held.clear()
-
-
-def _direction(zs: Sequence[float], forget: float) -> float:
-    """The sign (+1, -1) of the evidence ``zs`` accumulated from nothing; 0 when it is 0."""
-    s = 0.0
-    for z in zs:
-        s = forget * s + z
-    return math.copysign(1.0, s) if s != 0 else 0.0
 
 
 class Backoffs:
