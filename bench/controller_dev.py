@@ -134,6 +134,12 @@ ROUNDS: dict[int, dict[str, dict | None]] = {
         "default": {},
         "published": {},  # run with InvertedDrop
     },
+    # Round 16 (both modes): the first window's move made at once and taken back unless the second
+    # window's own evidence confirms it, against today's defaults (docs/controller.md, "Round 16").
+    16: {
+        "revert-first": {"skip_windows": 1, "revert_unconfirmed": True},
+        "default": {},
+    },
 }
 # The arms that ran with the sign error in Evidence.drop_upward fixed in round 15: every arm before
 # round 15 (so that rerunning them reproduces their records) and round 15's "published".
@@ -152,11 +158,12 @@ SEEDS = {
     13: (115, 116, 117),
     14: (118, 119, 120),
     15: (121, 122, 123),
+    16: (124, 125, 126),
 }
 CANDIDATES: dict[str, dict | None] = {k: v for r in ROUNDS.values() for k, v in r.items()}
 REFERENCE_LRS = (0.02, 0.05, 0.1, 0.2, 0.5)
 CANDIDATE_LRS = (0.02, 0.1, 0.5)
-ROUND_LRS = {r: (0.02, 0.1, 0.2, 0.5) for r in (11, 12, 13, 14, 15)}  # rounds that run the candidates at other max_lr
+ROUND_LRS = {r: (0.02, 0.1, 0.2, 0.5) for r in (11, 12, 13, 14, 15, 16)}  # rounds that run the candidates at other max_lr
 MODES = ("shared", "independent")
 
 
@@ -172,7 +179,9 @@ def drift_controller(settings: dict, round_: int, arm: str) -> DriftController:
     ctrl = DriftController(**settings)
     if (round_, arm) in INVERTED_DROP:
         e = ctrl.evidence
-        ctrl.evidence = InvertedDrop(e.forget, e.dead_zone, e.full_step_at, e.skip_windows, e.confirm_skipped)
+        ctrl.evidence = InvertedDrop(
+            e.forget, e.dead_zone, e.full_step_at, e.skip_windows, e.confirm_skipped, e.revert_unconfirmed
+        )
     return ctrl
 
 
@@ -298,14 +307,18 @@ def select(results: dict[str, dict], dataset: str, steps: int, replicas: int, ro
         bar[m] = min(means) if len(means) == len(REFERENCE_LRS) else None
     score = {}
     for name in candidates:
-        ratios, diverged = [], 0
+        ratios, finite_ratios, diverged, by_mode = [], [], 0, {m: 0 for m in modes}
         for m in modes:
             for lr in lrs:
                 rs = runs(m, name, lr)
                 if rs is None or bar[m] is None:
                     break
-                diverged += sum(r["diverged_at"] is not None for r in rs) if round_ > 1 else 0
+                lost = sum(r["diverged_at"] is not None for r in rs) if round_ > 1 else 0
+                diverged += lost
+                by_mode[m] += lost
                 ratios.append(mean_val(rs) / bar[m])
+                kept = [r["val_loss"] for r in rs if r["diverged_at"] is None or round_ == 1]
+                finite_ratios.append(float(np.mean(kept)) / bar[m] if kept else math.inf)
         if len(ratios) == len(modes) * len(lrs):
             finite = [x for x in ratios if math.isfinite(x)]
             worst_finite = max(finite) if finite else math.inf
@@ -314,6 +327,8 @@ def select(results: dict[str, dict], dataset: str, steps: int, replicas: int, ro
                 "worst_ratio": max(ratios),
                 "worst_finite_ratio": worst_finite,
                 "ratios": [round(x, 4) for x in ratios],  # per (mode, max_lr), in the round's max_lr order
+                "finite_ratios": [round(x, 4) for x in finite_ratios],  # over the seeds that did not diverge
+                "diverged_by_mode": by_mode,
             }
     winner = None  # round 6's rule compares modes separately (docs/controller.md): read from the scores
     if len(score) == len(candidates) and "design" in candidates:
@@ -343,6 +358,8 @@ def select(results: dict[str, dict], dataset: str, steps: int, replicas: int, ro
         winner = "edge-sync" if repairs(score, "edge-sync", modes, lrs) else "default"
     if round_ == 15 and {"confirm-first", "default"} <= set(score):
         winner = "confirm-first" if all(replicates(score, "confirm-first", m, modes, lrs) for m in modes) else "default"
+    if round_ == 16 and {"revert-first", "default"} <= set(score):
+        winner = "revert-first" if all(holds_up(score, "revert-first", m, modes, lrs) for m in modes) else "default"
     return {"round": round_, "bar": bar, "score": score, "winner": winner}
 
 
@@ -374,6 +391,16 @@ def replicates(score: dict, name: str, mode: str, modes, lrs) -> bool:
     is not higher than "default"'s and its mean ratio is lower (a direction, not a margin)."""
     mine, base = (mode_ratios(score, n, mode, modes, lrs) for n in (name, "default"))
     return all(math.isfinite(x) for x in mine) and max(mine) <= max(base) and np.mean(mine) < np.mean(base)
+
+
+def holds_up(score: dict, name: str, mode: str, modes, lrs) -> bool:
+    """Round 16's reading for one mode: ``name`` has no more diverged runs than "default", and over
+    the seeds that did not diverge its worst ratio over the max_lr is not higher than "default"'s
+    and its mean ratio is lower (round 13's direction, with a divergence counted, not an infinity)."""
+    i = list(modes).index(mode) * len(lrs)
+    mine, base = (score[n]["finite_ratios"][i : i + len(lrs)] for n in (name, "default"))
+    fewer = score[name]["diverged_by_mode"][mode] <= score["default"]["diverged_by_mode"][mode]
+    return fewer and max(mine) <= max(base) and float(np.mean(mine)) < float(np.mean(base))
 
 
 def repairs(score: dict, name: str, modes, lrs) -> bool:

@@ -489,6 +489,18 @@ class BlowupGuard:
             )
 
 
+@dataclass
+class Reading:
+    """What :meth:`Evidence.add` makes of one sync's window: the accumulated evidence, the signed
+    fractions of a full step to move, and (``revert_unconfirmed``) whether this window's move is
+    provisional or the provisional moves before it are taken back."""
+
+    evidence: float
+    fractions: list[float]
+    provisional: bool = False
+    revert: bool = False
+
+
 class Evidence:
     """What the windows say, accumulated per explored hyperparameter, and how far it moves the
     drift (see :class:`DriftController` for ``forget``, ``dead_zone``, ``full_step_at`` and
@@ -496,7 +508,13 @@ class Evidence:
     ``V <- forget^2 * V + 1``; ``Z = S / sqrt(V)`` stays standard normal under pure noise."""
 
     def __init__(
-        self, forget: float, dead_zone: float, full_step_at: float, skip_windows: int, confirm_skipped: bool = False
+        self,
+        forget: float,
+        dead_zone: float,
+        full_step_at: float,
+        skip_windows: int,
+        confirm_skipped: bool = False,
+        revert_unconfirmed: bool = False,
     ) -> None:
         inf = math.inf
         self.forget = check_number("forget", forget, 0.0, 1.0, low_open=False, high_open=True)
@@ -506,32 +524,50 @@ class Evidence:
         )
         self.skip_windows = check_int("skip_windows", skip_windows, 0)
         self.confirm_skipped = bool(confirm_skipped)
+        self.revert_unconfirmed = bool(revert_unconfirmed)
+        if self.confirm_skipped and self.revert_unconfirmed:
+            raise ValueError(
+                "Expected at most one of confirm_skipped and revert_unconfirmed (hold the skipped windows' "
+                "evidence, or move on it and take it back), but got both True"
+            )
         self.sums: dict[str, list[float]] = {}  # per name: [accumulated sum S, its variance V]
         self.held: dict[str, list[float]] = {}  # per name: the skipped windows' z, awaiting confirmation
 
-    def add(self, name: str, z: float, step: int, sync_every: int) -> tuple[float, list[float]]:
-        """Add a sync's ``z`` and return the accumulated ``Z`` and the signed fractions of a full
-        step the drift moves at this sync (:meth:`move`): this window's, after any held ones'.
+    def add(self, name: str, z: float, step: int, sync_every: int) -> Reading:
+        """Add a sync's ``z``; the :class:`Reading` says the accumulated ``Z``, the signed fractions
+        of a full step the drift moves at this sync (:meth:`move`: this window's, after any held
+        ones'), and whether earlier moves are provisional or taken back.
 
         The windows ending at or before ``skip_windows * sync_every`` (the initial transient) add
         nothing. With ``confirm_skipped`` their ``z`` are held instead: if the next window's own
         ``z`` passes the dead zone in the direction the held ones point, they are added first, in
         order, and their moves made now (up to ``skip_windows + 1`` full steps at that sync);
-        otherwise they are dropped."""
+        otherwise they are dropped. With ``revert_unconfirmed`` they are used at once, as without
+        skipping, but provisionally: unless the next window confirms them the same way, they are
+        taken back (``revert``: the caller undoes their moves; the evidence restarts from that
+        window, where ``skip_windows`` alone would stand)."""
         s, v = self.sums.setdefault(name, [0.0, 0.0])
         if step <= self.skip_windows * sync_every:
-            if self.confirm_skipped:
-                self.held.setdefault(name, []).append(float(z))
-            return (s / math.sqrt(v) if v > 0 else 0.0), []
+            if not self.revert_unconfirmed:
+                if self.confirm_skipped:
+                    self.held.setdefault(name, []).append(float(z))
+                return Reading(s / math.sqrt(v) if v > 0 else 0.0, [])
+            self.held.setdefault(name, []).append(float(z))  # used now, judged by the next window
+            s, v = self._accumulate(s, v, [z])
+            self.sums[name] = [s, v]
+            return Reading(s / math.sqrt(v), [self.move(s / math.sqrt(v))], provisional=True)
         held = self.held.pop(name, [])
         pointed = self._accumulate(0.0, 0.0, held)[0]  # where the held windows point, from nothing
         confirmed = abs(z) >= self.dead_zone and pointed * z > 0
+        revert = self.revert_unconfirmed and bool(held) and not confirmed
+        if revert:
+            s, v = 0.0, 0.0
         moves = []
-        for h in (held if confirmed else []) + [z]:
+        for h in (held if confirmed and not self.revert_unconfirmed else []) + [z]:
             s, v = self._accumulate(s, v, [h])
             moves.append(self.move(s / math.sqrt(v)))
         self.sums[name] = [s, v]
-        return s / math.sqrt(v), moves
+        return Reading(s / math.sqrt(v), moves, revert=revert)
 
     def _accumulate(self, s: float, v: float, zs: Sequence[float]) -> tuple[float, float]:
         for z in zs:
@@ -726,6 +762,11 @@ class DriftController(Controller):
         confirm_skipped: the skipped windows' evidence is held, not dropped: it is used (accumulated
             and its moves made) at the next sync if that window's own evidence passes the dead zone
             in the same direction, else dropped (docs/controller.md, round 15).
+        revert_unconfirmed: the skipped windows' evidence is used at once, as without
+            ``skip_windows``, but provisionally: unless the next window's own evidence passes the
+            dead zone in the same direction, their moves are undone at that sync and their
+            evidence dropped (docs/controller.md, round 16). At most one of this and
+            ``confirm_skipped``.
         ceiling: the LR's drift never rises so far that the base LR at a later step would exceed
             the highest LR a healthy replica has trained with so far (:class:`Ceiling`).
     """
@@ -753,10 +794,11 @@ class DriftController(Controller):
         skip_windows: int = 0,
         edge_backoff: bool | str = "sync",
         confirm_skipped: bool = False,
+        revert_unconfirmed: bool = False,
     ) -> None:
         inf = math.inf
         guard = check_number("guard", guard, 1.0, inf, low_open=True, high_open=True)
-        self.evidence = Evidence(forget, dead_zone, full_step_at, skip_windows, confirm_skipped)
+        self.evidence = Evidence(forget, dead_zone, full_step_at, skip_windows, confirm_skipped, revert_unconfirmed)
         self.step = None if step is None else check_number("step", step, 0.0, inf, low_open=True, high_open=True)
         self.max_drift = check_number("max_drift", max_drift, 1.0, inf, low_open=True, high_open=True)
         self.max_rollbacks = check_int("max_rollbacks", max_rollbacks, 0)
@@ -785,6 +827,7 @@ class DriftController(Controller):
         )
         self.blowups = BlowupGuard(guard, step_guard, guard_floor)
         self._drift: dict[str, list[float]] = {}
+        self._provisional: dict[str, list[float]] = {}  # revert_unconfirmed: the moves it may take back
         self.rollbacks = 0  # consecutive
         self.guard_events = 0  # backoffs and rollbacks so far: each halves the LR's upward step (at most 8x)
 
@@ -826,15 +869,17 @@ class DriftController(Controller):
         return (max(logs) - min(logs)) / 2
 
     def _move(
-        self, name: str, change: float, refs: list[float], ceilings: list[float] | None = None
+        self, name: str, change: float | list[float], refs: list[float], ceilings: list[float] | None = None
     ) -> list[tuple[float, float, bool]]:
-        """Add ``change`` to the drift of every target, within max_drift, the bounds and (upward
-        only) ``ceilings``; returns ``(before, after, clipped)`` per target."""
+        """Add ``change`` (one for all targets, or one per target) to the drift of every target,
+        within max_drift, the bounds and (upward only) ``ceilings``; returns ``(before, after,
+        clipped)`` per target."""
         out = []
         cap = math.log(self.max_drift)
         for t, d in enumerate(self._drift[name]):
+            change_t = change[t] if isinstance(change, list) else change
             low, high = -cap, cap
-            if ceilings is not None and change > 0:
+            if ceilings is not None and change_t > 0:
                 high = min(high, max(d, ceilings[t]))
             if name != "lr" or self.ctx.lr_bounds_given:
                 ref = refs[t]
@@ -842,7 +887,7 @@ class DriftController(Controller):
                 if ref > 0:
                     low = max(low, math.log(lo_b / ref) if lo_b > 0 else -math.inf)
                     high = min(high, math.log(hi_b / ref) if math.isfinite(hi_b) else math.inf)
-            raw = d + change
+            raw = d + change_t
             new = min(max(raw, low), high) if low <= high else d
             out.append((d, new, new != raw))
             self._drift[name][t] = new
@@ -867,22 +912,33 @@ class DriftController(Controller):
         for name in self.ctx.names:
             x = self._log_mults(name, stats)
             z = trend_evidence([x[r] for r in ok], [means[r] for r in ok], se) if len(ok) > 1 else 0.0
-            evidence, fractions = self.evidence.add(name, z, stats.step, self.ctx.sync_every)
+            read = self.evidence.add(name, z, stats.step, self.ctx.sync_every)
+            evidence, fractions = read.evidence, read.fractions
             step = self._full_step(name) * (0.5 ** min(self.guard_events, 3) if name == "lr" else 1.0)
             if name == "lr" and self.one_sided:
                 # a window's loss favours the smaller step (short-horizon bias): only blow-ups lower the LR
                 fractions = [max(f, 0.0) for f in fractions]
-            change = step * sum(fractions)
+            taken_back = self._provisional.pop(name, None) if not read.provisional else None
+            change = [
+                step * sum(fractions) - (taken_back[t] if read.revert and taken_back else 0.0)
+                for t in range(self.ctx.num_targets[name])
+            ]
             blown = [r for r in left if health.reasons[r].startswith("blown")]
+            backed_off = False
             if name == "lr" and blown and ok:
                 cut, blown, why = self.backoffs.at_sync(x, ok, blown, stats)
                 if cut > 0:
-                    change = min(change, -cut)
+                    change = [min(c, -cut) for c in change]
                     self.evidence.drop_upward(name)
+                    self._provisional.pop(name, None)
+                    backed_off = True
                     self.guard_events += 1
-                    guard.append(GuardAction("backoff", blown, f"replicas {blown} {why}", change))
+                    guard.append(GuardAction("backoff", blown, f"replicas {blown} {why}", min(change)))
             refs = stats.references[name]
             moved = self._move(name, change, refs, self.ceilings.limits(name, self.ctx.num_targets[name], stats, ok))
+            if read.provisional and not backed_off:
+                so_far = self._provisional.setdefault(name, [0.0] * len(moved))
+                self._provisional[name] = [p + after - before for p, (before, after, _) in zip(so_far, moved)]
             updates[name] = [
                 ControllerUpdate(
                     delta=after - before,
@@ -907,6 +963,7 @@ class DriftController(Controller):
         refs = stats.references["lr"]
         moved = self._move("lr", -cut, refs)
         self.evidence.reset()
+        self._provisional.clear()
         updates = {
             "lr": [
                 ControllerUpdate(
@@ -941,6 +998,7 @@ class DriftController(Controller):
             "drift": dict(self._drift),
             "evidence": {k: list(v) for k, v in self.evidence.sums.items()},
             "held": {k: list(v) for k, v in self.evidence.held.items()},
+            "provisional": {k: list(v) for k, v in self._provisional.items()},
             "rollbacks": self.rollbacks,
             "guard_events": self.guard_events,
             "tested": dict(self.ceilings.tested),
@@ -952,6 +1010,7 @@ class DriftController(Controller):
         self._drift = {k: [float(x) for x in v] for k, v in state["drift"].items()}
         self.evidence.sums = {k: [float(x) for x in v] for k, v in state["evidence"].items()}
         self.evidence.held = {k: [float(x) for x in v] for k, v in state.get("held", {}).items()}
+        self._provisional = {k: [float(x) for x in v] for k, v in state.get("provisional", {}).items()}
         self.rollbacks = int(state.get("rollbacks", 0))
         self.guard_events = int(state.get("guard_events", 0))
         self.ceilings.tested = {k: [float(x) for x in v] for k, v in state.get("tested", {}).items()}

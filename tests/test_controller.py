@@ -240,6 +240,84 @@ def test_confirm_skipped_resumes_with_what_it_holds_and_a_backoff_drops_it():
     assert rolled.state_dict()["held"] == {}
 
 
+def test_revert_unconfirmed_moves_at_once_and_takes_back_what_the_next_window_does_not_confirm():
+    """revert_unconfirmed: the first window moves the drift as the default does; a second window
+    pointing the same way beyond the dead zone keeps it (the default's decisions, value for value);
+    a flat, weak or opposite second window takes it back: the drift and evidence are then the
+    skip-only controller's (round 16). Weight decay (two-sided) alike."""
+    names = ("lr", "weight_decay")
+    up = [windows([1.0, 0.98, 0.96, 0.94], seed=k) for k in range(2)]
+    weak = windows([1.0, 0.998, 0.996, 0.994], noise=0.01, seed=5)
+    flat = windows([1.0] * N, noise=0.01, seed=5)
+    down = windows([0.94, 0.96, 0.98, 1.0], seed=6)
+
+    def run(c, wins, first=1):
+        for k, w in enumerate(wins, first):
+            st = stats(w, step=T * k, c=c, names=names)
+            d = c.update(st, c.health(st))
+        return d
+
+    def make(**kw):
+        c = DriftController(**kw)
+        c.bind(context(names))
+        return c
+
+    c, plain = make(skip_windows=1, revert_unconfirmed=True), make()
+    run(c, up[:1])
+    run(plain, up[:1])
+    assert c.drift == plain.drift and c.drift["lr"][0] > 0.5  # a full step at once
+    assert c.state_dict()["provisional"]["lr"] == pytest.approx(c.drift["lr"])
+    run(c, up[1:], first=2)
+    run(plain, up[1:], first=2)
+    assert c.drift == plain.drift and c.state_dict()["evidence"] == plain.state_dict()["evidence"]
+    assert c.drift["lr"][0] > 1.0  # two full steps: the first window's is kept
+    assert c.state_dict()["provisional"] == {} and c.state_dict()["held"] == {}
+    for second in (flat, weak, down):
+        c, skip = make(skip_windows=1, revert_unconfirmed=True), make(skip_windows=1)
+        run(skip, [up[0], second])
+        d = run(c, [up[0], second])
+        for name in names:
+            assert c.drift[name] == pytest.approx(skip.drift[name], abs=1e-12)
+        assert c.state_dict()["evidence"] == skip.state_dict()["evidence"]
+        assert d.updates["lr"][0].delta < -0.5  # the first window's step taken back at this sync
+    with pytest.raises(ValueError, match="confirm_skipped and revert_unconfirmed"):
+        DriftController(skip_windows=1, confirm_skipped=True, revert_unconfirmed=True)
+
+
+def test_revert_unconfirmed_resumes_with_its_provisional_move_and_a_guard_event_drops_it():
+    up, flat = windows([1.0, 0.98, 0.96, 0.94], seed=0), windows([1.0] * N, noise=0.01, seed=5)
+    a = controller(skip_windows=1, revert_unconfirmed=True)
+    st = stats(up, step=T, c=a)
+    a.update(st, a.health(st))
+    b = controller(skip_windows=1, revert_unconfirmed=True)
+    b.load_state_dict(a.state_dict())  # a job stopped between the first and the second sync
+    for c in (a, b):
+        st = stats(flat, step=2 * T, c=c)
+        c.update(st, c.health(st))
+    assert b.drift == a.drift and a.drift["lr"][0] == pytest.approx(0.0)  # taken back after the resume too
+    # the top replica blows up in the first window: the backoff stands, nothing is taken back later
+    guarded = controller(skip_windows=1, revert_unconfirmed=True, edge_backoff="off")
+    losses = windows([1.0, 0.98, 0.96, 0.94], start=1.0)
+    losses[3, 1:] = 3.0
+    st = stats(losses, step=T, c=guarded)
+    assert [g.kind for g in guarded.update(st, guarded.health(st)).guard] == ["backoff"]
+    after_backoff = guarded.drift["lr"][0]
+    assert after_backoff < 0 and guarded.state_dict()["provisional"] == {}
+    st = stats(flat, step=2 * T, c=guarded)
+    guarded.update(st, guarded.health(st))
+    assert guarded.drift["lr"][0] == after_backoff
+    # a rollback before the second sync drops the provisional move (the rollback's cut stands)
+    rolled = controller(skip_windows=1, revert_unconfirmed=True)
+    st = stats(up, step=T, c=rolled)
+    rolled.update(st, rolled.health(st))
+    rolled.rolled_back(stats(windows([5.0] * N, start=1.0), step=T + 5, c=rolled))
+    cut = rolled.drift["lr"][0]
+    assert rolled.state_dict()["provisional"] == {} and rolled.state_dict()["held"] == {}
+    st = stats(flat, step=2 * T, c=rolled)
+    rolled.update(st, rolled.health(st))
+    assert rolled.drift["lr"][0] == cut
+
+
 def test_a_backoff_drops_the_upward_evidence_it_had():
     """Higher LRs did better among the healthy replicas, but the top one blew up: after the backoff,
     no upward evidence carries over, so a flat next window moves nothing (rounds 1-14 kept that
