@@ -764,9 +764,10 @@ class DriftController(Controller):
             in the same direction, else dropped (docs/controller.md, round 15).
         revert_unconfirmed: the skipped windows' evidence is used at once, as without
             ``skip_windows``, but provisionally: unless the next window's own evidence passes the
-            dead zone in the same direction, their moves are undone at that sync and their
-            evidence dropped (docs/controller.md, round 16). At most one of this and
-            ``confirm_skipped``.
+            dead zone in the same direction, their moves are undone at that sync (the drift goes
+            back to where ``skip_windows`` alone stands) and their evidence dropped; a backoff at
+            that sync cuts from the drift the replicas trained with and the lower of the two stands
+            (docs/controller.md, round 16). At most one of this and ``confirm_skipped``.
         ceiling: the LR's drift never rises so far that the base LR at a later step would exceed
             the highest LR a healthy replica has trained with so far (:class:`Ceiling`).
     """
@@ -869,29 +870,41 @@ class DriftController(Controller):
         return (max(logs) - min(logs)) / 2
 
     def _move(
-        self, name: str, change: float | list[float], refs: list[float], ceilings: list[float] | None = None
+        self,
+        name: str,
+        change: float | list[float],
+        refs: list[float],
+        ceilings: list[float] | None = None,
+        start: list[float] | None = None,
     ) -> list[tuple[float, float, bool]]:
-        """Add ``change`` (one for all targets, or one per target) to the drift of every target,
-        within max_drift, the bounds and (upward only) ``ceilings``; returns ``(before, after,
-        clipped)`` per target."""
+        """Move the drift of every target by ``change`` (one for all, or one per target) from
+        ``start`` (default: where it stands); returns ``(before, after, clipped)`` per target."""
         out = []
-        cap = math.log(self.max_drift)
         for t, d in enumerate(self._drift[name]):
             change_t = change[t] if isinstance(change, list) else change
-            low, high = -cap, cap
-            if ceilings is not None and change_t > 0:
-                high = min(high, max(d, ceilings[t]))
-            if name != "lr" or self.ctx.lr_bounds_given:
-                ref = refs[t]
-                lo_b, hi_b = self.ctx.bounds[name][t]
-                if ref > 0:
-                    low = max(low, math.log(lo_b / ref) if lo_b > 0 else -math.inf)
-                    high = min(high, math.log(hi_b / ref) if math.isfinite(hi_b) else math.inf)
-            raw = d + change_t
-            new = min(max(raw, low), high) if low <= high else d
-            out.append((d, new, new != raw))
+            new, clipped = self._clamped(name, t, d if start is None else start[t], change_t, refs, ceilings)
+            out.append((d, new, clipped))
             self._drift[name][t] = new
         return out
+
+    def _clamped(
+        self, name: str, t: int, d: float, change: float, refs: list[float], ceilings: list[float] | None
+    ) -> tuple[float, bool]:
+        """``d + change`` within max_drift, the bounds and (upward only) ``ceilings``, and whether
+        that clipped it."""
+        cap = math.log(self.max_drift)
+        low, high = -cap, cap
+        if ceilings is not None and change > 0:
+            high = min(high, max(d, ceilings[t]))
+        if name != "lr" or self.ctx.lr_bounds_given:
+            ref = refs[t]
+            lo_b, hi_b = self.ctx.bounds[name][t]
+            if ref > 0:
+                low = max(low, math.log(lo_b / ref) if lo_b > 0 else -math.inf)
+                high = min(high, math.log(hi_b / ref) if math.isfinite(hi_b) else math.inf)
+        raw = d + change
+        new = min(max(raw, low), high) if low <= high else d
+        return new, new != raw
 
     def update(self, stats: WindowStats, health: Health) -> Decision:
         self.rollbacks = 0
@@ -918,27 +931,27 @@ class DriftController(Controller):
             if name == "lr" and self.one_sided:
                 # a window's loss favours the smaller step (short-horizon bias): only blow-ups lower the LR
                 fractions = [max(f, 0.0) for f in fractions]
-            taken_back = self._provisional.pop(name, None) if not read.provisional else None
-            change = [
-                step * sum(fractions) - (taken_back[t] if read.revert and taken_back else 0.0)
-                for t in range(self.ctx.num_targets[name])
-            ]
+            refs = stats.references[name]
+            # revert_unconfirmed: where skip_windows alone would stand (no move in the provisional windows)
+            unmoved = self._provisional.pop(name, list(self._drift[name]))
+            start = unmoved if read.revert else None  # taken back: this sync moves from there
+            undone = [d - u for d, u in zip(self._drift[name], unmoved)] if read.revert else [0.0] * len(unmoved)
+            change = [step * sum(fractions)] * len(unmoved)
             blown = [r for r in left if health.reasons[r].startswith("blown")]
             backed_off = False
             if name == "lr" and blown and ok:
                 cut, blown, why = self.backoffs.at_sync(x, ok, blown, stats)
-                if cut > 0:
-                    change = [min(c, -cut) for c in change]
-                    self.evidence.drop_upward(name)
-                    self._provisional.pop(name, None)
+                if cut > 0:  # cut from the drift the replicas trained with, taken back or not
+                    change = [min(c, u - cut) for c, u in zip(change, undone)]
+                    self.evidence.drop_upward(name)  # and the held windows: nothing provisional is left
                     backed_off = True
                     self.guard_events += 1
-                    guard.append(GuardAction("backoff", blown, f"replicas {blown} {why}", min(change)))
-            refs = stats.references[name]
-            moved = self._move(name, change, refs, self.ceilings.limits(name, self.ctx.num_targets[name], stats, ok))
+                    moved_by = min(c - u for c, u in zip(change, undone))  # from the drift trained with
+                    guard.append(GuardAction("backoff", blown, f"replicas {blown} {why}", moved_by))
+            ceilings = self.ceilings.limits(name, self.ctx.num_targets[name], stats, ok)
+            moved = self._move(name, change, refs, ceilings, start)
             if read.provisional and not backed_off:
-                so_far = self._provisional.setdefault(name, [0.0] * len(moved))
-                self._provisional[name] = [p + after - before for p, (before, after, _) in zip(so_far, moved)]
+                self._provisional[name] = [self._clamped(name, t, u, 0.0, refs, None)[0] for t, u in enumerate(unmoved)]
             updates[name] = [
                 ControllerUpdate(
                     delta=after - before,

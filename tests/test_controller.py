@@ -244,9 +244,9 @@ def test_revert_unconfirmed_moves_at_once_and_takes_back_what_the_next_window_do
     """revert_unconfirmed: the first window moves the drift as the default does; a second window
     pointing the same way beyond the dead zone keeps it (the default's decisions, value for value);
     a flat, weak or opposite second window takes it back: the drift and evidence are then the
-    skip-only controller's (round 16). Weight decay (two-sided) alike."""
+    skip-only controller's, exactly (round 16). Weight decay (two-sided) alike."""
     names = ("lr", "weight_decay")
-    up = [windows([1.0, 0.98, 0.96, 0.94], seed=k) for k in range(2)]
+    up = [windows([1.0, 0.98, 0.96, 0.94], seed=k) for k in range(3)]
     weak = windows([1.0, 0.998, 0.996, 0.994], noise=0.01, seed=5)
     flat = windows([1.0] * N, noise=0.01, seed=5)
     down = windows([0.94, 0.96, 0.98, 1.0], seed=6)
@@ -266,9 +266,9 @@ def test_revert_unconfirmed_moves_at_once_and_takes_back_what_the_next_window_do
     run(c, up[:1])
     run(plain, up[:1])
     assert c.drift == plain.drift and c.drift["lr"][0] > 0.5  # a full step at once
-    assert c.state_dict()["provisional"]["lr"] == pytest.approx(c.drift["lr"])
-    run(c, up[1:], first=2)
-    run(plain, up[1:], first=2)
+    assert c.state_dict()["provisional"]["lr"] == [0.0]  # where skip-first stands, to go back to
+    run(c, up[1:2], first=2)
+    run(plain, up[1:2], first=2)
     assert c.drift == plain.drift and c.state_dict()["evidence"] == plain.state_dict()["evidence"]
     assert c.drift["lr"][0] > 1.0  # two full steps: the first window's is kept
     assert c.state_dict()["provisional"] == {} and c.state_dict()["held"] == {}
@@ -276,12 +276,43 @@ def test_revert_unconfirmed_moves_at_once_and_takes_back_what_the_next_window_do
         c, skip = make(skip_windows=1, revert_unconfirmed=True), make(skip_windows=1)
         run(skip, [up[0], second])
         d = run(c, [up[0], second])
-        for name in names:
-            assert c.drift[name] == pytest.approx(skip.drift[name], abs=1e-12)
-        assert c.state_dict()["evidence"] == skip.state_dict()["evidence"]
+        assert c.drift == skip.drift and c.state_dict()["evidence"] == skip.state_dict()["evidence"]
         assert d.updates["lr"][0].delta < -0.5  # the first window's step taken back at this sync
+    # two provisional windows (skip_windows=2) taken back together by a flat third
+    c, skip = make(skip_windows=2, revert_unconfirmed=True), make(skip_windows=2)
+    run(c, up[:2])
+    assert c.drift["lr"][0] > 1.0
+    for x in (c, skip):
+        run(x, [flat], first=3)
+    assert c.drift == skip.drift and c.state_dict()["evidence"] == skip.state_dict()["evidence"]
     with pytest.raises(ValueError, match="confirm_skipped and revert_unconfirmed"):
         DriftController(skip_windows=1, confirm_skipped=True, revert_unconfirmed=True)
+
+
+def test_revert_unconfirmed_goes_back_to_where_skip_first_stands_per_target_within_bounds():
+    """Two param groups whose bounds clip differently while OneCycle's reference rises: taking the
+    first move back lands each target where skip-first's drift stands (its own clamp included)."""
+    ctx = ControllerContext(
+        names=["lr"], num_targets={"lr": 2}, multipliers={"lr": RHO}, bounds={"lr": [(0.01, 1.0), (1e-7, 1.0)]},
+        lr_bounds_given=True, world_size=N, total_steps=1000, sync_every=T, start_step=0,
+        div_factor=25.0, final_div_factor=1e4,
+    )  # fmt: skip
+    up, flat = windows([1.0, 0.98, 0.96, 0.94], seed=1), windows([1.0] * N, seed=2)
+    out = []
+    for kw in ({"revert_unconfirmed": True}, {}):
+        c = DriftController(skip_windows=1, **kw)
+        c.bind(ctx)
+        for k, (w, ref) in enumerate([(up, 0.008), (flat, 0.05)], 1):
+            refs = {"lr": [ref, ref]}
+            st = WindowStats(
+                step=T * k, losses=w, counts=[T] * N, sums=[float(r.sum()) for r in w], finite=[True] * N,
+                perms={"lr": [0, 1, 2, 3]}, references=refs,
+                values={"lr": [[c.base("lr", t, ref) * RHO[p] for t in range(2)] for p in range(N)]},
+            )  # fmt: skip
+            c.update(st, c.health(st))
+        out.append(c.drift["lr"])
+    assert out[0] == out[1]
+    assert out[0][0] == pytest.approx(math.log(0.01 / 0.008)) and out[0][1] == 0.0  # the bound's clamp stays
 
 
 def test_revert_unconfirmed_resumes_with_its_provisional_move_and_a_guard_event_drops_it():
@@ -294,18 +325,36 @@ def test_revert_unconfirmed_resumes_with_its_provisional_move_and_a_guard_event_
     for c in (a, b):
         st = stats(flat, step=2 * T, c=c)
         c.update(st, c.health(st))
-    assert b.drift == a.drift and a.drift["lr"][0] == pytest.approx(0.0)  # taken back after the resume too
-    # the top replica blows up in the first window: the backoff stands, nothing is taken back later
-    guarded = controller(skip_windows=1, revert_unconfirmed=True, edge_backoff="off")
+    assert b.drift == a.drift == {"lr": [0.0]}  # taken back after the resume too
+    # the top replica blows up in the first window: the backoff stands, and from there the
+    # default's decisions and evidence
+    guarded, plain = (
+        controller(skip_windows=1, revert_unconfirmed=True, edge_backoff="off"),
+        controller(edge_backoff="off"),
+    )
     losses = windows([1.0, 0.98, 0.96, 0.94], start=1.0)
     losses[3, 1:] = 3.0
-    st = stats(losses, step=T, c=guarded)
-    assert [g.kind for g in guarded.update(st, guarded.health(st)).guard] == ["backoff"]
-    after_backoff = guarded.drift["lr"][0]
-    assert after_backoff < 0 and guarded.state_dict()["provisional"] == {}
-    st = stats(flat, step=2 * T, c=guarded)
-    guarded.update(st, guarded.health(st))
-    assert guarded.drift["lr"][0] == after_backoff
+    for c in (guarded, plain):
+        st = stats(losses, step=T, c=c)
+        assert [g.kind for g in c.update(st, c.health(st)).guard] == ["backoff"]
+        st = stats(flat, step=2 * T, c=c)
+        c.update(st, c.health(st))
+    assert guarded.drift == plain.drift and guarded.drift["lr"][0] < 0
+    assert guarded.state_dict()["evidence"] == plain.state_dict()["evidence"]
+    assert guarded.state_dict()["provisional"] == {}
+    # a blow-up at the deciding sync: the notch is cut from the drift the replicas trained with,
+    # and the drift ends at the lower of that and where taking the move back leads
+    notch = math.log(RHO[3]) - math.log(RHO[2])
+    blown = windows([1.0] * N, noise=0.01, seed=5, start=1.0)
+    blown[3, 1:] = 3.0
+    c = controller(skip_windows=1, revert_unconfirmed=True, edge_backoff="off")
+    st = stats(up, step=T, c=c)
+    c.update(st, c.health(st))
+    trained_with = c.drift["lr"][0]
+    st = stats(blown, step=2 * T, c=c)
+    d = c.update(st, c.health(st))
+    assert [g.kind for g in d.guard] == ["backoff"] and d.guard[0].drift_change == pytest.approx(-trained_with)
+    assert c.drift["lr"][0] == min(0.0, trained_with - notch) == 0.0  # the notch is smaller than the move
     # a rollback before the second sync drops the provisional move (the rollback's cut stands)
     rolled = controller(skip_windows=1, revert_unconfirmed=True)
     st = stats(up, step=T, c=rolled)
