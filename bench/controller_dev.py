@@ -140,6 +140,12 @@ ROUNDS: dict[int, dict[str, dict | None]] = {
         "revert-first": {"skip_windows": 1, "revert_unconfirmed": True},
         "default": {},
     },
+    # Round 17 (shared; a check with independent replicas): round 16's revert-first only where the
+    # gradients are found shared, against today's defaults (docs/controller.md, "Round 17").
+    17: {
+        "revert-shared": {"skip_windows": 1, "revert_unconfirmed": "shared"},
+        "default": {},
+    },
 }
 # The arms that ran with the sign error in Evidence.drop_upward fixed in round 15: every arm before
 # round 15 (so that rerunning them reproduces their records) and round 15's "published".
@@ -159,12 +165,13 @@ SEEDS = {
     14: (118, 119, 120),
     15: (121, 122, 123),
     16: (124, 125, 126),
+    17: (127, 128, 129),
 }
 CANDIDATES: dict[str, dict | None] = {k: v for r in ROUNDS.values() for k, v in r.items()}
 REFERENCE_LRS = (0.02, 0.05, 0.1, 0.2, 0.5)
 CANDIDATE_LRS = (0.02, 0.1, 0.5)
 # rounds that run the candidates at other max_lr
-ROUND_LRS = {r: (0.02, 0.1, 0.2, 0.5) for r in (11, 12, 13, 14, 15, 16)}
+ROUND_LRS = {r: (0.02, 0.1, 0.2, 0.5) for r in (11, 12, 13, 14, 15, 16, 17)}
 MODES = ("shared", "independent")
 
 
@@ -361,6 +368,8 @@ def select(results: dict[str, dict], dataset: str, steps: int, replicas: int, ro
         winner = "confirm-first" if all(replicates(score, "confirm-first", m, modes, lrs) for m in modes) else "default"
     if round_ == 16 and {"revert-first", "default"} <= set(score):
         winner = "revert-first" if all(holds_up(score, "revert-first", m, modes, lrs) for m in modes) else "default"
+    if round_ == 17 and {"revert-shared", "default"} <= set(score) and "shared" in modes:
+        winner = "revert-shared" if holds_up(score, "revert-shared", "shared", modes, lrs) else "default"
     return {"round": round_, "bar": bar, "score": score, "winner": winner}
 
 

@@ -533,7 +533,7 @@ class Evidence:
         self.sums: dict[str, list[float]] = {}  # per name: [accumulated sum S, its variance V]
         self.held: dict[str, list[float]] = {}  # per name: the skipped windows' z, awaiting confirmation
 
-    def add(self, name: str, z: float, step: int, sync_every: int) -> Reading:
+    def add(self, name: str, z: float, step: int, sync_every: int, keep: bool = False) -> Reading:
         """Add a sync's ``z``; the :class:`Reading` says the accumulated ``Z``, the signed fractions
         of a full step the drift moves at this sync (:meth:`move`: this window's, after any held
         ones'), and whether earlier moves are provisional or taken back.
@@ -545,7 +545,8 @@ class Evidence:
         otherwise they are dropped. With ``revert_unconfirmed`` they are used at once, as without
         skipping, but provisionally: unless the next window confirms them the same way, they are
         taken back (``revert``: the caller undoes their moves; the evidence restarts from that
-        window, where ``skip_windows`` alone would stand)."""
+        window, where ``skip_windows`` alone would stand). ``keep``: never taken back (the
+        default's decisions; ``revert_unconfirmed="shared"`` with independent replicas)."""
         s, v = self.sums.setdefault(name, [0.0, 0.0])
         if step <= self.skip_windows * sync_every:
             if not self.revert_unconfirmed:
@@ -559,7 +560,7 @@ class Evidence:
         held = self.held.pop(name, [])
         pointed = self._accumulate(0.0, 0.0, held)[0]  # where the held windows point, from nothing
         confirmed = abs(z) >= self.dead_zone and pointed * z > 0
-        revert = self.revert_unconfirmed and bool(held) and not confirmed
+        revert = self.revert_unconfirmed and bool(held) and not confirmed and not keep
         if revert:
             s, v = 0.0, 0.0
         moves = []
@@ -768,6 +769,9 @@ class DriftController(Controller):
             back to where ``skip_windows`` alone stands) and their evidence dropped; a backoff at
             that sync cuts from the drift the replicas trained with and the lower of the two stands
             (docs/controller.md, round 16). At most one of this and ``confirm_skipped``.
+            ``"shared"``: only when the ranks' gradients were found shared (DDP; decided by
+            ``step_guard_scope="auto"``, see there); with independent replicas, or undecided, the
+            provisional moves are kept (docs/controller.md, round 17).
         ceiling: the LR's drift never rises so far that the base LR at a later step would exceed
             the highest LR a healthy replica has trained with so far (:class:`Ceiling`).
     """
@@ -795,11 +799,17 @@ class DriftController(Controller):
         skip_windows: int = 0,
         edge_backoff: bool | str = "sync",
         confirm_skipped: bool = False,
-        revert_unconfirmed: bool = False,
+        revert_unconfirmed: bool | str = False,
     ) -> None:
         inf = math.inf
         guard = check_number("guard", guard, 1.0, inf, low_open=True, high_open=True)
-        self.evidence = Evidence(forget, dead_zone, full_step_at, skip_windows, confirm_skipped, revert_unconfirmed)
+        if revert_unconfirmed not in (False, True, "shared"):
+            raise ValueError(f"Expected revert_unconfirmed in (False, True, 'shared'), but got {revert_unconfirmed!r}")
+        self.revert_unconfirmed = revert_unconfirmed
+        self.shared_gradients: bool | None = None  # told once by the scheduler (resolve_scope)
+        self.evidence = Evidence(
+            forget, dead_zone, full_step_at, skip_windows, confirm_skipped, bool(revert_unconfirmed)
+        )
         self.step = None if step is None else check_number("step", step, 0.0, inf, low_open=True, high_open=True)
         self.max_drift = check_number("max_drift", max_drift, 1.0, inf, low_open=True, high_open=True)
         self.max_rollbacks = check_int("max_rollbacks", max_rollbacks, 0)
@@ -849,6 +859,11 @@ class DriftController(Controller):
 
     def health(self, stats: WindowStats) -> Health:
         return self.blowups.health(stats, self.rollback)
+
+    def resolve_scope(self, shared_gradients: bool) -> None:
+        if self.step_guard_scope == "auto" and self.shared_gradients is None:
+            self.shared_gradients = bool(shared_gradients)
+        super().resolve_scope(shared_gradients)
 
     def check_step(self, losses: Sequence[float], firsts: Sequence[float]) -> str | None:
         return self.blowups.check_step(losses, firsts)
@@ -925,7 +940,8 @@ class DriftController(Controller):
         for name in self.ctx.names:
             x = self._log_mults(name, stats)
             z = trend_evidence([x[r] for r in ok], [means[r] for r in ok], se) if len(ok) > 1 else 0.0
-            read = self.evidence.add(name, z, stats.step, self.ctx.sync_every)
+            keep = self.revert_unconfirmed == "shared" and self.shared_gradients is not True
+            read = self.evidence.add(name, z, stats.step, self.ctx.sync_every, keep)
             evidence, fractions = read.evidence, read.fractions
             step = self._full_step(name) * (0.5 ** min(self.guard_events, 3) if name == "lr" else 1.0)
             if name == "lr" and self.one_sided:
@@ -1016,6 +1032,7 @@ class DriftController(Controller):
             "guard_events": self.guard_events,
             "tested": dict(self.ceilings.tested),
             "step_guard_scope": self.step_guard_scope,  # "auto" once resolved from the gradients
+            "shared_gradients": self.shared_gradients,
             "start_loss": self.blowups.start_loss,
         }
 
@@ -1028,6 +1045,8 @@ class DriftController(Controller):
         self.guard_events = int(state.get("guard_events", 0))
         self.ceilings.tested = {k: [float(x) for x in v] for k, v in state.get("tested", {}).items()}
         self.blowups.start_loss = float(state.get("start_loss", math.nan))
+        shared = state.get("shared_gradients")
+        self.shared_gradients = None if shared is None else bool(shared)
         if self.step_guard_scope == "auto" and state.get("step_guard_scope") in ("all", "local"):
             self.step_guard_scope = state["step_guard_scope"]
 

@@ -928,3 +928,39 @@ def test_a_guard_storm_warns_once_and_names_guard_floor(caplog):
             c.update(blown, c.health(blown))
     warned = [r.getMessage() for r in caplog.records]
     assert len(warned) == 1 and "5 syncs in a row" in warned[0] and "guard_floor" in warned[0]
+
+
+def test_revert_unconfirmed_shared_takes_back_only_under_shared_gradients():
+    """revert_unconfirmed="shared" (round 17): with gradients found shared it is revert_unconfirmed=True;
+    with independent replicas, or before the scheduler has told, it is the default; the finding is
+    in the state, and a bad value is refused naming the argument."""
+    up, flat = windows([1.0, 0.98, 0.96, 0.94], seed=0), windows([1.0] * N, noise=0.01, seed=5)
+
+    def run(c, told=None):
+        if told is not None:
+            c.resolve_scope(told)
+        for k, w in enumerate([up, flat], 1):
+            st = stats(w, step=T * k, c=c)
+            c.update(st, c.health(st))
+        return c
+
+    revert, plain = run(controller(skip_windows=1, revert_unconfirmed=True)), run(controller())
+    assert revert.drift != plain.drift
+    assert run(controller(skip_windows=1, revert_unconfirmed="shared"), told=True).drift == revert.drift
+    for told in (False, None):
+        c = run(controller(skip_windows=1, revert_unconfirmed="shared"), told=told)
+        assert c.drift == plain.drift and c.state_dict()["evidence"] == plain.state_dict()["evidence"]
+    # told between the syncs of a resumed job: the finding comes back with the state
+    a = controller(skip_windows=1, revert_unconfirmed="shared")
+    a.resolve_scope(True)
+    st = stats(up, step=T, c=a)
+    a.update(st, a.health(st))
+    b = controller(skip_windows=1, revert_unconfirmed="shared")
+    b.load_state_dict(a.state_dict())
+    assert b.shared_gradients is True and b.step_guard_scope == "all"
+    for c in (a, b):
+        st = stats(flat, step=2 * T, c=c)
+        c.update(st, c.health(st))
+    assert a.drift == b.drift == revert.drift
+    with pytest.raises(ValueError, match=r"revert_unconfirmed in \(False, True, 'shared'\), but got 'ddp'"):
+        DriftController(skip_windows=1, revert_unconfirmed="ddp")
