@@ -183,8 +183,12 @@ class InvertedDrop(Evidence):
         self.sums[name][0] = min(self.sums[name][0], 0.0)
 
 
+# The first-window defaults before round 17 adopted revert-shared: every earlier arm ran with them.
+BEFORE_ROUND_17 = {"skip_windows": 0, "revert_unconfirmed": False}
+
+
 def drift_controller(settings: dict, round_: int, arm: str) -> DriftController:
-    ctrl = DriftController(**settings)
+    ctrl = DriftController(**(BEFORE_ROUND_17 | settings if round_ <= 17 else settings))
     if (round_, arm) in INVERTED_DROP:
         e = ctrl.evidence
         ctrl.evidence = InvertedDrop(

@@ -754,12 +754,15 @@ class DriftController(Controller):
             floor. Near-zero training losses (a small dataset learned by heart) are noisy by ratio:
             one batch at 10x the window's first loss is noise there, not a blow-up (the default
             since round 10, docs/controller.md).
-        skip_windows: the evidence of the windows that end at or before step
-            ``skip_windows * sync_every`` of the schedule is not used (no move, no accumulation);
-            the guard acts regardless. The first window of a run started from scratch measures the
-            initial transient (the loss falls from its starting value and the larger step is ahead
-            at every max_lr), not where the peak should be (docs/controller.md, round 11). A resumed
-            or wrapped schedule past those steps is not affected.
+        skip_windows: the windows that end at or before step ``skip_windows * sync_every`` of the
+            schedule (1: the first window of a run started from scratch) may measure the initial
+            transient (the loss falls from its starting value and the larger step is ahead at
+            every max_lr), not where the peak should be (docs/controller.md, round 11). What
+            happens to their evidence: ``revert_unconfirmed`` (the default: used at once, taken
+            back with shared gradients unless the next window confirms it), ``confirm_skipped``
+            (held until the next window confirms it), or, with both off, not used at all (no move,
+            no accumulation). The guard acts regardless. A resumed or wrapped schedule past those
+            steps is not affected; ``skip_windows=0`` uses every window as it comes.
         confirm_skipped: the skipped windows' evidence is held, not dropped: it is used (accumulated
             and its moves made) at the next sync if that window's own evidence passes the dead zone
             in the same direction, else dropped (docs/controller.md, round 15).
@@ -771,7 +774,8 @@ class DriftController(Controller):
             (docs/controller.md, round 16). At most one of this and ``confirm_skipped``.
             ``"shared"``: only when the ranks' gradients were found shared (DDP; decided by
             ``step_guard_scope="auto"``, see there); with independent replicas, or undecided, the
-            provisional moves are kept (docs/controller.md, round 17).
+            provisional moves are kept (docs/controller.md, round 17). None (the default since
+            round 17): ``"shared"``, or False with ``confirm_skipped``.
         ceiling: the LR's drift never rises so far that the base LR at a later step would exceed
             the highest LR a healthy replica has trained with so far (:class:`Ceiling`).
     """
@@ -796,15 +800,19 @@ class DriftController(Controller):
         step_guard_scope: str = "auto",
         trip_backoff: str = "ramp",
         guard_floor: float | None = 0.5,
-        skip_windows: int = 0,
+        skip_windows: int = 1,
         edge_backoff: bool | str = "sync",
         confirm_skipped: bool = False,
-        revert_unconfirmed: bool | str = False,
+        revert_unconfirmed: bool | str | None = None,
     ) -> None:
         inf = math.inf
         guard = check_number("guard", guard, 1.0, inf, low_open=True, high_open=True)
+        if revert_unconfirmed is None:  # the default since round 17, unless the skipped windows are held
+            revert_unconfirmed = False if confirm_skipped else "shared"
         if revert_unconfirmed not in (False, True, "shared"):
-            raise ValueError(f"Expected revert_unconfirmed in (False, True, 'shared'), but got {revert_unconfirmed!r}")
+            raise ValueError(
+                f"Expected revert_unconfirmed in (False, True, 'shared') or None, but got {revert_unconfirmed!r}"
+            )
         self.revert_unconfirmed = revert_unconfirmed
         self.shared_gradients: bool | None = None  # told once by the scheduler (resolve_scope)
         self.evidence = Evidence(

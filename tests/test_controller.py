@@ -127,7 +127,7 @@ def test_skip_windows_ignores_the_first_windows_evidence_but_not_the_guard():
     """The first window's evidence (steps up to skip_windows * sync_every) neither moves the drift
     nor accumulates; from the next window on the controller decides as a fresh one would."""
     clear = [windows([1.0, 0.98, 0.96, 0.94], seed=k) for k in range(3)]
-    skip, fresh = controller(skip_windows=1), controller()
+    skip, fresh = controller(skip_windows=1, revert_unconfirmed=False), controller()
     st = stats(clear[0], step=T, c=skip)
     d = skip.update(st, skip.health(st))
     assert skip.drift["lr"] == [0.0] and d.updates["lr"][0].delta == 0.0
@@ -138,13 +138,13 @@ def test_skip_windows_ignores_the_first_windows_evidence_but_not_the_guard():
         fresh.update(b, fresh.health(b))
         assert skip.drift["lr"] == pytest.approx(fresh.drift["lr"]) and skip.drift["lr"][0] > 0
     # a resumed or wrapped schedule past the first window: nothing is skipped
-    late, plain = controller(skip_windows=1), controller()
+    late, plain = controller(skip_windows=1, revert_unconfirmed=False), controller()
     for c in (late, plain):
         st = stats(clear[0], step=5 * T, c=c)
         c.update(st, c.health(st))
     assert late.drift == plain.drift and late.drift["lr"][0] > 0
     # the guard acts in a skipped window: the top replica blew up, one notch down (the notch rule)
-    guarded = controller(skip_windows=1, edge_backoff="off")
+    guarded = controller(skip_windows=1, revert_unconfirmed=False, edge_backoff="off")
     losses = windows([1.0, 1.0, 1.0, 1.0], noise=0.001, start=1.0)
     losses[3, 1:] = 3.0
     st = stats(losses, step=T, c=guarded)
@@ -186,7 +186,7 @@ def test_confirm_skipped_holds_the_first_windows_evidence_until_the_next_window_
     assert held.state_dict()["held"] == {}
     weak = windows([1.0, 0.998, 0.996, 0.994], noise=0.01, seed=5)  # "up" too, but inside the dead zone
     for second in (flat, weak, down):  # not confirmed: the skip-only controller's decisions
-        c, skip = make(skip_windows=1, confirm_skipped=True), make(skip_windows=1)
+        c, skip = make(skip_windows=1, confirm_skipped=True), make(skip_windows=1, revert_unconfirmed=False)
         run(c, [up[0], second])
         run(skip, [up[0], second])
         assert c.drift == skip.drift and c.state_dict()["evidence"] == skip.state_dict()["evidence"]
@@ -273,13 +273,13 @@ def test_revert_unconfirmed_moves_at_once_and_takes_back_what_the_next_window_do
     assert c.drift["lr"][0] > 1.0  # two full steps: the first window's is kept
     assert c.state_dict()["provisional"] == {} and c.state_dict()["held"] == {}
     for second in (flat, weak, down):
-        c, skip = make(skip_windows=1, revert_unconfirmed=True), make(skip_windows=1)
+        c, skip = make(skip_windows=1, revert_unconfirmed=True), make(skip_windows=1, revert_unconfirmed=False)
         run(skip, [up[0], second])
         d = run(c, [up[0], second])
         assert c.drift == skip.drift and c.state_dict()["evidence"] == skip.state_dict()["evidence"]
         assert d.updates["lr"][0].delta < -0.5  # the first window's step taken back at this sync
     # two provisional windows (skip_windows=2) taken back together by a flat third
-    c, skip = make(skip_windows=2, revert_unconfirmed=True), make(skip_windows=2)
+    c, skip = make(skip_windows=2, revert_unconfirmed=True), make(skip_windows=2, revert_unconfirmed=False)
     run(c, up[:2])
     assert c.drift["lr"][0] > 1.0
     for x in (c, skip):
@@ -300,7 +300,7 @@ def test_revert_unconfirmed_goes_back_to_where_skip_first_stands_per_target_with
     up, flat = windows([1.0, 0.98, 0.96, 0.94], seed=1), windows([1.0] * N, seed=2)
     out = []
     for kw in ({"revert_unconfirmed": True}, {}):
-        c = DriftController(skip_windows=1, **kw)
+        c = DriftController(skip_windows=1, **({"revert_unconfirmed": False} | kw))
         c.bind(ctx)
         for k, (w, ref) in enumerate([(up, 0.008), (flat, 0.05)], 1):
             refs = {"lr": [ref, ref]}
@@ -962,5 +962,14 @@ def test_revert_unconfirmed_shared_takes_back_only_under_shared_gradients():
         st = stats(flat, step=2 * T, c=c)
         c.update(st, c.health(st))
     assert a.drift == b.drift == revert.drift
-    with pytest.raises(ValueError, match=r"revert_unconfirmed in \(False, True, 'shared'\), but got 'ddp'"):
+    with pytest.raises(ValueError, match=r"revert_unconfirmed in \(False, True, 'shared'\) or None, but got 'ddp'"):
         DriftController(skip_windows=1, revert_unconfirmed="ddp")
+
+
+def test_the_first_window_defaults_are_round_17s():
+    """Since round 17: the first window is provisional and taken back under shared gradients unless
+    the second confirms it; holding it (confirm_skipped) turns the take-back off by default."""
+    c = DriftController()
+    assert (c.evidence.skip_windows, c.revert_unconfirmed, c.evidence.revert_unconfirmed) == (1, "shared", True)
+    held = DriftController(confirm_skipped=True)
+    assert (held.revert_unconfirmed, held.evidence.confirm_skipped) == (False, True)
