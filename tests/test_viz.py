@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from hdet_track.compare import comparison_rows, diverged_at
-from hdet_track.events import ControllerDecision, Converge, RunStart
+from hdet_track.events import ControllerDecision, Converge, Guard, RunStart
 from hdet_track.readers.base import HDETRun, StepTable
 from hdet_track.record import ExploredSpec
 from hdet_track.schedule import multipliers
@@ -25,6 +25,7 @@ from hdet_track.viz import (
     schedule_csv,
 )
 from hdet_track.viz._common import downsample
+from hdet_track.viz.controller import taken_back_steps
 
 
 def make_run(n=4, steps=100, T=10, spread=0.3, nan_replica=None, name="run", schedule="hdet", lr_scale=1.0):
@@ -136,6 +137,31 @@ def test_controller_plot_shows_base_onecycle_drift():
     drift = next(t for t in fig.data if t.name == "drift")
     assert list(base.x) == list(range(20, 101, 10))
     assert np.allclose(drift.y, np.asarray(base.y) / np.asarray(onecycle.y))
+
+
+def test_controller_plot_marks_a_taken_back_first_move_but_not_a_backoff_or_the_paper_controller():
+    """The drift controller's LR drift going down with no guard action at that sync is a provisional
+    move taken back (revert_unconfirmed): marked on the drift panel; a backoff's cut is marked as the
+    backoff; the paper controller's downward deltas are its decay, not marked."""
+
+    def decision(step, delta, controller="drift"):
+        return ControllerDecision(
+            step=step, name="lr", weights=[0.5, 0.5], delta=[delta], velocity=[0.0], base_before=[0.1],
+            base_after=[0.1], gamma=0.0, permutation=[0, 1], onecycle=[0.1], controller=controller,
+        )  # fmt: skip
+
+    def marked(run):
+        return [a.x for a in plot_controller(run).layout.annotations if a.text == "taken back"]
+
+    run = HDETRun(
+        run_id="t",
+        controller=[decision(25, 0.55), decision(50, -0.55), decision(75, -0.3)],
+        guard=[Guard(step=75, action="backoff", replicas=[1], reason="blown up", drift_change=-0.3)],
+    )
+    assert taken_back_steps(run) == [50] and marked(run) == [50]
+    assert [a.x for a in plot_controller(run).layout.annotations if a.text == "backoff"] == [75]
+    paper = HDETRun(run_id="p", controller=[decision(25, 0.1, "paper"), decision(50, -0.4, "paper")])
+    assert taken_back_steps(paper) == [] and marked(paper) == []
 
 
 def test_empty_and_single_replica_runs_draw_notes_not_errors():

@@ -11,7 +11,13 @@ from plotly.subplots import make_subplots
 from ..readers.base import HDETRun
 from ._common import MAX_POINTS, downsample, empty_figure, titled
 
-__all__ = ["plot_controller"]
+__all__ = ["plot_controller", "taken_back_steps"]
+
+TAKEN_BACK = (
+    "The drift went down with no guard action: the first window's move, taken back because the next "
+    "window's own evidence did not confirm it (revert_unconfirmed; the default with shared gradients "
+    "since round 17), or a bound on the LR."
+)
 
 
 class ControllerInfo(NamedTuple):
@@ -33,10 +39,22 @@ def _get_controller_info(
     return ControllerInfo(name, target, series, steps, used)
 
 
+def taken_back_steps(run: HDETRun, target: int = 0) -> list[int]:
+    """Syncs at which the drift controller lowered the LR's drift with no guard action there (the
+    LR's evidence only moves it up, so that is a provisional move taken back, or a bound)."""
+    guarded = {g.step for g in run.guard}
+    return [
+        d.step
+        for d in run.controller
+        if d.name == "lr" and d.controller == "drift" and target < len(d.delta) and d.delta[target] < 0
+        if d.step not in guarded
+    ]
+
+
 def plot_controller(run: HDETRun, name: str = "lr", target: int = 0, log_y: bool = False) -> go.Figure:
     """Top: the base (each sync) and the mean value used (each step) against plain OneCycle; middle:
     drift = base / reference (OneCycle's LR, or the initial value), with the guard's backoffs and
-    rollbacks; bottom: delta and velocity (for the drift controller: the change of the log drift and
+    rollbacks and the drift controller's taken-back first moves; bottom: delta and velocity (for the drift controller: the change of the log drift and
     the evidence, in standard errors)."""
     info = _get_controller_info(run, name, target)
     s = info.series
@@ -99,6 +117,9 @@ def plot_controller(run: HDETRun, name: str = "lr", target: int = 0, log_y: bool
             color = "#d62728" if g.action == "rollback" else "#ff7f0e"
             fig.add_vline(x=g.step, line={"color": color, "dash": "dot"}, row=2, col=1)
             fig.add_annotation(x=g.step, y=1.0, text=g.action, hovertext=g.reason, showarrow=False, row=2, col=1)
+        for step in taken_back_steps(run, target):
+            fig.add_vline(x=step, line={"color": "#1f77b4", "dash": "dot"}, row=2, col=1)
+            fig.add_annotation(x=step, y=1.0, text="taken back", hovertext=TAKEN_BACK, showarrow=False, row=2, col=1)
     fig.add_trace(go.Bar(x=s["step"], y=s["delta"], name="delta", marker_color="#2ca02c", opacity=0.6), row=3, col=1)
     fig.add_trace(
         go.Scatter(x=s["step"], y=s["velocity"], mode="lines+markers", name="velocity", line={"color": "#ff7f0e"}),
