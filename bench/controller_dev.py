@@ -275,7 +275,7 @@ def train(run: DevRun) -> dict:
         "val_accuracy": val_acc,
         "diverged_at": diverged,
         "stopped_at": stopped_at,
-        "final_drift": math.exp(ctrl._drift.get("lr", [0.0])[0]) if auto else 1.0,
+        "final_drift": math.exp(ctrl.drift.get("lr", [0.0])[0]) if auto else 1.0,
         "guard_events": int(getattr(ctrl, "guard_events", 0)),
     }
 

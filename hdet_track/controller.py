@@ -549,12 +549,11 @@ class Evidence:
         default's decisions; ``revert_unconfirmed="shared"`` with independent replicas)."""
         s, v = self.sums.setdefault(name, [0.0, 0.0])
         if step <= self.skip_windows * sync_every:
+            if self.confirm_skipped or self.revert_unconfirmed:
+                self.held.setdefault(name, []).append(float(z))  # judged by the next window
             if not self.revert_unconfirmed:
-                if self.confirm_skipped:
-                    self.held.setdefault(name, []).append(float(z))
                 return Reading(s / math.sqrt(v) if v > 0 else 0.0, [])
-            self.held.setdefault(name, []).append(float(z))  # used now, judged by the next window
-            s, v = self._accumulate(s, v, [z])
+            s, v = self._accumulate(s, v, [z])  # and used now
             self.sums[name] = [s, v]
             return Reading(s / math.sqrt(v), [self.move(s / math.sqrt(v))], provisional=True)
         held = self.held.pop(name, [])
@@ -702,6 +701,71 @@ class Ceiling:
         return [math.log(tested[t] / peaks[t]) if tested[t] > 0 and peaks[t] > 0 else -math.inf for t in range(n)]
 
 
+class Drift:
+    """Where the log drift of every explored hyperparameter stands, per target, and how it moves:
+    within ``[1 / max_drift, max_drift]``, the hyperparameter's bounds (the LR's only when
+    ``lr_bounds`` were given) and, upward only, a ceiling."""
+
+    def __init__(self, max_drift: float) -> None:
+        self.max_drift = check_number("max_drift", max_drift, 1.0, math.inf, low_open=True, high_open=True)
+        self.values: dict[str, list[float]] = {}
+        self.ctx: ControllerContext | None = None
+
+    def bind(self, ctx: ControllerContext) -> None:
+        self.ctx = ctx
+        for name in ctx.names:
+            self.values.setdefault(name, [0.0] * ctx.num_targets[name])
+
+    def move(
+        self,
+        name: str,
+        change: float | list[float],
+        refs: list[float],
+        ceilings: list[float] | None = None,
+        start: list[float] | None = None,
+    ) -> list[tuple[float, float, bool]]:
+        """Move every target by ``change`` (one for all, or one per target) from ``start`` (default:
+        where it stands); returns ``(before, after, clipped)`` per target."""
+        out = []
+        for t, d in enumerate(self.values[name]):
+            change_t = change[t] if isinstance(change, list) else change
+            new, clipped = self.clamped(name, t, d if start is None else start[t], change_t, refs, ceilings)
+            out.append((d, new, clipped))
+            self.values[name][t] = new
+        return out
+
+    def clamped(
+        self, name: str, t: int, d: float, change: float, refs: list[float], ceilings: list[float] | None = None
+    ) -> tuple[float, bool]:
+        """``d + change`` within the limits, and whether they clipped it."""
+        cap = math.log(self.max_drift)
+        low, high = -cap, cap
+        if ceilings is not None and change > 0:
+            high = min(high, max(d, ceilings[t]))
+        if name != "lr" or self.ctx.lr_bounds_given:
+            ref = refs[t]
+            lo_b, hi_b = self.ctx.bounds[name][t]
+            if ref > 0:
+                low = max(low, math.log(lo_b / ref) if lo_b > 0 else -math.inf)
+                high = min(high, math.log(hi_b / ref) if math.isfinite(hi_b) else math.inf)
+        raw = d + change
+        new = min(max(raw, low), high) if low <= high else d
+        return new, new != raw
+
+    def base(self, name: str, target: int, reference: float, drift: float | None = None) -> float:
+        """``reference * exp(drift)``, within the bounds for hyperparameters other than the LR;
+        without ``drift``: at the target's current drift (the reference itself while it is 0)."""
+        if drift is None:
+            drift = self.values[name][target] if name in self.values else 0.0  # 0 until bound
+            if drift == 0.0:
+                return reference
+        value = reference * math.exp(drift)
+        if name != "lr":
+            lo, hi = self.ctx.bounds[name][target]
+            value = min(max(value, lo), hi)
+        return value
+
+
 class DriftController(Controller):
     """Shape-keeping, loss-scale-free, guarded: ``base = reference * exp(drift)`` (see docs/controller.md).
 
@@ -819,7 +883,7 @@ class DriftController(Controller):
             forget, dead_zone, full_step_at, skip_windows, confirm_skipped, bool(revert_unconfirmed)
         )
         self.step = None if step is None else check_number("step", step, 0.0, inf, low_open=True, high_open=True)
-        self.max_drift = check_number("max_drift", max_drift, 1.0, inf, low_open=True, high_open=True)
+        self.drifts = Drift(max_drift)
         self.max_rollbacks = check_int("max_rollbacks", max_rollbacks, 0)
         self.warmup = check_int("warmup", warmup, 0)
         self.rollback = bool(rollback)
@@ -845,15 +909,14 @@ class DriftController(Controller):
             else check_number("guard_floor", guard_floor, 0.0, inf, low_open=False, high_open=True)
         )
         self.blowups = BlowupGuard(guard, step_guard, guard_floor)
-        self._drift: dict[str, list[float]] = {}
         self._provisional: dict[str, list[float]] = {}  # revert_unconfirmed: the moves it may take back
         self.rollbacks = 0  # consecutive
         self.guard_events = 0  # backoffs and rollbacks so far: each halves the LR's upward step (at most 8x)
 
     def bind(self, ctx: ControllerContext) -> None:
         super().bind(ctx)
+        self.drifts.bind(ctx)
         for name in ctx.names:
-            self._drift.setdefault(name, [0.0] * ctx.num_targets[name])
             self.evidence.sums.setdefault(name, [0.0, 0.0])
 
     # -- health (BlowupGuard) ------------------------------------------------------------------
@@ -864,6 +927,7 @@ class DriftController(Controller):
     min_backoff = property(lambda self: self.backoffs.min_backoff, doc="``min_backoff`` (:class:`Backoffs`).")
     trip_backoff = property(lambda self: self.backoffs.trip_backoff, doc="``trip_backoff`` (:class:`Backoffs`).")
     edge_backoff = property(lambda self: self.backoffs.edge_backoff, doc="``edge_backoff`` (:class:`Backoffs`).")
+    max_drift = property(lambda self: self.drifts.max_drift, doc="``max_drift`` (:class:`Drift`).")
 
     def health(self, stats: WindowStats) -> Health:
         return self.blowups.health(stats, self.rollback)
@@ -892,43 +956,6 @@ class DriftController(Controller):
         logs = [math.log(m) for m in self.ctx.multipliers[name]]
         return (max(logs) - min(logs)) / 2
 
-    def _move(
-        self,
-        name: str,
-        change: float | list[float],
-        refs: list[float],
-        ceilings: list[float] | None = None,
-        start: list[float] | None = None,
-    ) -> list[tuple[float, float, bool]]:
-        """Move the drift of every target by ``change`` (one for all, or one per target) from
-        ``start`` (default: where it stands); returns ``(before, after, clipped)`` per target."""
-        out = []
-        for t, d in enumerate(self._drift[name]):
-            change_t = change[t] if isinstance(change, list) else change
-            new, clipped = self._clamped(name, t, d if start is None else start[t], change_t, refs, ceilings)
-            out.append((d, new, clipped))
-            self._drift[name][t] = new
-        return out
-
-    def _clamped(
-        self, name: str, t: int, d: float, change: float, refs: list[float], ceilings: list[float] | None
-    ) -> tuple[float, bool]:
-        """``d + change`` within max_drift, the bounds and (upward only) ``ceilings``, and whether
-        that clipped it."""
-        cap = math.log(self.max_drift)
-        low, high = -cap, cap
-        if ceilings is not None and change > 0:
-            high = min(high, max(d, ceilings[t]))
-        if name != "lr" or self.ctx.lr_bounds_given:
-            ref = refs[t]
-            lo_b, hi_b = self.ctx.bounds[name][t]
-            if ref > 0:
-                low = max(low, math.log(lo_b / ref) if lo_b > 0 else -math.inf)
-                high = min(high, math.log(hi_b / ref) if math.isfinite(hi_b) else math.inf)
-        raw = d + change
-        new = min(max(raw, low), high) if low <= high else d
-        return new, new != raw
-
     def update(self, stats: WindowStats, health: Health) -> Decision:
         self.rollbacks = 0
         ok = [r for r, h in enumerate(health.healthy) if h]
@@ -945,10 +972,10 @@ class DriftController(Controller):
         guard: list[GuardAction] = []
         left = [r for r, h in enumerate(health.healthy) if not h]
         updates = {}
+        keep = self.revert_unconfirmed == "shared" and self.shared_gradients is not True  # provisional moves stay
         for name in self.ctx.names:
             x = self._log_mults(name, stats)
             z = trend_evidence([x[r] for r in ok], [means[r] for r in ok], se) if len(ok) > 1 else 0.0
-            keep = self.revert_unconfirmed == "shared" and self.shared_gradients is not True
             read = self.evidence.add(name, z, stats.step, self.ctx.sync_every, keep)
             evidence, fractions = read.evidence, read.fractions
             step = self._full_step(name) * (0.5 ** min(self.guard_events, 3) if name == "lr" else 1.0)
@@ -957,9 +984,10 @@ class DriftController(Controller):
                 fractions = [max(f, 0.0) for f in fractions]
             refs = stats.references[name]
             # revert_unconfirmed: where skip_windows alone would stand (no move in the provisional windows)
-            unmoved = self._provisional.pop(name, list(self._drift[name]))
+            now = self.drifts.values[name]
+            unmoved = self._provisional.pop(name, list(now))
             start = unmoved if read.revert else None  # taken back: this sync moves from there
-            undone = [d - u for d, u in zip(self._drift[name], unmoved)] if read.revert else [0.0] * len(unmoved)
+            undone = [d - u for d, u in zip(now, unmoved)] if read.revert else [0.0] * len(unmoved)
             change = [step * sum(fractions)] * len(unmoved)
             blown = [r for r in left if health.reasons[r].startswith("blown")]
             backed_off = False
@@ -973,15 +1001,15 @@ class DriftController(Controller):
                     moved_by = min(c - u for c, u in zip(change, undone))  # from the drift trained with
                     guard.append(GuardAction("backoff", blown, f"replicas {blown} {why}", moved_by))
             ceilings = self.ceilings.limits(name, self.ctx.num_targets[name], stats, ok)
-            moved = self._move(name, change, refs, ceilings, start)
+            moved = self.drifts.move(name, change, refs, ceilings, start)
             if read.provisional and not backed_off:
-                self._provisional[name] = [self._clamped(name, t, u, 0.0, refs, None)[0] for t, u in enumerate(unmoved)]
+                self._provisional[name] = [self.drifts.clamped(name, t, u, 0.0, refs)[0] for t, u in enumerate(unmoved)]
             updates[name] = [
                 ControllerUpdate(
                     delta=after - before,
                     velocity=evidence,
-                    base_before=self._base_from(name, t, refs[t], before),
-                    base_after=self._base_from(name, t, refs[t], after),
+                    base_before=self.drifts.base(name, t, refs[t], before),
+                    base_after=self.drifts.base(name, t, refs[t], after),
                     gamma=0.0,
                     clipped=clipped,
                     reference=refs[t],
@@ -998,7 +1026,7 @@ class DriftController(Controller):
         x = self._log_mults("lr", stats)
         cut = self.backoffs.at_rollback(x, stats)
         refs = stats.references["lr"]
-        moved = self._move("lr", -cut, refs)
+        moved = self.drifts.move("lr", -cut, refs)
         self.evidence.reset()
         self._provisional.clear()
         updates = {
@@ -1014,25 +1042,17 @@ class DriftController(Controller):
         self.blowups.acted(stats.step, True)
         return Decision(None, updates, [GuardAction("rollback", list(range(n)), reason, -cut)])
 
-    def _base_from(self, name: str, target: int, reference: float, drift: float) -> float:
-        value = reference * math.exp(drift)
-        if name != "lr":
-            lo, hi = self.ctx.bounds[name][target]
-            value = min(max(value, lo), hi)
-        return value
-
     def base(self, name: str, target: int, reference: float) -> float:
-        d = self._drift[name][target] if name in self._drift else 0.0  # 0 until bound
-        return reference if d == 0.0 else self._base_from(name, target, reference, d)
+        return self.drifts.base(name, target, reference)
 
     @property
     def drift(self) -> dict[str, list[float]]:
         """The current log drift per hyperparameter and target."""
-        return {k: list(v) for k, v in self._drift.items()}
+        return {k: list(v) for k, v in self.drifts.values.items()}
 
     def state_dict(self) -> dict:
         return {
-            "drift": dict(self._drift),
+            "drift": self.drift,
             "evidence": {k: list(v) for k, v in self.evidence.sums.items()},
             "held": {k: list(v) for k, v in self.evidence.held.items()},
             "provisional": {k: list(v) for k, v in self._provisional.items()},
@@ -1045,7 +1065,7 @@ class DriftController(Controller):
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self._drift = {k: [float(x) for x in v] for k, v in state["drift"].items()}
+        self.drifts.values = {k: [float(x) for x in v] for k, v in state["drift"].items()}
         self.evidence.sums = {k: [float(x) for x in v] for k, v in state["evidence"].items()}
         self.evidence.held = {k: [float(x) for x in v] for k, v in state.get("held", {}).items()}
         self._provisional = {k: [float(x) for x in v] for k, v in state.get("provisional", {}).items()}

@@ -66,10 +66,18 @@ def windows(levels, noise=0.01, seed=0, start=None):
     return out
 
 
-def controller(**kw):
+def controller(names=("lr",), **kw):
     c = DriftController(**kw)
-    c.bind(context(kw.pop("names", ("lr",))))
+    c.bind(context(names))
     return c
+
+
+def feed(c, wins, names=("lr",), first=1):
+    """Window ``k`` of ``wins`` ends at sync ``first + k``; the last sync's decision."""
+    for k, w in enumerate(wins, first):
+        st = stats(w, step=T * k, c=c, names=names)
+        d = c.update(st, c.health(st))
+    return d
 
 
 def test_trend_evidence_hand_computed_and_scale_free():
@@ -163,15 +171,10 @@ def test_confirm_skipped_holds_the_first_windows_evidence_until_the_next_window_
     names = ("lr", "weight_decay")
 
     def run(c, wins, first_step=T):
-        for k, w in enumerate(wins):
-            st = stats(w, step=first_step + T * k, c=c, names=names)
-            d = c.update(st, c.health(st))
-        return d
+        return feed(c, wins, names, first_step // T)
 
     def make(**kw):
-        c = DriftController(**kw)
-        c.bind(context(names))
-        return c
+        return controller(names=names, **kw)
 
     held, fresh = make(skip_windows=1, confirm_skipped=True), make()
     run(held, up[:1])
@@ -252,15 +255,10 @@ def test_revert_unconfirmed_moves_at_once_and_takes_back_what_the_next_window_do
     down = windows([0.94, 0.96, 0.98, 1.0], seed=6)
 
     def run(c, wins, first=1):
-        for k, w in enumerate(wins, first):
-            st = stats(w, step=T * k, c=c, names=names)
-            d = c.update(st, c.health(st))
-        return d
+        return feed(c, wins, names, first)
 
     def make(**kw):
-        c = DriftController(**kw)
-        c.bind(context(names))
-        return c
+        return controller(names=names, **kw)
 
     c, plain = make(skip_windows=1, revert_unconfirmed=True), make()
     run(c, up[:1])

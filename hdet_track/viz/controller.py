@@ -54,8 +54,8 @@ def taken_back_steps(run: HDETRun, target: int = 0) -> list[int]:
 def plot_controller(run: HDETRun, name: str = "lr", target: int = 0, log_y: bool = False) -> go.Figure:
     """Top: the base (each sync) and the mean value used (each step) against plain OneCycle; middle:
     drift = base / reference (OneCycle's LR, or the initial value), with the guard's backoffs and
-    rollbacks and the drift controller's taken-back first moves; bottom: delta and velocity (for the drift controller: the change of the log drift and
-    the evidence, in standard errors)."""
+    rollbacks and the drift controller's taken-back first moves; bottom: delta and velocity (for
+    the drift controller: the change of the log drift and the evidence, in standard errors)."""
     info = _get_controller_info(run, name, target)
     s = info.series
     if not len(s["step"]):

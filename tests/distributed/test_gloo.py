@@ -290,6 +290,9 @@ def test_auto_scope_after_a_spread_step_and_with_part_of_the_model_outside_ddp(s
     read as independent. Decided at the window's second step, the same on every rank."""
     res = run_ranks(workers.auto_scope, WORLD, setup)
     assert [r["scopes"] for r in res] == [["auto"] + [expected] * 7] * WORLD
+    # the controller keeps the finding from then on: before the second sync (step 8), where
+    # revert_unconfirmed="shared" (the default) takes the first move back only under DDP
+    assert [r["shared"] for r in res] == [[None] + [expected == "all"] * 7] * WORLD
 
 
 @pytest.mark.parametrize("scope", ["all", "auto"])

@@ -536,7 +536,7 @@ def auto_scope(rank: int, world: int, setup: str) -> dict:
     ``"half-wrapped"``: DDP around part of the model (the rest holds per-rank gradients)."""
     model = HalfWrapped() if setup == "half-wrapped" else make_model()
     opt, sched = _auto_scope_run(model, total_steps=8, sync_every=4)
-    scopes = []
+    scopes, shared = [], []
     for step in range(8):
         x, y = batch(0 if setup == "same-batches" else rank, step)
         loss = F.cross_entropy(model(x), y)
@@ -545,7 +545,8 @@ def auto_scope(rank: int, world: int, setup: str) -> dict:
         opt.step()
         sched.step(loss)
         scopes.append(sched.controller.step_guard_scope)
-    return {"scopes": scopes}
+        shared.append(sched.controller.shared_gradients)
+    return {"scopes": scopes, "shared": shared}
 
 
 def left_out_every_sync(rank: int, world: int, uri: str) -> dict:
