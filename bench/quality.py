@@ -158,6 +158,31 @@ def lr_sensitivity(results: list[Result], arm: str = "hdet-drift") -> tuple[floa
     return worst, at, bar
 
 
+def ratio_se(mine: list[Result], bar_runs: list[Result]) -> float:
+    """One standard error of ``mean(mine) / mean(bar_runs)`` over seeds, paired by seed (a seed fixes the
+    initial weights and the data order of every arm): the ratio estimator's ``sd(h_s - ratio * b_s) /
+    (sqrt(n) * mean(b))``. nan with fewer than two paired seeds or a non-finite value."""
+    bars = {r.seed: _val_for_ranking(r) for r in bar_runs}
+    pairs = [(_val_for_ranking(r), bars[r.seed]) for r in mine if r.seed in bars]
+    if len(pairs) < 2 or len(pairs) != len(mine) or not all(math.isfinite(h) and math.isfinite(b) for h, b in pairs):
+        return math.nan
+    h_mean = statistics.fmean(h for h, _ in pairs)
+    b_mean = statistics.fmean(b for _, b in pairs)
+    if b_mean <= 0:
+        return math.nan
+    ratio = h_mean / b_mean
+    return statistics.stdev(h - ratio * b for h, b in pairs) / (math.sqrt(len(pairs)) * b_mean)
+
+
+def sensitivity_se(results: list[Result], lr: float | None, arm: str = "hdet-drift") -> float:
+    """``ratio_se`` of ``arm`` at ``lr`` against the best OneCycle of ``results`` (one mode and task)."""
+    sweep = [r for r in results if r.arm == "onecycle"]
+    if lr is None or not sweep:
+        return math.nan
+    best = best_onecycle(sweep)
+    return ratio_se([r for r in results if r.arm == arm and r.max_lr == lr], [r for r in sweep if r.max_lr == best])
+
+
 def final_drift(r: Result) -> float:
     """The LR controller's last drift (base / reference) as logged, 1.0 when it never decided."""
     if r.run is None:
@@ -388,9 +413,11 @@ def sensitivity_section(results: list[Result], mode: str, task: str, arms: list[
         cells = [_cell([r.row.final_val_loss for r in _pick(mine, arm=a, max_lr=lr)]) for a in swept]
         drift = _pick(mine, arm="hdet-drift", max_lr=lr)
         ratio = mean_val(drift) / bar if drift and math.isfinite(bar) and bar > 0 else math.nan
+        se = sensitivity_se(mine, lr)
+        shown = (_fmt(ratio) + (f" ± {se:.2g}" if math.isfinite(se) else "")) if drift else "not run"
         mark = " (best OneCycle)" if lr == best else ""
         lines.append(
-            f"| {lr:g}{mark} | {' | '.join(cells)} | {_fmt(ratio) if drift else 'not run'} "
+            f"| {lr:g}{mark} | {' | '.join(cells)} | {shown} "
             f"| {' · '.join(_div_cell(_pick(mine, arm=a, max_lr=lr)) for a in swept)} |"
         )
     worst, at, _ = lr_sensitivity(mine)
@@ -401,11 +428,24 @@ def sensitivity_section(results: list[Result], mode: str, task: str, arms: list[
             f"the sweep: **{_fmt(worst)}**"
             + (f" at max_lr {at:g}" if at is not None else "")
             + f" (target {TARGET_RATIO:g}; a diverged seed makes it infinite)."
+            + _se_note(worst, sensitivity_se(mine, at))
         )
         lines += recovery_notes(_pick(mine, arm="hdet-drift"), bar)
         high = aggressive_lr(sweep, lrs)
         lines += controller_notes(_pick(mine, arm="hdet-paper", max_lr=high), high)
     return lines + [""]
+
+
+def _se_note(worst: float, se: float) -> str:
+    """How far the worst ratio is from the target, in standard errors over seeds."""
+    if not (math.isfinite(worst) and math.isfinite(se) and se > 0):
+        return ""
+    gap = (worst - TARGET_RATIO) / se
+    side = "above" if gap > 0 else "below"
+    return (
+        f" One standard error over seeds (paired by seed) is {se:.2g} there: the worst ratio is {abs(gap):.2g} "
+        f"standard errors {side} the target."
+    )
 
 
 def drift_section(results: list[Result], mode: str, task: str) -> list[str]:
@@ -472,35 +512,40 @@ def one_run_section(results: list[Result], task: str) -> list[str]:
 def vs_one_run(results: list[Result], mode: str) -> dict:
     """HDET-drift at its worst max_lr (mode ``mode``) against Schedule-Free and Prodigy (image task)."""
     mine = _pick(results, mode=mode, task="image")
-    worst, at, _ = lr_sensitivity(mine)
+    worst, at, bar = lr_sensitivity(mine)
     hdet = mean_val(_pick(mine, arm="hdet-drift", max_lr=at)) if at is not None else math.nan
     others = {arm: mean_val(_pick(results, task="image", arm=arm)) for arm in ONE_RUN}
     finite = [v for v in others.values() if math.isfinite(v)]
     best = min(finite) if finite else math.nan
     value = hdet / best if math.isfinite(hdet) and math.isfinite(best) and best > 0 else math.inf
-    return {"hdet_worst_lr": at, "hdet": hdet, **others, "value": value}
+    # The sweep's own best in this mode against the same methods: what any schedule of this mode is up against.
+    sweep_best = bar / best if math.isfinite(bar) and math.isfinite(best) and best > 0 else math.nan
+    return {"hdet_worst_lr": at, "hdet": hdet, **others, "value": value, "onecycle_best": bar, "sweep_best": sweep_best}
 
 
 def json_lines(results: list[Result], modes: list[str], tasks: list[str], text_modes: list[str]) -> list[dict]:
     out = []
     for mode in modes if "image" in tasks else []:
         mine = _pick(results, mode=mode, task="image")
-        worst, _, _ = lr_sensitivity(mine)
+        worst, at, _ = lr_sensitivity(mine)
         div = sum(r.row.diverged for r in _pick(mine, arm="hdet-drift"))
         vs = vs_one_run(results, mode)
         out += [
             {"bench": "quality.lr_sensitivity", "mode": mode, "value": _json_number(worst), "unit": "ratio",
-             "target": TARGET_RATIO, "pass": math.isfinite(worst) and worst <= TARGET_RATIO},
+             "target": TARGET_RATIO, "pass": math.isfinite(worst) and worst <= TARGET_RATIO,
+             "se": _json_number(sensitivity_se(mine, at))},
             {"bench": "quality.divergences", "mode": mode, "value": div, "unit": "runs", "target": 0,
              "pass": div == 0},
             {"bench": "quality.vs_one_run_methods", "mode": mode, "value": _json_number(vs["value"]),
              "unit": "ratio", "target": 1.0, "pass": math.isfinite(vs["value"]) and vs["value"] <= 1.0},
         ]  # fmt: skip
     for mode in text_modes if "text" in tasks else []:
-        worst, _, _ = lr_sensitivity(_pick(results, mode=mode, task="text"))
+        mine = _pick(results, mode=mode, task="text")
+        worst, at, _ = lr_sensitivity(mine)
         out.append(
             {"bench": "quality.text.lr_sensitivity", "mode": mode, "value": _json_number(worst), "unit": "ratio",
-             "target": TARGET_RATIO, "pass": math.isfinite(worst) and worst <= TARGET_RATIO}
+             "target": TARGET_RATIO, "pass": math.isfinite(worst) and worst <= TARGET_RATIO,
+             "se": _json_number(sensitivity_se(mine, at))}
         )  # fmt: skip
     return out
 
@@ -584,6 +629,9 @@ def write_report(args, results: list[Result], planned: list[Planned], wall: floa
         "- Mean ± standard deviation over seeds; `-` means no finite value; a diverged seed makes a mean "
         "infinite (n/a), never dropped. Diverged: the training loss (median over replicas) became non-finite or "
         "exceeded 10x its first value; a replica repaired at the next sync is HDET at work, not a divergence.",
+        "- A ratio to the best OneCycle is shown ± one standard error over seeds, paired by seed (every arm of a "
+        "seed starts from the same weights and sees the same data order); the best OneCycle is itself picked as "
+        "the lowest of noisy means, and the worst ratio is the highest of several, so both lean against HDET.",
     ]
     if missing:
         lines.append(f"- **{missing} planned run(s) are not in the store yet**: re-run the command to continue.")
@@ -607,7 +655,9 @@ def write_report(args, results: list[Result], planned: list[Planned], wall: floa
             lines.append(
                 f"- {mode}: HDET-drift at its worst max_lr ({vs['hdet_worst_lr']}) ends at {_fmt(vs['hdet'])}{after}; "
                 f"Schedule-Free {_fmt(vs['schedulefree'])}, Prodigy {_fmt(vs['prodigy'])}; ratio to the better "
-                f"one {_fmt(vs['value'])}."
+                f"one {_fmt(vs['value'])}. The best OneCycle of the sweep in this mode ends at "
+                f"{_fmt(vs['onecycle_best'])}, {_fmt(vs['sweep_best'])}x the better one-run method"
+                + (": no max_lr of the sweep reaches it in this mode." if vs["sweep_best"] > 1 else ".")
             )
         lines += ["", "## Drift direction (image task)", ""]
         for mode in args.modes:

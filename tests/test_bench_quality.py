@@ -22,7 +22,10 @@ from bench.quality import (  # noqa: E402
     controller_notes,
     json_lines,
     lr_sensitivity,
+    ratio_se,
     recovery_notes,
+    sensitivity_se,
+    vs_one_run,
 )
 from hdet_track.compare import ComparisonRow  # noqa: E402
 from hdet_track.events import ControllerDecision, Guard, RunStart  # noqa: E402
@@ -113,6 +116,46 @@ def test_json_lines_judge_each_mode_by_its_own_targets():
     assert lines["quality.divergences", "independent"]["value"] == 0
     vs = lines["quality.vs_one_run_methods", "shared"]
     assert vs["value"] == pytest.approx(0.305 / 0.29) and vs["pass"] is False  # Prodigy is the better one
+
+
+def test_ratio_se_is_the_standard_error_of_a_ratio_paired_by_seed():
+    bars = [_result(0.2, v, False, seed=s) for s, v in enumerate([0.30, 0.32, 0.34])]
+    # the same ratio on every seed: no uncertainty about it, however much the seeds differ
+    same = [_result(0.1, 1.03 * b.row.final_val_loss, False, seed=b.seed, arm="hdet-drift") for b in bars]
+    assert ratio_se(same, bars) == pytest.approx(0.0, abs=1e-12)
+    # pairing broken (seed 0's HDET value set against seed 2's bar): the seeds' spread shows up
+    shuffled = [_result(0.1, r.row.final_val_loss, False, seed=2 - r.seed, arm="hdet-drift") for r in same]
+    assert ratio_se(shuffled, bars) > 0.02
+    # a constant bar: the standard error of the HDET mean divided by the bar (sd 0.1 over 3 seeds)
+    flat = [_result(0.2, 1.0, False, seed=s) for s in range(3)]
+    mine = [_result(0.1, v, False, seed=s, arm="hdet-drift") for s, v in enumerate([1.0, 1.1, 1.2])]
+    assert ratio_se(mine, flat) == pytest.approx(0.1 / math.sqrt(3))
+    scaled = [_result(0.1, 1000 * r.row.final_val_loss, False, seed=r.seed, arm="hdet-drift") for r in mine]
+    assert ratio_se(scaled, [_result(0.2, 1000.0, False, seed=s) for s in range(3)]) == pytest.approx(
+        0.1 / math.sqrt(3)
+    )
+    # no standard error from one seed, a seed without its pair, or a run that diverged
+    assert math.isnan(ratio_se(mine[:1], flat))
+    assert math.isnan(ratio_se(mine, flat[:2]))
+    assert math.isnan(ratio_se([*mine[:2], _result(0.1, 1.2, True, seed=2, arm="hdet-drift")], flat))
+
+
+def test_json_lines_and_report_give_the_worst_ratio_its_standard_error_against_the_best_onecycle():
+    results = [_result(0.2, v, False, seed=s) for s, v in enumerate([0.30, 0.31, 0.32])]
+    results += [_result(0.1, v, False, seed=s) for s, v in enumerate([0.40, 0.41, 0.42])]
+    results += [_result(0.1, v, False, seed=s, arm="hdet-drift") for s, v in enumerate([0.31, 0.33, 0.32])]
+    results += [_result(0.2, v, False, seed=s, arm="hdet-drift") for s, v in enumerate([0.30, 0.31, 0.32])]
+    results += [_result(1.0, 0.305, False, arm="schedulefree"), _result(1.0, 0.33, False, arm="prodigy")]
+    line = next(x for x in json_lines(results, ["shared"], ["image"], []) if x["bench"] == "quality.lr_sensitivity")
+    assert line["value"] == pytest.approx(0.32 / 0.31)  # at 0.1, against OneCycle at 0.2
+    expected = ratio_se(
+        [r for r in results if r.arm == "hdet-drift" and r.max_lr == 0.1],
+        [r for r in results if r.arm == "onecycle" and r.max_lr == 0.2],
+    )
+    assert line["se"] == pytest.approx(expected) and expected > 0
+    assert sensitivity_se(results, 0.2) == pytest.approx(0.0, abs=1e-12)  # HDET equals OneCycle's best there
+    vs = vs_one_run(results, "shared")
+    assert vs["onecycle_best"] == pytest.approx(0.31) and vs["sweep_best"] == pytest.approx(0.31 / 0.305)
 
 
 def _hdet(diverged_at: int | None, decisions: list[int], guard: list[Guard] = (), val: float = 1.0) -> Result:
