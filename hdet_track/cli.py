@@ -80,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--spread", type=_spread, default=0.5, help="HDET's LR spread alpha in [0, 1) (default 0.5)")
     demo.add_argument("--group", default=None, help="compare group of the runs (default: a fresh one)")
     demo.add_argument("--seed", type=int, default=0)
+    demo.set_defaults(subparser=demo)  # run_demo's own errors read "usage: hdet-track demo ..."
     cmp = sub.add_parser("compare", help="the comparison table (paper's Table 1) from runs already logged")
     cmp.add_argument("--tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db")
     cmp.add_argument(
@@ -149,6 +150,7 @@ def _unwritable_store(tracker: str, uri: str) -> str | None:
 
 
 def run_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Run the ablation; ``parser`` is the ``demo`` subparser (its usage line goes with argument errors)."""
     import os
     import uuid
 
@@ -188,10 +190,10 @@ def run_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return _fail(str(exc))
     specs = cfg.ablation(args.quick)
     backend = "nccl" if device == "cuda" else "gloo"
+    lrs = " / ".join(f"{lr:g}" for lr in sorted({s.max_lr for s in specs}))  # only the runs that run
     print(
         f"hdet-track demo: {args.dataset}, {args.replicas} {backend} replicas ({args.grad_mode} gradients), "
-        f"{steps} steps, max_lr {cfg.low_lr:g} / {cfg.high_lr:g}, "
-        f"runs: {', '.join(s.name for s in specs)}; compare group {group}",
+        f"{steps} steps, max_lr {lrs}, runs: {', '.join(s.name for s in specs)}; compare group {group}",
         flush=True,
     )
     results = run_ablation(cfg, args.quick)
@@ -203,15 +205,35 @@ def run_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             print(line)
         return code
     wandb_dir = os.environ.get("WANDB_DIR", ".")
-    for r in results:
-        print(
-            f"{r['name']:>16}: val loss {r['val_loss']:.4f}, val accuracy {r['val_accuracy']:.3f}"
-            + (f", diverged at step {r['diverged_at']}" if r["diverged_at"] else "")
-        )
+    print()
+    code = _wandb_table(wandb_dir, results)
     print()
     for line in closing_hints(wandb_dir, "wandb"):
         print(line)
-    return 0
+    return code
+
+
+def _wandb_table(wandb_dir: str, results: list[dict]) -> int:
+    """Print the comparison table of the demo's W&B runs, read back from ``wandb_dir`` as ``compare``
+    reads MLflow runs (the same rows, "diverged" included); 2 when a run cannot be read back."""
+    from .compare import comparison_rows, format_rows
+    from .readers import ReaderError
+    from .readers.wandb import WandbReader
+
+    runs, missing = [], []
+    for r in results:
+        run_id = (r.get("run_ids") or {}).get("wandb")
+        try:
+            if run_id is None:
+                raise ReaderError("its tracker reported no run id")
+            runs.append(WandbReader(wandb_dir).read(run_id))
+        except ReaderError as exc:
+            missing.append(f"hdet-track: could not read run {r['name']} back from {wandb_dir}: {exc}")
+    if runs:
+        print(format_rows(comparison_rows(runs), "table"))
+    for line in missing:
+        print(line, file=sys.stderr)
+    return 2 if missing else 0
 
 
 def command_for(script: str, module: str) -> str:
@@ -277,14 +299,73 @@ def run_compare(tracking_uri: str | None, experiment: str | None, group: str | N
     return 0
 
 
+_FORWARDED = ("SIGTERM", "SIGINT", "SIGHUP")
+STOP_SECONDS = 10.0  # how long the dashboard's Streamlit child gets to stop after a forwarded signal
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Linux: the child gets SIGTERM when this process dies, even by SIGKILL (best effort elsewhere)."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _run_child(cmd: list[str], env: dict[str, str]) -> int:
+    """Run ``cmd`` until it exits; SIGTERM, SIGINT and SIGHUP sent to this process are passed on to
+    it and waited for (killed after ``STOP_SECONDS``), so that it never outlives the CLI holding
+    its port. Returns its exit code; 0 after a Ctrl-C, 128 + the signal after another signal."""
+    import signal
+    import subprocess
+    import time
+
+    received: list[int] = []
+    proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+
+    def forward(signum: int, _frame) -> None:
+        received.append(signum)
+        if proc.poll() is None:
+            proc.send_signal(signum)
+
+    previous = {}
+    for name in _FORWARDED:
+        if hasattr(signal, name):
+            signum = getattr(signal, name)
+            previous[signum] = signal.signal(signum, forward)
+    try:
+        deadline = None
+        while True:
+            try:
+                code = proc.wait(timeout=0.2)
+                break
+            except subprocess.TimeoutExpired:
+                if received and deadline is None:
+                    deadline = time.monotonic() + STOP_SECONDS
+                if deadline is not None and time.monotonic() > deadline:
+                    proc.kill()
+    finally:
+        if proc.poll() is None:  # an error in this loop: never leave the child behind
+            proc.kill()
+            proc.wait()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if not received:
+        return code
+    return 0 if received[0] == signal.SIGINT else 128 + received[0]
+
+
 def run_dashboard(source: str | None, host: str, port: int) -> int:
-    """Start Streamlit on the packaged app; returns its exit code."""
+    """Start Streamlit on the packaged app and wait for it; returns its exit code. Signals that stop
+    this process (SIGTERM, SIGINT, SIGHUP) stop Streamlit too, so the port is free again."""
     import os
     import socket
-    import subprocess
     from pathlib import Path
 
-    from .readers import default_source
+    from .readers import ReaderError, default_source
+    from .readers.mlflow import check_store_exists
 
     with socket.socket() as s:
         try:
@@ -298,6 +379,11 @@ def run_dashboard(source: str | None, host: str, port: int) -> int:
     source = source or default_source()
     if "://" not in source and not Path(source).exists():
         print(f"hdet-track dashboard: {source} is neither a tracking URI nor an existing directory", file=sys.stderr)
+        return 2
+    try:
+        check_store_exists(source)  # read-only: a missing sqlite file is an error, never a new store
+    except ReaderError as exc:
+        print(f"hdet-track dashboard: {exc}", file=sys.stderr)
         return 2
     import hdet_track.dashboard
 
@@ -323,18 +409,27 @@ def run_dashboard(source: str | None, host: str, port: int) -> int:
         "minimal",
     ]
     print(f"hdet-track dashboard on http://{host}:{port} reading {source}", flush=True)
-    try:
-        return subprocess.call(cmd, env=env)
-    except KeyboardInterrupt:
-        return 0
+    return _run_child(cmd, env)
 
 
 def run_recover(source: str | None) -> int:
-    """Deliver every orphaned spill of ``source``; 1 when something could not be delivered."""
+    """Deliver every orphaned spill of ``source``; 1 when something could not be delivered, 2 when
+    ``source`` (a directory, or a sqlite store with no spill beside it) does not exist."""
+    from pathlib import Path
+
     from .readers import default_source
+    from .readers.mlflow import sqlite_file
     from .tracking.spill import recover, store_spill_dir
 
     source = source or default_source()
+    if "://" not in source and not Path(source).exists():
+        return _fail(
+            f"recover: {source} does not exist; expected an MLflow tracking URI, a W&B directory or a "
+            ".hdet-spill directory"
+        )
+    db = sqlite_file(source)
+    if db is not None and not db.exists() and not store_spill_dir(source).exists():
+        return _fail(f"recover: no MLflow store at {source} ({db.absolute()} does not exist) and no spill beside it")
     lines = recover(source)
     if not lines:
         print(f"hdet-track recover: nothing to deliver for {source} (looked in {store_spill_dir(source)})")
@@ -352,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "demo":
-        return run_demo(parser, args)
+        return run_demo(args.subparser, args)
     if args.command == "compare":
         return run_compare(args.tracking_uri, args.experiment, args.group, args.format)
     if args.command == "dashboard":

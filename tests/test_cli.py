@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -61,6 +62,7 @@ def test_demo_logs_one_run_per_ablation_arm_and_prints_the_table(demo_store):
         assert "val_loss" in r.data.metrics and "hdet/replica_01/loss" in r.data.metrics
     assert "baseline-high" in out and "final train loss" in out and "hdet-track dashboard" in out
     assert "mlflow ui --backend-store-uri" in out
+    assert "max_lr 1, runs: baseline-high, hdet;" in out  # the quick demo never runs the 0.05 run
     assert not (root / "mlflow.db").exists()  # MLFLOW_TRACKING_URI was honoured
 
 
@@ -136,7 +138,7 @@ def test_bad_arguments_exit_2_with_message(argv, message, capsys):
 def test_wheel_ships_the_dashboard_inside_the_package(tmp_path):
     import zipfile
 
-    root = __import__("pathlib").Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[1]
     subprocess.run(
         [
             sys.executable,
@@ -191,7 +193,7 @@ def test_text_demo_with_independent_replicas_on_the_stdlib_sources(tmp_path):
     argv = ["--dataset", "text", "--quick", "--replicas", "2", "--steps", "50", "--grad-mode", "independent"]
     proc = _demo([*argv, "--group", "text-test"], tmp_path, env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "text, 2 gloo replicas (independent gradients), 50 steps, max_lr 0.002 / 0.02" in proc.stdout
+    assert "text, 2 gloo replicas (independent gradients), 50 steps, max_lr 0.02, runs:" in proc.stdout
     assert "Downloading artifacts" not in proc.stdout + proc.stderr  # no progress-bar noise in the table
     client = MlflowClient(uri)
     runs = {r.info.run_name: r for r in client.search_runs([client.get_experiment_by_name("hdet").experiment_id])}
@@ -249,3 +251,176 @@ def test_read_only_working_directory_is_a_one_line_error(tmp_path, tracker, mess
     assert message in proc.stderr and "writable directory" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
     assert list(workdir.iterdir()) == []  # nothing half-written
+
+
+def _env_without_tracking() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "HDET_", "WANDB_"))}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_read_only_commands_never_create_a_store(tmp_path, capsys):
+    """compare, dashboard and recover on a sqlite URI whose file does not exist: a one-line error naming
+    the URI, exit 2, and no file or directory created (MLflow's client would create the store)."""
+    before = sorted(p.name for p in tmp_path.iterdir())
+    uri = f"sqlite:///{tmp_path / 'nonexistent' / 'x.db'}"  # sqlite:////abs/path
+    proc = subprocess.run(
+        [sys.executable, "-m", "hdet_track.cli", "compare", "--tracking-uri", uri],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=_env_without_tracking(),
+    )
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert uri in proc.stderr and "does not exist" in proc.stderr
+    # the default store, sqlite:///mlflow.db in the working directory (the conftest's tmp_path)
+    assert main(["compare"]) == 2
+    assert "sqlite:///mlflow.db" in capsys.readouterr().err
+    assert main(["dashboard", "--port", str(_free_port())]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hdet-track dashboard: ") and "sqlite:///mlflow.db" in err and len(err.splitlines()) == 1
+    assert main(["dashboard", uri, "--port", str(_free_port())]) == 2
+    assert uri in capsys.readouterr().err
+    assert main(["recover", uri]) == 2
+    assert uri in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_recover_on_a_path_that_does_not_exist_is_an_error(tmp_path, capsys):
+    missing = tmp_path / "no" / "such" / "dir"
+    assert main(["recover", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert str(missing) in err and "does not exist" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "no").exists()
+    (tmp_path / "runs").mkdir()  # an existing directory without spills: nothing to do, as before
+    assert main(["recover", str(tmp_path / "runs")]) == 0
+    assert "nothing to deliver" in capsys.readouterr().out
+
+
+def test_demo_s_own_argument_errors_use_the_demo_usage(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", "--quick", "--steps", "10"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert err.startswith("usage: hdet-track demo ")
+    assert "hdet-track demo: error: --steps (10) must be at least --sync-every (25)" in err
+
+
+def test_progress_lines_show_4_significant_digits(capsys, monkeypatch):
+    import time
+
+    from hdet_track.examples.ablation import _progress
+
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: False)
+    _progress("baseline-high", 25, 50, [8851980754964.426, 2.302585, float("nan")], 1.23456e20, time.monotonic())
+    line = capsys.readouterr().out
+    assert "replica losses 8.852e+12 2.303 nan | val 1.235e+20 |" in line, line
+    assert "8851980754964" not in line
+
+
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state, parent pid) of a process from /proc, None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return None
+    return fields[0], int(fields[1])
+
+
+def _children(pid: int) -> list[int]:
+    return [
+        int(p.name)
+        for p in Path("/proc").iterdir()
+        if p.name.isdigit() and (_proc_stat(int(p.name)) or ("", 0))[1] == pid
+    ]
+
+
+def _alive(pid: int) -> bool:
+    stat = _proc_stat(pid)
+    return stat is not None and stat[0] not in ("Z", "X")  # a zombie no one reaps is gone too
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the Streamlit child through /proc")
+def test_dashboard_sigterm_stops_streamlit_and_frees_the_port(tmp_path):
+    """SIGTERM to `hdet-track dashboard` stops its `streamlit run` child too: the next launch on the
+    same port works (it used to find "Address already in use")."""
+    import signal
+    import socket
+    import time
+
+    uri = f"sqlite:///{tmp_path / 'dash.db'}"
+    MlflowClient(uri).create_experiment("hdet")  # a real, empty store
+    port = _free_port()
+    cli = subprocess.Popen(
+        [sys.executable, "-m", "hdet_track.cli", "dashboard", uri, "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        cwd=tmp_path,
+        env=_env_without_tracking(),
+    )
+    children: list[int] = []
+
+    def answers() -> bool:
+        with socket.socket() as s:
+            s.settimeout(1.0)
+            return s.connect_ex(("127.0.0.1", port)) == 0
+
+    try:
+        deadline = time.monotonic() + 180
+        while not answers():
+            assert cli.poll() is None, cli.stdout.read().decode()[-2000:]
+            assert time.monotonic() < deadline, "the dashboard never answered"
+            time.sleep(0.5)
+        children = _children(cli.pid)
+        assert children, "expected a streamlit child process"
+        cli.send_signal(signal.SIGTERM)
+        assert cli.wait(timeout=20) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 5
+        while any(_alive(c) for c in children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(c) for c in children), "streamlit outlived the CLI"
+        assert not answers()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # free for the next launch
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+            cli.wait()
+        for child in children:
+            if _alive(child):
+                os.kill(child, signal.SIGKILL)
+
+
+def test_wandb_demo_logs_offline_without_wandb_mode_and_prints_compare_s_table(tmp_path):
+    """`demo --tracker wandb` with no WANDB_MODE and no login: the runs are written offline (not ~30 s
+    per run waiting for a server), and the demo's summary is compare's table of the runs read back
+    from the W&B directory, so "diverged" means what it means in `hdet-track compare`."""
+    from hdet_track.compare import comparison_rows, format_rows
+    from hdet_track.readers.wandb import WandbReader
+
+    env = _env_without_tracking()  # no WANDB_MODE, WANDB_API_KEY or WANDB_DIR
+    env["WANDB_SILENT"] = "true"
+    proc = _demo(
+        ["--quick", "--replicas", "2", "--steps", "50", "--tracker", "wandb", "--group", "wb-test"], tmp_path, env
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "max_lr 1, runs: baseline-high, hdet" in proc.stdout
+    assert len(list((tmp_path / "wandb").glob("offline-run-*"))) == 2
+    reader = WandbReader(tmp_path)
+    summaries = reader.list_runs(compare_group="wb-test")
+    runs = [reader.read(s.run_id) for s in reversed(summaries)]  # oldest first, as the demo ran them
+    assert [r.name for r in runs] == ["baseline-high", "hdet"]
+    assert all(r.status in ("FINISHED", "FAILED") for r in runs)
+    expected = format_rows(comparison_rows(runs), "table")
+    assert expected in proc.stdout
+    rows = comparison_rows(runs)
+    assert all(r.val_accuracy == r.val_accuracy for r in rows)  # read back: not NaN
+    assert "hdet-track dashboard" in proc.stdout

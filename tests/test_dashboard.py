@@ -112,10 +112,24 @@ def test_every_page_renders_the_hdet_run(monkeypatch, store):
 
 
 def test_empty_and_unreadable_sources(monkeypatch, tmp_path):
-    at = app(monkeypatch, f"sqlite:///{tmp_path / 'empty.db'}")
+    from mlflow.tracking import MlflowClient
+
+    empty = f"sqlite:///{tmp_path / 'empty.db'}"
+    MlflowClient(empty).search_experiments()  # an existing store without runs
+    at = app(monkeypatch, empty)
     assert any("No runs" in i.value for i in at.info)
     for page in PAGES:
         at.switch_page(page).run()
         assert not at.exception, page
     at = app(monkeypatch, "http://127.0.0.1:9")  # nothing listens there
     assert at.sidebar.error and "Cannot read" in at.sidebar.error[0].value
+
+
+def test_a_missing_sqlite_store_is_shown_and_never_created(monkeypatch, tmp_path):
+    """The dashboard only reads: a sqlite URI whose file does not exist is an error naming it, and
+    no store (nor its directory) appears."""
+    missing = f"sqlite:///{tmp_path / 'nowhere' / 'x.db'}"
+    at = app(monkeypatch, missing)
+    assert at.sidebar.error and missing in at.sidebar.error[0].value
+    assert "does not exist" in at.sidebar.error[0].value
+    assert not (tmp_path / "nowhere").exists()

@@ -70,7 +70,8 @@ def check_run(run, seen, status="FINISHED"):
 def test_mlflow_sqlite_round_trip_and_listing(tmp_path):
     uri = f"sqlite:///{tmp_path / 'r.db'}"
     tracker = MLflowTracker(tracking_uri=uri, experiment="exp", run_name="first")
-    _, seen = job(tracker)
+    sched, seen = job(tracker)
+    sched.close()  # the run stays open after the last step (for final metrics) until close()
     reader = open_reader(uri)
     assert isinstance(reader, MLflowReader)
     runs = reader.list_runs("exp")
@@ -83,7 +84,8 @@ def test_mlflow_sqlite_round_trip_and_listing(tmp_path):
 
 def test_mlflow_server_round_trip(mlflow_server):
     tracker = MLflowTracker(tracking_uri=mlflow_server.uri, experiment="readers-server")
-    _, seen = job(tracker)
+    sched, seen = job(tracker)
+    sched.close()
     check_run(MLflowReader(mlflow_server.uri).read(tracker.run_id), seen)
 
 
@@ -106,13 +108,14 @@ def test_live_run_is_reread_incrementally(tmp_path):
     model = nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = HDETScheduler(opt, 0.1, total_steps=100, sync_every=10, track=tracker)
-    reader = MLflowReader(uri)
+    reader = None  # opened once the job created the store (a reader never creates one)
     previous = None
     for k in range(1, 51):
         opt.step()
         sched.step(1.0)
         if k % 20 == 0:
             sched.flush()
+            reader = reader or MLflowReader(uri)
             run = reader.read(tracker.run_id, previous=previous)
             assert run.live and run.status == "RUNNING"
             assert run.last_step == k and run.steps.step.tolist() == list(range(1, k + 1))
@@ -257,3 +260,55 @@ def test_wandb_directory_still_being_written(tmp_path):
     assert run.live and run.status == "RUNNING"
     assert run.steps.step.tolist() == list(range(1, 21))  # the synced windows
     sched.close()
+
+
+def test_reading_a_missing_sqlite_store_is_an_error_and_creates_nothing(tmp_path):
+    """MLflow's client creates a missing sqlite file (and its directory) on first use; a reader never
+    does: the URI is named in a ReaderError and nothing appears on disk."""
+    from hdet_track.readers import ReaderError
+    from hdet_track.readers.mlflow import sqlite_file
+
+    before = sorted(p.name for p in tmp_path.iterdir())  # the working directory (conftest)
+    for uri in [f"sqlite:///{tmp_path / 'nonexistent' / 'x.db'}", "sqlite:///mlflow.db"]:
+        for opener in (MLflowReader, open_reader):
+            with pytest.raises(ReaderError, match="does not exist") as exc:
+                opener(uri)
+            assert uri in str(exc.value)
+    with pytest.raises(ReaderError, match="sqlite:///mlflow.db"):
+        MLflowReader()  # the default store
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert sqlite_file("sqlite:///rel/x.db") == Path("rel/x.db")
+    assert sqlite_file("sqlite:////abs/x.db?timeout=5") == Path("/abs/x.db")
+    assert [sqlite_file(u) for u in ("sqlite://", "sqlite:///:memory:", "http://127.0.0.1:5000", "file:///x")] == [
+        None
+    ] * 4
+
+
+@pytest.mark.parametrize("track", ["mlflow", "wandb"])
+def test_user_metrics_read_back_from_either_backend_with_the_event_archive(tmp_path, track):
+    """The metrics a job logs itself (val_loss, val_accuracy, the demo's diverged_at_step) come back
+    from W&B as from MLflow, so `compare`'s rows are the same for either backend."""
+    from hdet_track.compare import comparison_rows
+
+    uri = f"sqlite:///{tmp_path / 'user.db'}"
+    tracker = MLflowTracker(tracking_uri=uri) if track == "mlflow" else "wandb"
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = HDETScheduler(opt, 0.1, total_steps=40, sync_every=10, track=tracker)
+    for k in range(1, 31):  # closed before total_steps: every metric is logged while the run is open
+        opt.step()
+        sched.step(1.0)
+        if k % 10 == 0:
+            sched.log_metrics({"val_loss": 1.0 / k, "val_accuracy": k / 100}, step=k)
+    sched.log_metrics({"diverged_at_step": 25.0}, step=25)
+    sched.close()
+    reader = MLflowReader(uri) if track == "mlflow" else WandbReader(os.environ["WANDB_DIR"])
+    run = reader.read(sched.run_ids[track])
+    assert not run.warnings  # read from the event archive
+    assert run.metrics["val_loss"][0].tolist() == [10, 20, 30]
+    np.testing.assert_allclose(run.metrics["val_loss"][1], [0.1, 0.05, 1 / 30])
+    np.testing.assert_allclose(run.metrics["val_accuracy"][1], [0.1, 0.2, 0.3])
+    assert "loss" not in run.metrics and "lr" not in run.metrics  # HDET's own series stay in run.steps
+    (row,) = comparison_rows([run])
+    assert row.val_accuracy == pytest.approx(0.3) and row.final_val_loss == pytest.approx(1 / 30)
+    assert row.diverged and row.diverged_at_step == 25

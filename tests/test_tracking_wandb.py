@@ -105,8 +105,8 @@ def test_failed_run_exit_code_and_status(tmp_path):
     assert "exploded" in contents.summary["hdet/error"]
 
 
-def tiny_finished_run() -> str:
-    """The run file of a 10-step job tracked to W&B offline, once ``close()`` returned."""
+def ten_step_job() -> None:
+    """A 10-step job tracked to W&B, closed."""
     model = nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = HDETScheduler(opt, 0.1, total_steps=10, sync_every=5, track="wandb")
@@ -114,6 +114,11 @@ def tiny_finished_run() -> str:
         opt.step()
         sched.step(1.0)
     sched.close()
+
+
+def tiny_finished_run() -> str:
+    """The run file of a 10-step job tracked to W&B offline, once ``close()`` returned."""
+    ten_step_job()
     return glob.glob(os.path.join(run_dir(os.environ["WANDB_DIR"]), "run-*.wandb"))[0]
 
 
@@ -185,3 +190,28 @@ def test_an_uncaught_error_prints_one_traceback_and_fails_the_run(tmp_path):
     contents = read_finished(glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))[0], timeout=30.0)
     assert contents.exit_code == 1 and contents.summary["hdet/status"] == "FAILED"
     assert "exploded at step 7" in contents.summary["hdet/error"]
+
+
+def test_offline_by_default_without_wandb_mode(monkeypatch):
+    """The embedded W&B default is offline mode: with WANDB_MODE unset (and no login) a run is written
+    to an offline run directory at once and reads back, instead of waiting for a server."""
+    from hdet_track.readers.wandb import WandbReader
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    started = time.monotonic()
+    path = tiny_finished_run()  # asserts exactly one wandb/offline-run-* directory
+    assert time.monotonic() - started < 25  # no ~30 s wait for a W&B server that is not there
+    contents = read_finished(path)
+    assert contents.exit_code == 0 and contents.summary["hdet/status"] == "FINISHED"
+    reader = WandbReader(os.environ["WANDB_DIR"])
+    (summary,) = reader.list_runs()
+    run = reader.read(summary.run_id)
+    assert run.status == "FINISHED" and run.steps.step.tolist() == list(range(1, 11))
+
+
+def test_a_chosen_mode_wins_over_the_offline_default(monkeypatch):
+    """WANDB_MODE (here ``disabled``) is the user's choice: nothing is written, not an offline run."""
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    ten_step_job()
+    assert glob.glob(os.path.join(os.environ["WANDB_DIR"], "wandb", "*run-*")) == []

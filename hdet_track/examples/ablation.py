@@ -260,12 +260,17 @@ def _evaluate(task, model: nn.Module, opt) -> tuple[float, float]:
         _set_mode(opt, True)
 
 
+def _short(x: float) -> str:
+    """4 significant digits (a blown-up loss reads 8.852e+12, not 8851980754964.426)."""
+    return f"{x:.4g}" if math.isfinite(x) else str(x)
+
+
 def _progress(name: str, k: int, steps: int, losses: list[float], val_loss: float, started: float) -> None:
     width = 24
     done = int(width * k / steps)
     bar = "#" * done + "-" * (width - done)
-    cells = " ".join(f"{x:.3f}" if math.isfinite(x) else "nan" for x in losses)
-    line = f"[{name:>15}] [{bar}] {k}/{steps} replica losses {cells} | val {val_loss:.3f} | {time.monotonic() - started:.0f}s"
+    cells = " ".join(_short(x) for x in losses)
+    line = f"[{name:>15}] [{bar}] {k}/{steps} replica losses {cells} | val {_short(val_loss)} | {time.monotonic() - started:.0f}s"
     end = "\r" if sys.stdout.isatty() else "\n"
     print(line, end=end, flush=True)
 

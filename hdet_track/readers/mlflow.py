@@ -22,7 +22,7 @@ from ..tracking.archive import ARTIFACT_DIR
 from .archive import read_archive
 from .base import HDETRun, ReaderError, RunNotFoundError, RunSummary, StepTable, converge_from_series
 
-__all__ = ["MLflowReader"]
+__all__ = ["MLflowReader", "sqlite_file", "check_store_exists"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +45,39 @@ def default_tracking_uri() -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
 
 
+def sqlite_file(uri: str) -> Path | None:
+    """The database file of a ``sqlite:`` tracking URI (``sqlite:///relative.db``,
+    ``sqlite:////absolute.db``); None for any other URI and for an in-memory database."""
+    scheme, sep, rest = uri.partition("://")
+    if not sep or scheme.split("+", 1)[0] != "sqlite" or not rest.startswith("/"):
+        return None
+    path = rest[1:].split("?", 1)[0]
+    return None if path in ("", ":memory:") else Path(path)
+
+
+def check_store_exists(uri: str) -> None:
+    """Raise :class:`ReaderError` naming ``uri`` when it is a ``sqlite:`` store whose file does not exist.
+
+    MLflow's client creates a missing sqlite file (and its directory) on first use; a reader must
+    never create a store, so it checks first. Other URIs (``file:``, ``http://``) are left to MLflow.
+
+    Raises:
+        ReaderError: the sqlite file of ``uri`` does not exist.
+
+    Example:
+        >>> check_store_exists("sqlite:///mlflow.db")  # doctest: +SKIP
+    """
+    db = sqlite_file(uri)
+    if db is not None and not db.exists():
+        raise ReaderError(
+            f"Expected an MLflow store at {uri}, but {db.absolute()} does not exist "
+            "(reading never creates one: log a run to it first, or name another tracking URI)"
+        )
+
+
 class MLflowReader:
-    """Read HDET runs from an MLflow tracking URI.
+    """Read HDET runs from an MLflow tracking URI. Read-only: a ``sqlite:`` URI whose file does not
+    exist raises :class:`ReaderError` instead of creating an empty store.
 
     Example:
         >>> reader = MLflowReader("sqlite:///mlflow.db")
@@ -62,6 +93,7 @@ class MLflowReader:
         except ImportError as exc:  # pragma: no cover
             raise ImportError("reading MLflow runs needs MLflow: pip install 'hdet-track[mlflow]'") from exc
         self.uri = tracking_uri or default_tracking_uri()
+        check_store_exists(self.uri)
         if self.uri.startswith(("http://", "https://")):
             _probe(self.uri)
         self.client = MlflowClient(self.uri)

@@ -29,6 +29,25 @@ def _row_step(row: dict, key: str) -> int | None:
     return int(step) if isinstance(step, (int, float)) else None
 
 
+def _user_metrics(history: list[dict], skip: tuple[str, ...] = ()) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Key -> (steps, values) of the numeric series that are not HDET's (``hdet/...``) nor W&B's
+    (``_...``), nor in ``skip``; in step order (rows may arrive in any order)."""
+    found: dict[str, list[tuple[int, float]]] = {}
+    for row in history:
+        for key, value in row.items():
+            if key.startswith(("hdet/", "_")) or key in skip:
+                continue
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                step = _row_step(row, key)
+                if step is not None:
+                    found.setdefault(key, []).append((step, float(value)))
+    out = {}
+    for key, points in found.items():
+        points.sort(key=lambda p: p[0])
+        out[key] = (np.array([s for s, _ in points], dtype=np.int64), np.array([v for _, v in points], dtype=float))
+    return out
+
+
 def find_run_dirs(root: str | Path) -> list[Path]:
     """Run directories under ``root`` (a ``wandb`` folder, its parent, or one run directory)."""
     root = Path(root)
@@ -138,6 +157,9 @@ class WandbReader:
         }
         if chunks:
             read_archive(run, list(chunks), lambda name: chunks[name].read_bytes(), previous, steps, max_rows)
+            # the archive holds HDET's own series; the user's metrics (val_loss, diverged_at_step...) are rows
+            builtin = (names.LOSS, names.LR) if len(run.steps) or run.aggregates is not None else ()
+            run.metrics.update(_user_metrics(history, skip=builtin))
         else:
             run.warnings.append("no event archive: rebuilt from the run's history")
             self._read_history(run, history)
@@ -165,9 +187,7 @@ class WandbReader:
                 parsed = names.parse_replica_metric(key)
                 if parsed and isinstance(value, (int, float)) and step is not None:
                     rows.setdefault(parsed[0], {}).setdefault(step, {})[parsed[1]] = float(value)
-                elif not key.startswith(("hdet/", "_")) and isinstance(value, (int, float)) and step is not None:
-                    s, v = run.metrics.get(key, (np.zeros(0, dtype=np.int64), np.zeros(0)))
-                    run.metrics[key] = (np.append(s, int(step)), np.append(v, float(value)))
+        run.metrics.update(_user_metrics(history))
         tables = []
         for r, by_step in sorted(rows.items()):
             steps = np.array(sorted(by_step), dtype=np.int64)

@@ -1,5 +1,6 @@
-"""Weights & Biases backend (online or offline): one run per job, sync and controller series on a
-sync axis, Parquet event chunks in the run's files under ``hdet_events/``."""
+"""Weights & Biases backend (offline unless ``mode``/``WANDB_MODE`` says otherwise): one run per job,
+sync and controller series on a sync axis, Parquet event chunks in the run's files under
+``hdet_events/``."""
 
 from __future__ import annotations
 
@@ -17,11 +18,12 @@ from ._common import run_params, run_tags
 from .archive import ARTIFACT_DIR, EventArchive
 from .base import Batch, Tracker
 
-__all__ = ["WandbTracker", "DEFAULT_PROJECT", "SYNC_STEP", "STEP", "wait_until_written"]
+__all__ = ["WandbTracker", "DEFAULT_PROJECT", "DEFAULT_MODE", "SYNC_STEP", "STEP", "wait_until_written"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_PROJECT = "hdet"
+DEFAULT_MODE = "offline"  # the embedded default, as MLflow's is its sqlite store
 STEP = names.STEP
 SYNC_STEP = names.SYNC_STEP
 _SYNC_PREFIXES = ("hdet/sync/", "hdet/controller/", "hdet/onecycle/")
@@ -58,8 +60,13 @@ def _import_wandb():
 
 
 class WandbTracker(Tracker):
-    """Log an HDET run to W&B. ``WANDB_PROJECT``, ``WANDB_ENTITY``, ``WANDB_MODE`` (``offline`` works
-    without a network) and ``WANDB_RUN_GROUP`` are honoured; the compare group becomes the run group.
+    """Log an HDET run to W&B. ``WANDB_PROJECT``, ``WANDB_ENTITY``, ``WANDB_MODE`` and
+    ``WANDB_RUN_GROUP`` are honoured; the compare group becomes the run group.
+
+    Offline by default: unless ``mode`` is given or ``WANDB_MODE`` is set, the run is written to a
+    local ``wandb/offline-run-*`` directory (no network, no login; ``wandb sync`` uploads it later,
+    and hdet-track's readers and dashboard read it as it is). Pass ``mode="online"`` or set
+    ``WANDB_MODE=online`` to log to a W&B server.
 
     Every row carries its own step (``hdet/step``, or ``hdet/sync/step`` for the per-sync series),
     and every metric is plotted against it, so rows may reach W&B in any order. A resumed job
@@ -126,7 +133,7 @@ class WandbTracker(Tracker):
         run = wandb.init(
             project=self.project or os.environ.get("WANDB_PROJECT") or DEFAULT_PROJECT,
             entity=self.entity or os.environ.get("WANDB_ENTITY"),
-            mode=self.mode or os.environ.get("WANDB_MODE") or None,
+            mode=self.mode or os.environ.get("WANDB_MODE") or DEFAULT_MODE,
             group=self.group or run_start.compare_group or os.environ.get("WANDB_RUN_GROUP"),
             name=self.run_name,
             dir=str(self.dir) if self.dir is not None else os.environ.get("WANDB_DIR") or None,
