@@ -24,3 +24,10 @@ def check_int(name: str, value: Any, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"Expected {name} to be an integer >= {low}, but got {value!r}")
     return value
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """``value`` if it is a bool, else ``ValueError`` (a string such as "no" would read as True)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"Expected {name} to be a bool, but got {value!r}")
+    return value

@@ -50,7 +50,7 @@ class CallbackList:
         log_every: int = 1,
         compare_group: str | None = None,
         run_name: str | None = None,
-        close_at_end: bool = True,
+        close_at_end: bool = False,
     ) -> None:
         """Log the job to ``track`` (on every rank; rank 0 owns the run). ``info`` describes the job if
         it ends before its first step; ``pending`` gives the last sync's record if it ends while that

@@ -3,9 +3,11 @@ checkpoints, and the checks that a checkpoint belongs to the job loading it.
 
 Format 2 (:meth:`hdet_track.HDETScheduler.state_dict`) holds only plain Python values and tensors:
 ``onecycle`` (OneCycleLR's own state), ``world_size``, ``explored``, ``permutations`` and
-``generators`` (:class:`~hdet_track.fanout.FanOut`), ``controller`` (name and state), ``window``
-(this rank's partial window; ``windows``: every rank's), ``averager`` (the kept consensus) and
-``runs`` (the tracked runs' ids).
+``generators`` and ``references`` (:class:`~hdet_track.fanout.FanOut`), ``controller`` (name, state
+and constructor ``settings``), ``settings`` (total_steps, sync_every, spreads, param groups: what a
+job must share with the checkpoint to resume exactly), ``window`` (this rank's partial window;
+``windows``: every rank's), ``averager`` (the kept consensus) and ``runs`` (the tracked runs' ids).
+Checkpoints without ``settings``/``references`` (older ones) still load.
 """
 
 from __future__ import annotations
@@ -44,10 +46,17 @@ def upgrade(state: dict[str, Any], onecycle_keys: Collection[str], num_groups: i
 
 
 def check_compatible(
-    state: dict[str, Any], *, world_size: int, explored: Sequence[str], controller: str | None
+    state: dict[str, Any],
+    *,
+    world_size: int,
+    explored: Sequence[str],
+    controller: str | None,
+    settings: dict[str, Any] | None = None,
+    controller_settings: dict[str, Any] | None = None,
 ) -> None:
     """Raise :class:`CheckpointMismatchError` unless a format-2 ``state`` was saved by a job with
-    the same replica count, explored hyperparameters and controller."""
+    the same replica count, explored hyperparameters and controller, and (for checkpoints that keep
+    them) the same schedule settings and controller arguments."""
     if state["world_size"] != world_size:
         raise CheckpointMismatchError(
             f"Expected a checkpoint of {world_size} replicas, but it holds {state['world_size']}; "
@@ -60,3 +69,19 @@ def check_compatible(
     saved = (state["controller"] or {}).get("name")
     if saved != controller:
         raise CheckpointMismatchError(f"Expected a checkpoint of controller {controller!r}, but it holds {saved!r}")
+    differ = _differences("", settings or {}, state.get("settings") or {})
+    differ += _differences("controller ", controller_settings or {}, (state["controller"] or {}).get("settings") or {})
+    if differ:
+        raise CheckpointMismatchError(
+            f"Expected a checkpoint of a job with this job's settings, but {'; '.join(differ)}: a job resumes "
+            "exactly only with the settings it was saved with"
+        )
+
+
+def _differences(prefix: str, mine: dict[str, Any], saved: dict[str, Any]) -> list[str]:
+    """``"<name> is <mine> here and <saved> in the checkpoint"`` for each key both hold that differs."""
+    return [
+        f"{prefix}{key} is {mine[key]!r} here and {saved[key]!r} in the checkpoint"
+        for key in sorted(set(mine) & set(saved))
+        if mine[key] != saved[key]
+    ]

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ._checks import check_int, check_number
+from ._checks import check_bool, check_int, check_number
 from .record import ControllerUpdate, GuardAction
 from .schedule import decay_gamma
 
@@ -243,6 +243,11 @@ class Controller:
     def load_state_dict(self, state: dict) -> None:
         pass
 
+    def settings(self) -> dict:
+        """The constructor's arguments, as given (a checkpoint keeps them: a job resumes exactly only
+        with the same ones)."""
+        return dict(getattr(self, "_settings", {}))
+
 
 # ---------------------------------------------------------------------- the paper's controller
 class PaperController(Controller):
@@ -258,6 +263,12 @@ class PaperController(Controller):
     name = "paper"
 
     def __init__(self, warmup: int = 0, temperature: float = 0.1, meta_lr: float = 0.5, meta_momentum: float = 0.9):
+        self._settings = {
+            "warmup": warmup,
+            "temperature": temperature,
+            "meta_lr": meta_lr,
+            "meta_momentum": meta_momentum,
+        }
         self.warmup = warmup
         self.temperature = temperature
         self.meta_lr = meta_lr
@@ -869,8 +880,11 @@ class DriftController(Controller):
         confirm_skipped: bool = False,
         revert_unconfirmed: bool | str | None = None,
     ) -> None:
+        self._settings = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         inf = math.inf
         guard = check_number("guard", guard, 1.0, inf, low_open=True, high_open=True)
+        check_bool("ceiling", ceiling)
+        check_bool("confirm_skipped", confirm_skipped)
         if revert_unconfirmed is None:  # the default since round 17, unless the skipped windows are held
             revert_unconfirmed = False if confirm_skipped else "shared"
         if revert_unconfirmed not in (False, True, "shared"):
@@ -886,8 +900,8 @@ class DriftController(Controller):
         self.drifts = Drift(max_drift)
         self.max_rollbacks = check_int("max_rollbacks", max_rollbacks, 0)
         self.warmup = check_int("warmup", warmup, 0)
-        self.rollback = bool(rollback)
-        self.one_sided = bool(one_sided)
+        self.rollback = check_bool("rollback", rollback)
+        self.one_sided = check_bool("one_sided", one_sided)
         self.ceilings = Ceiling(ceiling)
         step_guard = (
             None

@@ -96,7 +96,14 @@ class Hyperparam:
         if not low < high:
             raise ValueError(f"Expected explore[{self.name!r}] bounds with low < high, but got {bounds!r}")
         self.bounds = (low, high)
-        for label, value in zip(self.labels(), self.read()):
+        values = self.read()
+        if self.spread > 0 and values and all(v == 0 for v in values):
+            raise ValueError(
+                f"Expected explore[{self.name!r}] to start from a nonzero value, but it is 0 in "
+                f"{', '.join(self.labels())}: the spread multiplies the base value, so every replica would "
+                f"keep 0; set a nonzero {self.name} (e.g. in the optimizer) to explore it"
+            )
+        for label, value in zip(self.labels(), values):
             if not low <= value <= high:
                 raise ValueError(
                     f"Expected explore[{self.name!r}] bounds {self.bounds} to contain the base "

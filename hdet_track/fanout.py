@@ -94,10 +94,16 @@ class FanOut:
         return {
             "permutations": {k: list(v) for k, v in self.perm.items()},
             "generators": {k: g.get_state() for k, g in self.generators.items()},
+            # the explored values' starting bases, as read when the job began (a scheduler built after
+            # the optimizer's state was loaded would read this rank's own values instead)
+            "references": {k: list(v) for k, v in self.references.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.perm = {k: list(v) for k, v in state["permutations"].items()}
+        for name, values in state.get("references", {}).items():
+            if name in self.references and len(values) == len(self.references[name]):
+                self.references[name] = [float(v) for v in values]
         for name, gen_state in state["generators"].items():
             # torch.load(map_location="cuda") moves every tensor, but a CPU generator's state must be
             # a CPU ByteTensor

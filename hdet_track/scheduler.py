@@ -140,7 +140,7 @@ class HDETScheduler(Reporting, OneCycleLR):
         log_every: int = 1,
         compare_group: str | None = None,
         run_name: str | None = None,
-        close_at_end: bool = True,
+        close_at_end: bool = False,
         callbacks: Iterable[SchedulerCallback] = (),
         model: nn.Module | None = None,
         average_buffers: bool = True,
@@ -155,6 +155,7 @@ class HDETScheduler(Reporting, OneCycleLR):
             optimizer, model, steps, spread=spread, sync_every=sync_every, auto_lr=auto_lr, seed=seed,
             auto_lr_warmup=auto_lr_warmup, temperature=temperature, meta_lr=meta_lr, meta_momentum=meta_momentum,
             div_factor=div_factor, final_div_factor=final_div_factor, log_every=log_every,
+            process_group=process_group,
         )  # fmt: skip
         trackers = resolve_track(track)  # a bad value fails before OneCycleLR rewrites the param groups
         n_groups = len(optimizer.param_groups)
@@ -178,8 +179,10 @@ class HDETScheduler(Reporting, OneCycleLR):
             "meta_lr": meta_lr,
             "meta_momentum": meta_momentum,
         }
-        self._controller: Controller | None = make_controller(controller, **paper) if auto_lr else None  # fmt: skip
-        self._callbacks = CallbackList(callbacks)
+        built = make_controller(controller, **paper)  # a wrong name fails also with auto_lr=False
+        _check_paper_arguments(built, auto_lr, paper)
+        self._controller: Controller | None = built if auto_lr else None
+        self._callbacks = CallbackList(_checked_callbacks(callbacks))
         self._config = config
         self._onecycle: list[float] = []
         self._started = False
@@ -460,7 +463,10 @@ class HDETScheduler(Reporting, OneCycleLR):
             "world_size": self._world_size,
             "explored": list(self._fanout.names),
             **self._fanout.state_dict(),
-            "controller": None if controller is None else {"name": controller.name, "state": controller.state_dict()},
+            "controller": None
+            if controller is None
+            else {"name": controller.name, "state": controller.state_dict(), "settings": controller.settings()},
+            "settings": self._resume_settings(),
             "window": window,
             "averager": self._converger.averager.state_dict(),
             "runs": {k: v for k, v in runs.items() if v},
@@ -487,6 +493,8 @@ class HDETScheduler(Reporting, OneCycleLR):
             world_size=self._world_size,
             explored=self._fanout.names,
             controller=None if controller is None else controller.name,
+            settings=self._resume_settings(),
+            controller_settings=None if controller is None else controller.settings(),
         )
         self.__dict__.update({k: v for k, v in state["onecycle"].items() if k in self._onecycle_keys})
         self._fanout.load_state_dict(state)
@@ -496,6 +504,15 @@ class HDETScheduler(Reporting, OneCycleLR):
         self._converger.averager.load_state_dict(state.get("averager", {}))
         self._resumed_runs = dict(state.get("runs", {}))
         self._refresh()
+
+    def _resume_settings(self) -> dict[str, Any]:
+        """What a checkpoint must share with the job that loads it for the job to resume exactly."""
+        return {
+            "total_steps": self.total_steps,
+            "sync_every": self.sync_every,
+            "spreads": dict(self._fanout.spreads),
+            "param_groups": len(self.optimizer.param_groups),
+        }
 
     def _bind_controller(self) -> None:
         if self._controller is None:
@@ -548,6 +565,9 @@ def _check_arguments(optimizer: Any, model: Any, total_steps: int | None, **args
     seed = args["seed"]
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"Expected seed to be an int, but got {seed!r}")
+    group = args["process_group"]
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"Expected process_group to be a torch.distributed.ProcessGroup or None, but got {group!r}")
     if model is not None and not isinstance(model, nn.Module):
         raise TypeError(f"Expected model to be a torch.nn.Module, but got {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -557,6 +577,43 @@ def _check_arguments(optimizer: Any, model: Any, total_steps: int | None, **args
         raise ValueError(
             f"Expected auto_lr_warmup to be an integer in [0, total_steps={total_steps}], but got {warmup!r}"
         )
+
+
+_PAPER_DEFAULTS = {"warmup": 0, "temperature": 0.1, "meta_lr": 0.5, "meta_momentum": 0.9}
+_PAPER_NAMES = {"warmup": "auto_lr_warmup"}
+
+
+def _check_paper_arguments(controller: Controller, auto_lr: bool, paper: dict[str, Any]) -> None:
+    """The paper controller's settings must not be given to another controller, which would ignore them
+    (``auto_lr_warmup`` also serves the drift controller when it is built from its name)."""
+    if not auto_lr or isinstance(controller, PaperController):
+        return
+    own_warmup = getattr(controller, "warmup", None)
+    ignored = [k for k, v in paper.items() if v != _PAPER_DEFAULTS[k] and not (k == "warmup" and own_warmup == v)]
+    if ignored:
+        given = ", ".join(f"{_PAPER_NAMES.get(k, k)}={paper[k]!r}" for k in ignored)
+        name = controller.name or type(controller).__name__
+        raise ValueError(
+            f"Expected {given} only with controller='paper', but got controller={name!r}, which does not use "
+            f"{'it' if len(ignored) == 1 else 'them'} (give its settings to its object, e.g. "
+            "controller=DriftController(...))"
+        )
+
+
+def _checked_callbacks(callbacks: Any) -> list[SchedulerCallback]:
+    """``callbacks`` as a list, each with the :class:`SchedulerCallback` hooks."""
+    if isinstance(callbacks, (str, bytes)) or not isinstance(callbacks, Iterable):
+        raise TypeError(f"Expected callbacks to be an iterable of SchedulerCallback objects, but got {callbacks!r}")
+    items = list(callbacks)
+    hooks = ("on_start", "on_sync", "on_step", "on_close")
+    for i, cb in enumerate(items):
+        missing = [h for h in hooks if not callable(getattr(cb, h, None))]
+        if missing:
+            raise TypeError(
+                f"Expected callbacks[{i}] to be a SchedulerCallback (with {', '.join(hooks)}), but got {cb!r} "
+                f"(missing {', '.join(missing)})"
+            )
+    return items
 
 
 def _resolve_lr_bounds(
@@ -569,6 +626,11 @@ def _resolve_lr_bounds(
             f"max_lr must have the same length as optimizer.param_groups. "
             f"max_lr has {len(max_lrs)} values, param_groups has {n}."
         )
+    for g, m in enumerate(max_lrs):
+        ok = isinstance(m, (int, float)) and not isinstance(m, bool) and math.isfinite(m) and m > 0
+        if not ok:
+            which = "max_lr" if not isinstance(max_lr, (list, tuple)) else f"max_lr[{g}]"
+            raise ValueError(f"Expected {which} to be a finite number > 0, but got {m!r}")
     max_lrs = [float(m) for m in max_lrs]
     if lr_bounds is None:
         return [(m / div_factor / final_div_factor, 10.0 * m) for m in max_lrs]

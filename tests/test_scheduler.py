@@ -12,6 +12,7 @@ from torch import nn
 from torch.optim.lr_scheduler import OneCycleLR
 
 from hdet_track import HDETScheduler, NonFiniteReplicasError, explore, warm_noisy_init
+from hdet_track.controller import DriftController
 
 
 def make(opt: str = "sgd", groups: int = 3, seed: int = 0, **opt_kw):
@@ -190,6 +191,50 @@ def test_load_state_dict_rejects_other_world_or_explore():
         HDETScheduler(make()[1], 0.1, total_steps=10, explore={"weight_decay": 0.1}).load_state_dict(state)
 
 
+@pytest.mark.parametrize(
+    ("other", "pattern"),
+    [
+        ({"sync_every": 4}, r"sync_every is 4 here and 5 in the checkpoint"),
+        ({"total_steps": 45}, r"total_steps is 45 here and 60 in the checkpoint"),
+        ({"spread": 0.1}, r"spreads is \{'lr': 0.1\} here and \{'lr': 0.3\} in the checkpoint"),
+        ({"groups": 2}, r"param_groups is 2 here and 3 in the checkpoint"),
+        ({"controller": DriftController(rollback=False)}, r"controller rollback is False here and True in"),
+        ({"controller": DriftController(revert_unconfirmed=False)}, r"controller revert_unconfirmed is False here"),
+        ({"auto_lr_warmup": 10}, r"controller warmup is 10 here and 0 in the checkpoint"),
+    ],
+)
+def test_load_state_dict_rejects_a_job_with_other_settings(other, pattern):
+    from hdet_track import CheckpointMismatchError
+
+    def build(groups=3, total_steps=60, sync_every=5, **kw):
+        return HDETScheduler(
+            make(groups=groups)[1], 0.1, total_steps=total_steps, auto_lr=True, sync_every=sync_every, **kw
+        )
+
+    saved = build(spread=0.3)
+    for _ in range(7):
+        saved.optimizer.step()
+        saved.step(1.0)
+    state = saved.state_dict()
+    with pytest.raises(CheckpointMismatchError, match=pattern):
+        build(**{"spread": 0.3, **other}).load_state_dict(state)
+    build(spread=0.3).load_state_dict(state)  # the same settings load
+
+
+def test_explored_bases_come_from_the_checkpoint_not_from_an_optimizer_loaded_first():
+    # A rank whose optimizer state was loaded before the scheduler was built holds its own value
+    # (base x its multiplier), not the base: the checkpoint's starting bases must win.
+    _, opt = make(groups=1)
+    first = HDETScheduler(opt, 0.1, total_steps=20, explore={"weight_decay": 0.5})
+    state = first.state_dict()
+    _, other = make(groups=1)
+    other.param_groups[0]["weight_decay"] = 1.5e-4  # what a replica at multiplier 1.5 held
+    resumed = HDETScheduler(other, 0.1, total_steps=20, explore={"weight_decay": 0.5})
+    resumed.load_state_dict(state)
+    assert resumed.base_values("weight_decay") == [1e-4]
+    assert other.param_groups[0]["weight_decay"] == 1e-4  # a world of one: multiplier 1
+
+
 def test_explored_values_written_to_targets():
     model, opt = make(groups=2)
     loss_fn = nn.CrossEntropyLoss(label_smoothing=0.1)
@@ -238,15 +283,68 @@ def test_betas_entry_explored_with_adam():
         ({"track": 3}, "Expected track to be True, False"),
         ({"log_every": 0}, "log_every to be an integer >= 1, but got 0"),
         ({"seed": 1.5}, "seed"),
+        ({"max_lr": -0.1}, r"max_lr to be a finite number > 0, but got -0.1"),
+        ({"max_lr": 0.0}, r"max_lr to be a finite number > 0, but got 0.0"),
+        ({"max_lr": math.nan}, r"max_lr to be a finite number > 0, but got nan"),
+        ({"max_lr": [0.1, math.inf, 0.1]}, r"max_lr\[1\] to be a finite number > 0, but got inf"),
+        ({"controller": "drfit"}, r"controller to be one of \['drift', 'paper'\] or a Controller, but got 'drfit'"),
+        (
+            {"auto_lr": True, "temperature": 0.3},
+            r"temperature=0.3 only with controller='paper', but got controller='drift'",
+        ),
+        ({"auto_lr": True, "meta_lr": 1.0, "meta_momentum": 0.5}, r"meta_lr=1.0, meta_momentum=0.5 only with"),
+        ({"auto_lr": True, "controller": DriftController(), "auto_lr_warmup": 5}, "auto_lr_warmup=5 only with"),
+        ({"explore": {"dampening": 0.5}}, r"explore\['dampening'\] to start from a nonzero value, but it is 0 in pg0"),
     ],
 )
 def test_bad_arguments_name_argument_value_and_range(kw, pattern):
     _, opt = make(groups=3)
     before = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    kw = {"max_lr": 0.1, **kw}
     with pytest.raises(ValueError, match=pattern):
-        HDETScheduler(opt, 0.1, total_steps=10, **kw)
+        HDETScheduler(opt, total_steps=10, **kw)
     # nothing was touched: OneCycleLR rewrites the param groups only once every argument is valid
     assert [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] == before
+
+
+def test_settings_that_do_apply_are_accepted():
+    # the paper controller's settings with the paper controller, or with no controller running (an
+    # ablation's arms share their arguments); auto_lr_warmup also serves the drift controller by name
+    HDETScheduler(make()[1], 0.1, total_steps=10, auto_lr=True, controller="paper", temperature=0.3, meta_lr=1.0)
+    HDETScheduler(make()[1], 0.1, total_steps=10, auto_lr=False, temperature=0.3, auto_lr_warmup=5)
+    s = HDETScheduler(make()[1], 0.1, total_steps=10, auto_lr=True, auto_lr_warmup=5)
+    assert s.controller.warmup == 5
+    # weight decay 0 in some param groups (biases, norms) and not in others: those groups keep 0
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    opt = torch.optim.SGD(
+        [{"params": model[0].parameters(), "weight_decay": 0.0}, {"params": model[1].parameters()}],
+        lr=0.1,
+        weight_decay=1e-3,
+    )
+    HDETScheduler(opt, 0.1, total_steps=10, explore={"weight_decay": 0.5})
+
+
+@pytest.mark.parametrize(
+    ("kw", "error", "pattern"),
+    [
+        ({"callbacks": [1]}, TypeError, r"callbacks\[0\] to be a SchedulerCallback .* but got 1"),
+        ({"callbacks": "recorder"}, TypeError, "callbacks to be an iterable of SchedulerCallback objects"),
+        (
+            {"process_group": "x"},
+            TypeError,
+            "process_group to be a torch.distributed.ProcessGroup or None, but got 'x'",
+        ),
+    ],
+)
+def test_bad_objects_fail_at_construction_not_at_the_first_step(kw, error, pattern):
+    with pytest.raises(error, match=pattern):
+        HDETScheduler(make()[1], 0.1, total_steps=10, **kw)
+
+
+@pytest.mark.parametrize("name", ["rollback", "one_sided", "ceiling", "confirm_skipped"])
+def test_drift_controller_switches_must_be_bools(name):
+    with pytest.raises(ValueError, match=f"{name} to be a bool, but got 'no'"):
+        DriftController(**{name: "no"})  # "no" would read as True
 
 
 def test_dropout_explore_without_dropout_modules_is_an_error():

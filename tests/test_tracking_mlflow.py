@@ -54,7 +54,7 @@ def train(tracker, steps=40, sync_every=10, log_every=1, spread=0.3, auto_lr=Tru
         opt.step()
         seen.append((k, opt.param_groups[0]["lr"], opt.param_groups[1]["lr"], opt.param_groups[0]["weight_decay"]))
         sched.step(1.0 / k if loss is None else loss(k))
-    assert sched.flush(timeout=120)  # the run ended at total_steps; wait until it is written
+    sched.close()  # the run stays open after the last step (for final metrics) until close()
     return sched, seen
 
 
@@ -78,7 +78,7 @@ def test_one_run_with_metric_contract_params_tags_and_archive(sqlite_uri, tmp_pa
     sched, seen = train(tracker)
     client = MlflowClient(sqlite_uri)
     run = client.get_run(tracker.run_id)
-    assert run.info.status == "FINISHED"  # ended by itself at total_steps
+    assert run.info.status == "FINISHED"
     tags = run.data.tags
     assert tags["hdet.schedule"] == "hdet" and tags["hdet.world_size"] == "1"
     assert tags["hdet.schema_version"] == "2" and tags["hdet.compare_group"] == "cg-1"
@@ -395,18 +395,34 @@ def test_several_trackers_each_get_everything():
         assert sorted(p.step for p in t.points if p.key == "lr") == list(range(1, 21))
 
 
-def test_close_at_end_false_keeps_the_run_open_for_final_metrics(sqlite_uri):
-    tracker = MLflowTracker(tracking_uri=sqlite_uri)
+def ten_steps(tracker, **kw):
     model = nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    sched = HDETScheduler(opt, 0.1, total_steps=10, sync_every=5, track=tracker, close_at_end=False)
+    sched = HDETScheduler(opt, 0.1, total_steps=10, sync_every=5, track=tracker, **kw)
     for _ in range(10):
         opt.step()
         sched.step(1.0)
     sched.flush()
+    return sched
+
+
+def test_by_default_the_run_stays_open_after_the_last_step_for_final_metrics(sqlite_uri):
+    tracker = MLflowTracker(tracking_uri=sqlite_uri)
+    sched = ten_steps(tracker)
     client = MlflowClient(sqlite_uri)
     assert client.get_run(tracker.run_id).info.status == "RUNNING"
     sched.log_metrics({"val_loss": 0.25})  # after training: the step defaults to the last one
     sched.close()
     assert client.get_run(tracker.run_id).info.status == "FINISHED"
     assert history(client, tracker.run_id, "val_loss") == {10: 0.25}
+
+
+def test_close_at_end_true_ends_the_run_at_the_last_step_and_says_what_it_drops(sqlite_uri, caplog):
+    tracker = MLflowTracker(tracking_uri=sqlite_uri)
+    sched = ten_steps(tracker, close_at_end=True)
+    client = MlflowClient(sqlite_uri)
+    assert client.get_run(tracker.run_id).info.status == "FINISHED"
+    with caplog.at_level("WARNING", logger="hdet_track"):
+        sched.log_metrics({"val_loss": 0.25})
+    assert "dropping late metrics ['val_loss'] at step 10" in caplog.text
+    assert history(client, tracker.run_id, "val_loss") == {}

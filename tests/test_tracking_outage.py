@@ -46,7 +46,8 @@ def test_server_outage_loses_nothing(tmp_path, monkeypatch):
             time.sleep(0.04)
         chaos.join()
         assert outage["down"] < outage["up"]
-        sched.flush(timeout=180)  # already closed at total_steps; the run is complete
+        sched.close()  # the run is complete once everything reached the server
+        sched.flush(timeout=180)
         client = MlflowClient(server.uri)
         run = client.get_run(tracker.run_id)
         assert run.info.status == "FINISHED"

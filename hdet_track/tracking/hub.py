@@ -222,7 +222,10 @@ class TrackingHub:
 
     def _put(self, kind: str, item: Any) -> None:
         if self._ended:
-            logger.warning("hdet-track: the run has ended; dropping a late %s", kind)
+            what = f"metrics {sorted(item[0])} at step {item[1]}" if kind == "metrics" else f"{kind} event"
+            logger.warning(
+                "hdet-track: the run has already ended (close() or close_at_end=True); dropping late %s", what
+            )
             return
         self._queue.append((kind, item))
         if kind != "record" or len(self._queue) > 64:

@@ -28,8 +28,10 @@ class Recorder(SchedulerCallback):
         log_every: keep at most every k-th step in the metric histories (the event archive keeps all).
         compare_group: the ``hdet.compare_group`` tag (W&B run group) shared by runs to compare.
         run_name: the run's name.
-        close_at_end: end the run when the scheduler reaches ``total_steps``; with False it stays
-            open for final metrics until ``close()``, the context manager's exit or the process's exit.
+        close_at_end: end the run as soon as the scheduler reaches ``total_steps``. By default (False)
+            it stays open after the last step for final metrics (``log_metrics``), as an
+            ``mlflow.start_run()`` or ``wandb.init()`` run does, until ``close()``, the context
+            manager's exit or the process's exit (FINISHED when the job reached ``total_steps``).
     """
 
     needs_divergence = True
@@ -42,7 +44,7 @@ class Recorder(SchedulerCallback):
         log_every: int = 1,
         compare_group: str | None = None,
         run_name: str | None = None,
-        close_at_end: bool = True,
+        close_at_end: bool = False,
     ) -> None:
         self.trackers = resolve_trackers(track)
         self.log_every = log_every
