@@ -4,7 +4,7 @@ checkpoints, and the checks that a checkpoint belongs to the job loading it.
 Format 2 (:meth:`hdet_track.HDETScheduler.state_dict`) holds only plain Python values and tensors:
 ``onecycle`` (OneCycleLR's own state), ``world_size``, ``explored``, ``permutations`` and
 ``generators`` and ``references`` (:class:`~hdet_track.fanout.FanOut`), ``controller`` (name, state
-and constructor ``settings``), ``settings`` (total_steps, sync_every, spreads, param groups: what a
+and constructor ``settings``), ``settings`` (max_lr, total_steps, sync_every, spreads, param groups: what a
 job must share with the checkpoint to resume exactly), ``window`` (this rank's partial window;
 ``windows``: every rank's), ``averager`` (the kept consensus) and ``runs`` (the tracked runs' ids).
 Checkpoints without ``settings``/``references`` (older ones) still load.

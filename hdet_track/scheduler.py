@@ -161,6 +161,7 @@ class HDETScheduler(Reporting, OneCycleLR):
         n_groups = len(optimizer.param_groups)
         self._lr_bounds = _resolve_lr_bounds(lr_bounds, max_lr, n_groups, div_factor, final_div_factor)
         self._lr_bounds_given = lr_bounds is not None
+        self._max_lrs = [float(m) for m in (max_lr if isinstance(max_lr, (list, tuple)) else [max_lr] * n_groups)]
         self._group = process_group
         self._rank, self._world_size = collectives.world(process_group)
         self._model = model
@@ -508,6 +509,7 @@ class HDETScheduler(Reporting, OneCycleLR):
     def _resume_settings(self) -> dict[str, Any]:
         """What a checkpoint must share with the job that loads it for the job to resume exactly."""
         return {
+            "max_lr": list(self._max_lrs),
             "total_steps": self.total_steps,
             "sync_every": self.sync_every,
             "spreads": dict(self._fanout.spreads),

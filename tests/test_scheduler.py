@@ -195,6 +195,7 @@ def test_load_state_dict_rejects_other_world_or_explore():
     ("other", "pattern"),
     [
         ({"sync_every": 4}, r"sync_every is 4 here and 5 in the checkpoint"),
+        ({"max_lr": 0.2}, r"max_lr is \[0.2, 0.2, 0.2\] here and \[0.1, 0.1, 0.1\] in the checkpoint"),
         ({"total_steps": 45}, r"total_steps is 45 here and 60 in the checkpoint"),
         ({"spread": 0.1}, r"spreads is \{'lr': 0.1\} here and \{'lr': 0.3\} in the checkpoint"),
         ({"groups": 2}, r"param_groups is 2 here and 3 in the checkpoint"),
@@ -206,9 +207,9 @@ def test_load_state_dict_rejects_other_world_or_explore():
 def test_load_state_dict_rejects_a_job_with_other_settings(other, pattern):
     from hdet_track import CheckpointMismatchError
 
-    def build(groups=3, total_steps=60, sync_every=5, **kw):
+    def build(groups=3, total_steps=60, sync_every=5, max_lr=0.1, **kw):
         return HDETScheduler(
-            make(groups=groups)[1], 0.1, total_steps=total_steps, auto_lr=True, sync_every=sync_every, **kw
+            make(groups=groups)[1], max_lr, total_steps=total_steps, auto_lr=True, sync_every=sync_every, **kw
         )
 
     saved = build(spread=0.3)
