@@ -730,9 +730,18 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["MLFLOW_TRACKING_URI"] = store  # the launched replicas inherit it
     os.environ["MLFLOW_EXPERIMENT_NAME"] = EXPERIMENT
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    from mlflow import MlflowClient
+
+    from hdet_track.readers import ReaderError
     from hdet_track.readers.mlflow import MLflowReader
 
-    reader = MLflowReader(store)
+    if not args.report_only:
+        MlflowClient(store).search_experiments(max_results=1)  # the study writes there: a new store is created
+    try:
+        reader = MLflowReader(store)  # read-only: with --report-only a missing store is an error
+    except ReaderError as exc:
+        print(f"bench/quality.py: {exc}", file=sys.stderr)
+        return 2
     planned = plan(args)
     print(f"bench/quality.py: {len(planned)} planned runs, store {store} (experiment {EXPERIMENT})", flush=True)
     started = time.monotonic()

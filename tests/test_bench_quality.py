@@ -209,6 +209,14 @@ def test_recovery_notes_name_the_guard_action_after_each_blow_up_and_where_the_r
     assert recovery_notes([runs[1]], bar=0.30) == []
 
 
+def test_a_report_from_a_store_that_does_not_exist_is_an_error_and_creates_nothing(tmp_path):
+    store = tmp_path / "missing" / "q.db"
+    cmd = [sys.executable, str(ROOT / "bench" / "quality.py"), "--report-only", "--store", f"sqlite:///{store}"]
+    proc = subprocess.run([*cmd, "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "does not exist" in proc.stderr and "Traceback" not in proc.stderr
+    assert not store.parent.exists()
+
+
 # ------------------------------------------------------------------ one small real study
 ARGS = [
     "--tasks", "image", "--dataset", "digits", "--seeds", "0", "--steps", "40", "--sync-every", "10",
