@@ -1076,6 +1076,7 @@ class DriftController(Controller):
             "step_guard_scope": self.step_guard_scope,  # "auto" once resolved from the gradients
             "shared_gradients": self.shared_gradients,
             "start_loss": self.blowups.start_loss,
+            "storm": [self.blowups._storm, self.blowups._warned],  # the guard-storm warning's count
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -1087,6 +1088,8 @@ class DriftController(Controller):
         self.guard_events = int(state.get("guard_events", 0))
         self.ceilings.tested = {k: [float(x) for x in v] for k, v in state.get("tested", {}).items()}
         self.blowups.start_loss = float(state.get("start_loss", math.nan))
+        storm, warned = state.get("storm", [0, False])
+        self.blowups._storm, self.blowups._warned = int(storm), bool(warned)
         shared = state.get("shared_gradients")
         self.shared_gradients = None if shared is None else bool(shared)
         if self.step_guard_scope == "auto" and state.get("step_guard_scope") in ("all", "local"):

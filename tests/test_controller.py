@@ -926,6 +926,23 @@ def test_a_guard_storm_warns_once_and_names_guard_floor(caplog):
             c.update(blown, c.health(blown))
     warned = [r.getMessage() for r in caplog.records]
     assert len(warned) == 1 and "5 syncs in a row" in warned[0] and "guard_floor" in warned[0]
+    # resumed from a checkpoint: the count goes on (4 in a row, then one more warns) and a warning
+    # given before the checkpoint is not given again
+    caplog.clear()
+    counting, warned_before = controller(), controller()
+    for st in [blown] * 4:
+        counting.update(st, counting.health(st))
+    for st in [blown] * 5 + [calm] + [blown] * 4:  # warned, then 4 in a row again
+        warned_before.update(st, warned_before.health(st))
+    caplog.clear()
+    done = controller()
+    done.load_state_dict(warned_before.state_dict())
+    resumed = controller()
+    resumed.load_state_dict(counting.state_dict())
+    with caplog.at_level(logging.WARNING, logger="hdet_track.controller"):
+        for ctrl in (resumed, done):
+            ctrl.update(blown, ctrl.health(blown))
+    assert len(caplog.records) == 1 and "5 syncs in a row" in caplog.records[0].getMessage()
 
 
 def test_revert_unconfirmed_shared_takes_back_only_under_shared_gradients():
