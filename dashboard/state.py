@@ -14,6 +14,7 @@ from typing import Any
 import streamlit as st
 
 from hdet_track.readers import HDETRun, ReaderError, RunSummary, default_source, open_reader
+from hdet_track.readers.mlflow import sqlite_file
 from hdet_track.summaries import full_rows_limit
 
 LIVE_SECONDS = 2.0
@@ -88,8 +89,16 @@ def sidebar() -> None:
     try:
         experiments = list_experiments(st.session_state["source"])
     except Exception as exc:  # noqa: BLE001 - an unreachable source is shown, not raised
-        st.sidebar.error(f"Cannot read {st.session_state['source']}: {type(exc).__name__}: {exc}")
         st.session_state["runs"] = []
+        pending = sqlite_file(st.session_state["source"])
+        if pending is not None and not pending.exists() and pending.absolute().parent.is_dir():
+            st.sidebar.info(
+                f"No store at `{st.session_state['source']}` yet: its runs appear here once a job logs there."
+            )
+            with st.sidebar:
+                _wait_for_store(str(pending.absolute()))
+            return
+        st.sidebar.error(f"Cannot read {st.session_state['source']}: {type(exc).__name__}: {exc}")
         return
     experiment = None
     if experiments:
@@ -107,6 +116,13 @@ def sidebar() -> None:
         chosen = st.sidebar.selectbox("Run", list(labels), format_func=labels.get, key="run_id")
         st.session_state["selected"] = chosen
     st.sidebar.toggle("Live refresh of running runs", value=True, key="live")
+
+
+@st.fragment(run_every=LIVE_SECONDS)
+def _wait_for_store(path: str) -> None:
+    """Rerun the app once the store a job is about to create exists (the dashboard never creates it)."""
+    if os.path.exists(path):
+        st.rerun()
 
 
 def label(r: RunSummary) -> str:

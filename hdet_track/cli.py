@@ -365,7 +365,7 @@ def run_dashboard(source: str | None, host: str, port: int) -> int:
     from pathlib import Path
 
     from .readers import ReaderError, default_source
-    from .readers.mlflow import check_store_exists
+    from .readers.mlflow import check_store_exists, sqlite_file
 
     with socket.socket() as s:
         try:
@@ -380,11 +380,20 @@ def run_dashboard(source: str | None, host: str, port: int) -> int:
     if "://" not in source and not Path(source).exists():
         print(f"hdet-track dashboard: {source} is neither a tracking URI nor an existing directory", file=sys.stderr)
         return 2
-    try:
-        check_store_exists(source)  # read-only: a missing sqlite file is an error, never a new store
-    except ReaderError as exc:
-        print(f"hdet-track dashboard: {exc}", file=sys.stderr)
-        return 2
+    db = sqlite_file(source)
+    if db is not None and not db.exists() and db.absolute().parent.is_dir():
+        # read-only, and ready before the first job: the runs appear once a job creates the store
+        print(
+            f"hdet-track dashboard: no store at {source} yet ({db.absolute()} does not exist); the dashboard "
+            "waits for a job to log there and never creates it",
+            file=sys.stderr,
+        )
+    else:
+        try:
+            check_store_exists(source)  # a sqlite file in a directory that does not exist: a typo
+        except ReaderError as exc:
+            print(f"hdet-track dashboard: {exc}", file=sys.stderr)
+            return 2
     import hdet_track.dashboard
 
     app = Path(hdet_track.dashboard.__file__).with_name("app.py")  # dashboard/ ships as hdet_track.dashboard

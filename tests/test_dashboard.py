@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from mlflow.tracking import MlflowClient
 from streamlit.testing.v1 import AppTest
 from torch import nn
 
@@ -123,6 +124,21 @@ def test_empty_and_unreadable_sources(monkeypatch, tmp_path):
         assert not at.exception, page
     at = app(monkeypatch, "http://127.0.0.1:9")  # nothing listens there
     assert at.sidebar.error and "Cannot read" in at.sidebar.error[0].value
+
+
+def test_a_store_not_created_yet_is_waited_for_and_read_once_it_exists(monkeypatch, tmp_path):
+    """Opened before the first job: a sqlite store whose directory exists but whose file does not is
+    waited for (a note, no error, nothing created); once a job has created it, the next rerun reads it."""
+    uri = f"sqlite:///{tmp_path / 'later.db'}"
+    at = app(monkeypatch, uri)
+    assert not at.sidebar.error
+    assert any("No store at" in i.value and "yet" in i.value for i in at.sidebar.info)
+    assert not (tmp_path / "later.db").exists()
+    MlflowClient(uri).create_experiment("hdet")  # the job creates its store
+    at.run()
+    assert not at.exception and not at.sidebar.error
+    assert not any("No store at" in i.value for i in at.sidebar.info)
+    assert any(s.label == "Experiment" for s in at.sidebar.selectbox)
 
 
 def test_a_missing_sqlite_store_is_shown_and_never_created(monkeypatch, tmp_path):
