@@ -14,7 +14,7 @@ from typing import Any
 import streamlit as st
 
 from hdet_track.readers import HDETRun, ReaderError, RunSummary, default_source, open_reader
-from hdet_track.readers.mlflow import sqlite_file
+from hdet_track.readers.mlflow import pending_store
 from hdet_track.summaries import full_rows_limit
 
 LIVE_SECONDS = 2.0
@@ -90,8 +90,8 @@ def sidebar() -> None:
         experiments = list_experiments(st.session_state["source"])
     except Exception as exc:  # noqa: BLE001 - an unreachable source is shown, not raised
         st.session_state["runs"] = []
-        pending = sqlite_file(st.session_state["source"])
-        if pending is not None and not pending.exists() and pending.absolute().parent.is_dir():
+        pending = pending_store(st.session_state["source"])
+        if pending is not None:
             st.sidebar.info(
                 f"No store at `{st.session_state['source']}` yet: its runs appear here once a job logs there."
             )

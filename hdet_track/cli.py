@@ -365,7 +365,7 @@ def run_dashboard(source: str | None, host: str, port: int) -> int:
     from pathlib import Path
 
     from .readers import ReaderError, default_source
-    from .readers.mlflow import check_store_exists, sqlite_file
+    from .readers.mlflow import check_store_exists, pending_store
 
     with socket.socket() as s:
         try:
@@ -380,9 +380,8 @@ def run_dashboard(source: str | None, host: str, port: int) -> int:
     if "://" not in source and not Path(source).exists():
         print(f"hdet-track dashboard: {source} is neither a tracking URI nor an existing directory", file=sys.stderr)
         return 2
-    db = sqlite_file(source)
-    if db is not None and not db.exists() and db.absolute().parent.is_dir():
-        # read-only, and ready before the first job: the runs appear once a job creates the store
+    db = pending_store(source)
+    if db is not None:  # read-only, and ready before the first job: the runs appear once a job creates it
         print(
             f"hdet-track dashboard: no store at {source} yet ({db.absolute()} does not exist); the dashboard "
             "waits for a job to log there and never creates it",

@@ -448,6 +448,14 @@ class BlowupGuard:
         self.start_loss = math.nan  # L0: the median first loss of the run's first window (floor)
         self._storm, self._warned = 0, False  # syncs in a row at which the guard acted; warned once
 
+    def state_dict(self) -> dict:
+        return {"start_loss": self.start_loss, "storm": [self._storm, self._warned]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.start_loss = float(state.get("start_loss", math.nan))
+        storm, warned = state.get("storm", [0, False])
+        self._storm, self._warned = int(storm), bool(warned)
+
     def health(self, stats: WindowStats, rollback: bool) -> Health:
         """The sync guard (:func:`blowup_health`) with this run's floor."""
         self.note_start(stats)
@@ -1075,8 +1083,7 @@ class DriftController(Controller):
             "tested": dict(self.ceilings.tested),
             "step_guard_scope": self.step_guard_scope,  # "auto" once resolved from the gradients
             "shared_gradients": self.shared_gradients,
-            "start_loss": self.blowups.start_loss,
-            "storm": [self.blowups._storm, self.blowups._warned],  # the guard-storm warning's count
+            **self.blowups.state_dict(),  # the run's starting loss, the guard-storm warning's count
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -1087,9 +1094,7 @@ class DriftController(Controller):
         self.rollbacks = int(state.get("rollbacks", 0))
         self.guard_events = int(state.get("guard_events", 0))
         self.ceilings.tested = {k: [float(x) for x in v] for k, v in state.get("tested", {}).items()}
-        self.blowups.start_loss = float(state.get("start_loss", math.nan))
-        storm, warned = state.get("storm", [0, False])
-        self.blowups._storm, self.blowups._warned = int(storm), bool(warned)
+        self.blowups.load_state_dict(state)
         shared = state.get("shared_gradients")
         self.shared_gradients = None if shared is None else bool(shared)
         if self.step_guard_scope == "auto" and state.get("step_guard_scope") in ("all", "local"):

@@ -159,9 +159,9 @@ class HDETScheduler(Reporting, OneCycleLR):
         )  # fmt: skip
         trackers = resolve_track(track)  # a bad value fails before OneCycleLR rewrites the param groups
         n_groups = len(optimizer.param_groups)
-        self._lr_bounds = _resolve_lr_bounds(lr_bounds, max_lr, n_groups, div_factor, final_div_factor)
+        self._max_lrs = _max_lrs(max_lr, n_groups)
+        self._lr_bounds = _resolve_lr_bounds(lr_bounds, self._max_lrs, div_factor, final_div_factor)
         self._lr_bounds_given = lr_bounds is not None
-        self._max_lrs = [float(m) for m in (max_lr if isinstance(max_lr, (list, tuple)) else [max_lr] * n_groups)]
         self._group = process_group
         self._rank, self._world_size = collectives.world(process_group)
         self._model = model
@@ -581,7 +581,7 @@ def _check_arguments(optimizer: Any, model: Any, total_steps: int | None, **args
         )
 
 
-_PAPER_DEFAULTS = {"warmup": 0, "temperature": 0.1, "meta_lr": 0.5, "meta_momentum": 0.9}
+_PAPER_DEFAULTS = PaperController().settings()
 _PAPER_NAMES = {"warmup": "auto_lr_warmup"}
 
 
@@ -607,7 +607,7 @@ def _checked_callbacks(callbacks: Any) -> list[SchedulerCallback]:
     if isinstance(callbacks, (str, bytes)) or not isinstance(callbacks, Iterable):
         raise TypeError(f"Expected callbacks to be an iterable of SchedulerCallback objects, but got {callbacks!r}")
     items = list(callbacks)
-    hooks = ("on_start", "on_sync", "on_step", "on_close")
+    hooks = [name for name in vars(SchedulerCallback) if name.startswith("on_")]
     for i, cb in enumerate(items):
         missing = [h for h in hooks if not callable(getattr(cb, h, None))]
         if missing:
@@ -618,22 +618,23 @@ def _checked_callbacks(callbacks: Any) -> list[SchedulerCallback]:
     return items
 
 
-def _resolve_lr_bounds(
-    lr_bounds: Any, max_lr: Any, n: int, div_factor: float, final_div_factor: float
-) -> list[tuple[float, float]]:
-    """One (low, high) per param group: ``lr_bounds`` checked against ``max_lr``, or the default."""
-    max_lrs = list(max_lr) if isinstance(max_lr, (list, tuple)) else [max_lr] * n
-    if len(max_lrs) != n:
+def _max_lrs(max_lr: Any, n: int) -> list[float]:
+    """One checked max_lr per param group."""
+    if not isinstance(max_lr, (list, tuple)):
+        return [check_number("max_lr", max_lr, 0.0, math.inf, low_open=True, high_open=True)] * n
+    if len(max_lr) != n:
         raise ValueError(
             f"max_lr must have the same length as optimizer.param_groups. "
-            f"max_lr has {len(max_lrs)} values, param_groups has {n}."
+            f"max_lr has {len(max_lr)} values, param_groups has {n}."
         )
-    for g, m in enumerate(max_lrs):
-        ok = isinstance(m, (int, float)) and not isinstance(m, bool) and math.isfinite(m) and m > 0
-        if not ok:
-            which = "max_lr" if not isinstance(max_lr, (list, tuple)) else f"max_lr[{g}]"
-            raise ValueError(f"Expected {which} to be a finite number > 0, but got {m!r}")
-    max_lrs = [float(m) for m in max_lrs]
+    return [check_number(f"max_lr[{g}]", m, 0.0, math.inf, low_open=True, high_open=True) for g, m in enumerate(max_lr)]
+
+
+def _resolve_lr_bounds(
+    lr_bounds: Any, max_lrs: list[float], div_factor: float, final_div_factor: float
+) -> list[tuple[float, float]]:
+    """One (low, high) per param group: ``lr_bounds`` checked against ``max_lrs``, or the default."""
+    n = len(max_lrs)
     if lr_bounds is None:
         return [(m / div_factor / final_div_factor, 10.0 * m) for m in max_lrs]
     pairs: list[Any]

@@ -69,14 +69,7 @@ def test_demo_logs_one_run_per_ablation_arm_and_prints_the_table(demo_store):
 @pytest.mark.parametrize("fmt", ["table", "markdown", "json"])
 def test_compare_formats(demo_store, fmt):
     uri, _, env, root = demo_store
-    proc = subprocess.run(
-        [sys.executable, "-m", "hdet_track.cli", "compare", "--format", fmt],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=root,
-        env=env,
-    )
+    proc = _cli(["compare", "--format", fmt], root, env, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     if fmt == "json":
         rows = json.loads(proc.stdout)
@@ -172,9 +165,9 @@ def test_missing_dataset_is_a_one_line_error_before_any_run(tmp_path, capsys, mo
     assert not (tmp_path / "x.db").exists()  # nothing half-written
 
 
-def _demo(argv, cwd, env, timeout=600):
+def _cli(argv, cwd, env, timeout=600):
     return subprocess.run(
-        [sys.executable, "-m", "hdet_track.cli", "demo", *argv],
+        [sys.executable, "-m", "hdet_track.cli", *argv],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -191,7 +184,7 @@ def test_text_demo_with_independent_replicas_on_the_stdlib_sources(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "HDET_"))}
     env["MLFLOW_TRACKING_URI"] = uri
     argv = ["--dataset", "text", "--quick", "--replicas", "2", "--steps", "50", "--grad-mode", "independent"]
-    proc = _demo([*argv, "--group", "text-test"], tmp_path, env)
+    proc = _cli(["demo", *argv, "--group", "text-test"], tmp_path, env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "text, 2 gloo replicas (independent gradients), 50 steps, max_lr 0.02, runs:" in proc.stdout
     assert "Downloading artifacts" not in proc.stdout + proc.stderr  # no progress-bar noise in the table
@@ -270,14 +263,7 @@ def test_read_only_commands_never_create_a_store(tmp_path, capsys):
     the URI, exit 2, and no file or directory created (MLflow's client would create the store)."""
     before = sorted(p.name for p in tmp_path.iterdir())
     uri = f"sqlite:///{tmp_path / 'nonexistent' / 'x.db'}"  # sqlite:////abs/path
-    proc = subprocess.run(
-        [sys.executable, "-m", "hdet_track.cli", "compare", "--tracking-uri", uri],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-        env=_env_without_tracking(),
-    )
+    proc = _cli(["compare", "--tracking-uri", uri], tmp_path, _env_without_tracking(), timeout=120)
     assert proc.returncode == 2 and proc.stdout == ""
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert uri in proc.stderr and "does not exist" in proc.stderr
@@ -406,8 +392,10 @@ def test_wandb_demo_logs_offline_without_wandb_mode_and_prints_compare_s_table(t
 
     env = _env_without_tracking()  # no WANDB_MODE, WANDB_API_KEY or WANDB_DIR
     env["WANDB_SILENT"] = "true"
-    proc = _demo(
-        ["--quick", "--replicas", "2", "--steps", "50", "--tracker", "wandb", "--group", "wb-test"], tmp_path, env
+    proc = _cli(
+        ["demo", "--quick", "--replicas", "2", "--steps", "50", "--tracker", "wandb", "--group", "wb-test"],
+        tmp_path,
+        env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "max_lr 1, runs: baseline-high, hdet" in proc.stdout

@@ -22,7 +22,7 @@ from ..tracking.archive import ARTIFACT_DIR
 from .archive import read_archive
 from .base import HDETRun, ReaderError, RunNotFoundError, RunSummary, StepTable, converge_from_series
 
-__all__ = ["MLflowReader", "sqlite_file", "check_store_exists"]
+__all__ = ["MLflowReader", "sqlite_file", "pending_store", "check_store_exists"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +53,13 @@ def sqlite_file(uri: str) -> Path | None:
         return None
     path = rest[1:].split("?", 1)[0]
     return None if path in ("", ":memory:") else Path(path)
+
+
+def pending_store(uri: str) -> Path | None:
+    """The file of a ``sqlite:`` store a job has not created yet, in a directory that exists (a
+    dashboard opened before the first job waits for it); None otherwise."""
+    db = sqlite_file(uri)
+    return db if db is not None and not db.exists() and db.absolute().parent.is_dir() else None
 
 
 def check_store_exists(uri: str) -> None:
