@@ -38,6 +38,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
+from torch.nn import functional as F  # noqa: E402
 
 from hdet_track import HDETScheduler, NonFiniteReplicasError  # noqa: E402
 from hdet_track.compare import diverged_at  # noqa: E402
@@ -146,6 +147,10 @@ ROUNDS: dict[int, dict[str, dict | None]] = {
         "revert-shared": {"skip_windows": 1, "revert_unconfirmed": "shared"},
         "default": {},
     },
+    18: {
+        "tail-probe": {"probe": "tail"},
+        "default": {},
+    },
 }
 # The arms that ran with the sign error in Evidence.drop_upward fixed in round 15: every arm before
 # round 15 (so that rerunning them reproduces their records) and round 15's "published".
@@ -166,12 +171,13 @@ SEEDS = {
     15: (121, 122, 123),
     16: (124, 125, 126),
     17: (127, 128, 129),
+    18: (130, 131, 132),
 }
 CANDIDATES: dict[str, dict | None] = {k: v for r in ROUNDS.values() for k, v in r.items()}
 REFERENCE_LRS = (0.02, 0.05, 0.1, 0.2, 0.5)
 CANDIDATE_LRS = (0.02, 0.1, 0.5)
 # rounds that run the candidates at other max_lr
-ROUND_LRS = {r: (0.02, 0.1, 0.2, 0.5) for r in (11, 12, 13, 14, 15, 16, 17)}
+ROUND_LRS = {r: (0.02, 0.1, 0.2, 0.5) for r in (11, 12, 13, 14, 15, 16, 17, 18)}
 MODES = ("shared", "independent")
 
 
@@ -187,7 +193,94 @@ class InvertedDrop(Evidence):
 BEFORE_ROUND_17 = {"skip_windows": 0, "revert_unconfirmed": False}
 
 
+class TailProbe:
+    """Round 18's signal (docs/controller.md): this replica's per-example losses on one fixed probe
+    batch of development-training images (the same on every rank), at the average of its iterates
+    over the second half of the window since the last sync, gathered over the ranks."""
+
+    def __init__(self, task, model: nn.Module, sync_every: int, size: int = 2048, seed: int = 7) -> None:
+        order = torch.randperm(len(task.x_train), generator=torch.Generator().manual_seed(seed))[:size]
+        self.inputs, self.targets = task.x_train[order], task.y_train[order]
+        self.model, self.params = model, list(model.parameters())
+        self.tail = [torch.zeros_like(p) for p in self.params]
+        self.count, self.since, self.half = 0, 0, sync_every // 2
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        """After the optimizer's step (before the scheduler's): add the iterate to the tail average."""
+        self.since += 1
+        if self.since > self.half:
+            self.count += 1
+            for t, p in zip(self.tail, self.params):
+                t.add_(p - t, alpha=1.0 / self.count)
+
+    def synced(self) -> None:
+        """A sync happened (any kind): the next window's average starts afresh."""
+        self.since, self.count = 0, 0
+        for t in self.tail:
+            t.zero_()
+
+    @torch.no_grad()
+    def losses(self, at: str = "tail") -> torch.Tensor:
+        """Per-example probe losses at the tail average (``at="tail"``; NaN with fewer than 3 averaged
+        steps) or at the current parameters (``"end"``), one row per rank (a collective)."""
+        if at == "end":
+            mine = F.cross_entropy(self.model(self.inputs), self.targets, reduction="none")
+        elif self.count < 3:
+            mine = torch.full((len(self.targets),), math.nan)
+        else:
+            kept = [p.detach().clone() for p in self.params]
+            for p, t in zip(self.params, self.tail):
+                p.copy_(t)
+            mine = F.cross_entropy(self.model(self.inputs), self.targets, reduction="none")
+            for p, k in zip(self.params, kept):
+                p.copy_(k)
+        rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(rows, mine.contiguous())
+        return torch.stack(rows).double()
+
+
+def probe_evidence(log_multipliers: list[float], rows: np.ndarray) -> float:
+    """The probe's ``z``: per example, the slope of the loss against the centred log multipliers;
+    their mean over its standard error (paired by example), clipped to [-10, 10]. NaN: no probe."""
+    x = np.asarray(log_multipliers, dtype=float)
+    rows = np.asarray(rows, dtype=float)
+    if len(x) < 2 or not np.all(np.isfinite(rows)):
+        return math.nan
+    x = x - x.mean()
+    if float(x @ x) <= 0:
+        return 0.0
+    slopes = x @ (rows - rows.mean(axis=0)) / float(x @ x)
+    sd = float(np.std(slopes, ddof=1))
+    mean = float(np.mean(slopes))
+    if sd <= 0:
+        return 0.0 if mean == 0 else math.copysign(10.0, mean)
+    return max(-10.0, min(10.0, mean / (sd / math.sqrt(len(slopes)))))
+
+
+class ProbeDrift(DriftController):
+    """Round 18's candidate: the default controller whose LR evidence is the tail probe's ``z``
+    (:func:`probe_evidence`) at the syncs where the training loop handed it one (``probe``: the
+    step and the gathered rows), else the window's."""
+
+    def __init__(self, **settings) -> None:
+        super().__init__(**settings)
+        self.probe: tuple[int, np.ndarray] | None = None
+        self.probe_syncs = 0
+
+    def window_evidence(self, name, x, ok, stats, se):  # noqa: ANN001, ANN201
+        if name == "lr" and self.probe is not None and self.probe[0] == stats.step:
+            z = probe_evidence([x[r] for r in ok], self.probe[1][ok])
+            if math.isfinite(z):
+                self.probe_syncs += 1
+                return z
+        return super().window_evidence(name, x, ok, stats, se)
+
+
 def drift_controller(settings: dict, round_: int, arm: str) -> DriftController:
+    settings = dict(settings)
+    if settings.pop("probe", None) == "tail":
+        return ProbeDrift(**settings)
     ctrl = DriftController(**(BEFORE_ROUND_17 | settings if round_ <= 17 else settings))
     if (round_, arm) in INVERTED_DROP:
         e = ctrl.evidence
@@ -246,16 +339,25 @@ def train(run: DevRun) -> dict:
         seed=run.seed,
     )
     batches = torch.Generator().manual_seed(run.seed * 1000 + rank)
+    ctrl = sched.controller
+    probe = TailProbe(task, model, run.sync_every) if isinstance(ctrl, ProbeDrift) else None
     stopped_at = None
     losses: list[float] = []
     try:
-        for _ in range(run.steps):
+        for i in range(run.steps):
             inputs, targets = task.batch(batches, run.batch)
             loss = task.loss(net(inputs), targets)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
+            if probe is not None:
+                probe.after_step()
+                if (i + 1) % run.sync_every == 0 or i + 1 == run.steps:  # the scheduler syncs at this step
+                    ctrl.probe = (i + 1, probe.losses().numpy())
+                seen = getattr(sched.last_sync, "step", None)
             sched.step(loss)
+            if probe is not None and getattr(sched.last_sync, "step", None) != seen:
+                probe.synced()
             losses.append(float(loss.detach()))
     except NonFiniteReplicasError as exc:
         stopped_at = exc.step
@@ -269,8 +371,7 @@ def train(run: DevRun) -> dict:
     diverged = stopped_at if stopped_at is not None else blew_up_at
     if stopped_at is not None or not math.isfinite(val_loss):
         val_loss = math.inf
-    ctrl = sched.controller
-    return {
+    out = {
         "val_loss": val_loss,
         "val_accuracy": val_acc,
         "diverged_at": diverged,
@@ -278,6 +379,9 @@ def train(run: DevRun) -> dict:
         "final_drift": math.exp(ctrl.drift.get("lr", [0.0])[0]) if auto else 1.0,
         "guard_events": int(getattr(ctrl, "guard_events", 0)),
     }
+    if probe is not None:
+        out["probe_syncs"] = ctrl.probe_syncs
+    return out
 
 
 def _worker(run: DevRun) -> dict:
@@ -374,6 +478,8 @@ def select(results: dict[str, dict], dataset: str, steps: int, replicas: int, ro
         winner = "revert-first" if all(holds_up(score, "revert-first", m, modes, lrs) for m in modes) else "default"
     if round_ == 17 and {"revert-shared", "default"} <= set(score) and "shared" in modes:
         winner = "revert-shared" if holds_up(score, "revert-shared", "shared", modes, lrs) else "default"
+    if round_ == 18 and {"tail-probe", "default"} <= set(score):
+        winner = "tail-probe" if all(holds_up(score, "tail-probe", m, modes, lrs) for m in modes) else "default"
     return {"round": round_, "bar": bar, "score": score, "winner": winner}
 
 

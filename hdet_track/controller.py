@@ -978,6 +978,13 @@ class DriftController(Controller):
         logs = [math.log(m) for m in self.ctx.multipliers[name]]
         return (max(logs) - min(logs)) / 2
 
+    def window_evidence(self, name: str, x: list[float], ok: list[int], stats: WindowStats, se: float) -> float:
+        """One sync's ``z`` for ``name``: the healthy replicas' window losses against their log
+        multipliers ``x``, in standard errors ``se`` (:func:`trend_evidence`). A subclass may read
+        another signal here (docs/controller.md, round 18)."""
+        means = stats.window_losses
+        return trend_evidence([x[r] for r in ok], [means[r] for r in ok], se) if len(ok) > 1 else 0.0
+
     def update(self, stats: WindowStats, health: Health) -> Decision:
         self.rollbacks = 0
         ok = [r for r, h in enumerate(health.healthy) if h]
@@ -997,7 +1004,7 @@ class DriftController(Controller):
         keep = self.revert_unconfirmed == "shared" and self.shared_gradients is not True  # provisional moves stay
         for name in self.ctx.names:
             x = self._log_mults(name, stats)
-            z = trend_evidence([x[r] for r in ok], [means[r] for r in ok], se) if len(ok) > 1 else 0.0
+            z = self.window_evidence(name, x, ok, stats, se)
             read = self.evidence.add(name, z, stats.step, self.ctx.sync_every, keep)
             evidence, fractions = read.evidence, read.fractions
             step = self._full_step(name) * (0.5 ** min(self.guard_events, 3) if name == "lr" else 1.0)
