@@ -23,6 +23,7 @@ from hdet_track.readers.wandb import WandbReader
 from .servers import free_port
 
 JOB = str(Path(__file__).parent / "jobs" / "lifecycle_job.py")
+SWEEP_JOB = str(Path(__file__).parent / "jobs" / "sweep_job.py")
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 
 CASES = [
@@ -114,3 +115,81 @@ def test_status_by_what_the_job_did(
     if expected_syncs:
         steps, _ = run.replica_series("loss", 0)
         assert list(steps) == list(range(1, expected_syncs[-1] + 1))  # everything synced is in the store
+
+
+def _runs_by_name(backend: str, uri: str) -> dict:
+    """name -> HDETRun, once no run is RUNNING any more (W&B's service may still be writing)."""
+    reader = MLflowReader(uri) if backend == "sqlite" else WandbReader(uri)
+    deadline = time.monotonic() + 60
+    while True:
+        runs = {s.name: reader.read(s.run_id) for s in reader.list_runs()}
+        if all(r.status != "RUNNING" for r in runs.values()) or time.monotonic() > deadline:
+            return runs
+        time.sleep(0.5)
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "wandb"])
+@pytest.mark.parametrize(
+    ("case", "second", "text"),
+    [
+        ("raise", "FAILED", "boom in second at step 15"),
+        ("exit", "FAILED", "exited with code 3 after the run's last step (20 of 20)"),
+        ("ok", "FINISHED", None),
+    ],
+)
+def test_a_finished_run_left_open_is_not_failed_by_the_next_run_of_the_sweep(tmp_path, backend, case, second, text):
+    """The first run reached its last step and logged a final metric without closing; what the
+    second run of the same process does is not the first's failure, and the first's scheduler and
+    model are not kept alive by the tracking once the second starts."""
+    uri = f"sqlite:///{tmp_path / 'store.db'}" if backend == "sqlite" else str(tmp_path / "wandb-dir")
+    proc = subprocess.run(
+        [sys.executable, SWEEP_JOB, backend, uri, case], capture_output=True, text=True, timeout=240
+    )
+    assert (proc.returncode == 0) == (case == "ok"), proc.stderr[-3000:]
+    runs = _runs_by_name(backend, uri)
+    assert sorted(runs) == ["first", "second"], proc.stderr[-3000:]
+    first = runs["first"]
+    assert first.status == "FINISHED", (first.tags, proc.stderr[-3000:])
+    assert not first.tags.get("hdet.error")
+    assert list(first.metrics["val_loss"][1]) == [0.25]  # the final metric logged while it was open
+    assert [c.step for c in first.converge] == [5, 10, 15, 20]
+    assert runs["second"].status == second, proc.stderr[-3000:]
+    if text:
+        assert text in runs["second"].tags.get("hdet.error", ""), runs["second"].tags
+    if case != "raise":
+        assert "FIRST_FREED True" in proc.stdout, proc.stdout
+
+
+def test_closed_runs_do_not_keep_their_scheduler_and_model_alive(tmp_path):
+    """A sweep that closes each run (the ``with`` block) does not accumulate its trials' models
+    (on a GPU, their memory) in the process-wide registry of runs to end at exit."""
+    import gc
+    import weakref
+
+    import torch
+    import torch.nn.functional as F
+
+    from hdet_track import HDETScheduler
+    from hdet_track.tracking import lifecycle
+    from hdet_track.tracking.mlflow import MLflowTracker
+
+    refs = []
+    for _ in range(2):
+        model = torch.nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        track = MLflowTracker(tracking_uri=f"sqlite:///{tmp_path / 'store.db'}", experiment="leak")
+        with HDETScheduler(opt, 0.1, total_steps=6, sync_every=3, model=model, track=track) as sched:
+            for _ in range(6):
+                x = torch.randn(8, 4)
+                loss = F.cross_entropy(model(x), (x[:, 0] > 0).long())
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                sched.step(loss)
+            recorder = sched._callbacks.recorder
+            assert recorder in lifecycle._RECORDERS
+        assert recorder not in lifecycle._RECORDERS
+        refs.append(weakref.ref(model))
+        del model, opt, sched, recorder
+    gc.collect()
+    assert [r() for r in refs] == [None, None]

@@ -224,7 +224,9 @@ class TrackingHub:
         if self._ended:
             what = f"metrics {sorted(item[0])} at step {item[1]}" if kind == "metrics" else f"{kind} event"
             logger.warning(
-                "hdet-track: the run has already ended (close() or close_at_end=True); dropping late %s", what
+                "hdet-track: the run has already ended (close(), close_at_end=True, or another tracked run "
+                "started in this process); dropping late %s",
+                what,
             )
             return
         self._queue.append((kind, item))
@@ -266,11 +268,15 @@ class TrackingHub:
         if wait:
             self._join(self.shutdown_timeout if timeout is None else timeout)
 
+    @property
+    def reached_end(self) -> bool:
+        """Whether the job has reached ``total_steps``."""
+        return self.total_steps > 0 and self._last_step >= self.total_steps
+
     def end_with_process(self, reason: str) -> None:
         """The process is ending (``reason``: "exit" or a signal's name): end the run by what the job
         did (see :mod:`hdet_track.tracking.lifecycle`) and give the writer a bounded time."""
-        reached = self.total_steps > 0 and self._last_step >= self.total_steps
-        status, error = lifecycle.exit_status(reached, self._last_step, self.total_steps)
+        status, error = lifecycle.exit_status(self.reached_end, self._last_step, self.total_steps)
         # torchrun kills 30 s after its SIGTERM: leave time to hand everything to the backend
         self.close(status, error, timeout=20.0 if reason != "exit" else None)
 

@@ -4,6 +4,10 @@ A run is FINISHED only when the job reached ``total_steps`` or closed it (``clos
 manager). A process that ends before that leaves it FAILED (an uncaught exception, also through
 ``torch.multiprocessing.spawn``'s wrapper; a non-zero exit; the exit code and the last step are in
 the ``hdet.error`` tag) or KILLED (SIGTERM, SIGINT, SIGHUP, torchrun tearing the survivors down).
+A run left open after its last step (for final metrics) is ended FINISHED as soon as the process
+starts another tracked run, as ``wandb.init`` ends the previous run: what goes wrong in a later run
+of a sweep is not this one's failure. Until then an exception, a signal or a non-zero exit of the
+process is its failure.
 When another rank failed first (torchrun then tears this one down), the run is FAILED with that
 rank's error: every rank that fails leaves a note in torch.distributed's own key-value store.
 
@@ -23,7 +27,7 @@ import threading
 import traceback
 from typing import Any
 
-__all__ = ["install", "register", "exit_status", "end_runs_first_at_exit"]
+__all__ = ["install", "register", "unregister", "exit_status", "end_runs_first_at_exit"]
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +37,22 @@ _NOTE = "hdet/failure/rank"
 
 
 def register(recorder: Any) -> None:
-    """End ``recorder``'s run by these rules when the process ends (it has ``end_with_process``)."""
+    """End ``recorder``'s run by these rules when the process ends (it has ``end_with_process``).
+
+    A new run: the runs still open after their last step (``finished_open()``) are ended FINISHED
+    now (``end_finished()``) and forgotten, with their schedulers and models."""
+    for earlier in list(_RECORDERS):
+        try:
+            if earlier.finished_open():
+                earlier.end_finished()
+        except Exception:  # noqa: BLE001 - never in the way of the next run
+            logger.warning("hdet-track: could not end the previous run:\n%s", traceback.format_exc())
     _RECORDERS.add(recorder)
+
+
+def unregister(recorder: Any) -> None:
+    """``recorder``'s run has ended (and its writer stopped): nothing left to do at exit."""
+    _RECORDERS.discard(recorder)
 
 
 def exit_status(reached_end: bool, last_step: int, total_steps: int) -> tuple[str, str | None]:
@@ -44,9 +62,12 @@ def exit_status(reached_end: bool, last_step: int, total_steps: int) -> tuple[st
     if _STATE["signal"] is not None:
         status, text = _STATE["signal"]
         return status, text
-    if reached_end:
-        return "FINISHED", None
     code = _STATE["exit_code"]
+    failed_exit = code not in (None, 0)
+    if reached_end and not failed_exit:
+        return "FINISHED", None
+    if reached_end:
+        return "FAILED", f"the process exited with code {code} after the run's last step ({last_step} of {total_steps})"
     return "FAILED", (
         f"the process ended at step {last_step} of {total_steps} without closing the run"
         + (f" (exit code {code})" if code is not None else "")

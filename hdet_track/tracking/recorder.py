@@ -129,6 +129,16 @@ class Recorder(SchedulerCallback):
     def on_close(self, status: str, error: str | None, step: int) -> None:
         if self.hub is not None:
             self.hub.close(status, error, step=step)
+            lifecycle.unregister(self)  # written and ended: the process's exit has nothing to do
+
+    def finished_open(self) -> bool:
+        """Whether the job reached its last step and the run is still open (for final metrics)."""
+        return self.hub is not None and not self.hub.ended and self.hub.reached_end
+
+    def end_finished(self) -> None:
+        """Another run of this process starts: end this finished one now (:mod:`.lifecycle`)."""
+        self.hub.close("FINISHED", None)
+        lifecycle.unregister(self)
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         if self.hub is not None:
