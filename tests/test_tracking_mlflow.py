@@ -426,3 +426,68 @@ def test_close_at_end_true_ends_the_run_at_the_last_step_and_says_what_it_drops(
         sched.log_metrics({"val_loss": 0.25})
     assert "dropping late metrics ['val_loss'] at step 10" in caplog.text
     assert history(client, tracker.run_id, "val_loss") == {}
+
+
+def one_run(tracker, name, val_loss, steps=10):
+    """A scheduler's whole run on ``tracker``: ``steps`` steps, a final metric, then close()."""
+    sched = ten_steps(tracker, run_name=name)
+    sched.log_metrics({"val_loss": val_loss})
+    sched.close()
+    return sched.run_ids["mlflow"]
+
+
+def run_snapshot(client, run_id):
+    run = client.get_run(run_id)
+    metrics = {k: history(client, run_id, k) for k in run.data.metrics}
+    return run.info.status, run.info.end_time, run.info.run_name, dict(run.data.params), metrics
+
+
+@pytest.mark.parametrize("isolate", [True, False], ids=["child-process", "in-process"])
+def test_one_tracker_object_for_two_schedulers_in_turn_makes_two_runs(sqlite_uri, tmp_path, isolate):
+    """Each scheduler is one run, also when the same MLflowTracker object is passed to both (the
+    second used to log into the first, finished run, or fail and spill into it)."""
+    tracker = MLflowTracker(tracking_uri=sqlite_uri, experiment="reuse")
+    tracker.isolate = isolate
+    client = MlflowClient(sqlite_uri)
+    first = one_run(tracker, "first", 0.5)
+    before = run_snapshot(client, first)
+    second = one_run(tracker, "second", 0.25)
+    assert first and second and first != second
+    assert tracker.run_id == second  # the object names the run it logged last
+    runs = client.search_runs([client.get_experiment_by_name("reuse").experiment_id])
+    assert sorted(r.info.run_id for r in runs) == sorted([first, second])
+    assert run_snapshot(client, first) == before  # the first run is untouched by the second
+    reader = MLflowReader(sqlite_uri)
+    for run_id, name, val in [(first, "first", 0.5), (second, "second", 0.25)]:
+        run = reader.read(run_id)
+        assert (run.status, run.name) == ("FINISHED", name)
+        assert [c.step for c in run.converge] == [5, 10]
+        assert list(run.replica_series("loss", 0)[0]) == list(range(1, 11))
+        assert list(run.metrics["val_loss"][1]) == [val]
+        assert not run.tags.get("hdet.error")
+    assert not list(tracker.spill_dir().glob("spill-*"))  # nothing was left undelivered
+
+
+def test_one_tracker_object_for_two_open_runs_at_once_is_an_error(sqlite_uri):
+    tracker = MLflowTracker(tracking_uri=sqlite_uri, experiment="shared")
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = HDETScheduler(opt, 0.1, total_steps=10, sync_every=5, track=tracker)
+    for _ in range(3):
+        opt.step()
+        sched.step(1.0)
+    opt2 = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"Expected track to be a tracker object that no other open run uses") as err:
+        HDETScheduler(opt2, 0.1, total_steps=10, sync_every=5, track=tracker)
+    assert "Pass a new tracker object to each scheduler (MLflowTracker(...)), or track=True / track='mlflow'" in str(
+        err.value
+    )
+    with pytest.raises(ValueError, match="Expected track to list each tracker object once"):
+        HDETScheduler(opt2, 0.1, total_steps=10, sync_every=5, track=[MLflowTracker(sqlite_uri)] * 2)
+    sched.close("KILLED")
+    first = tracker.run_id
+    client = MlflowClient(sqlite_uri)
+    assert client.get_run(first).info.status == "KILLED"
+    second = one_run(tracker, "after", 0.1)  # once the first run ended, the object is free again
+    assert second != first and client.get_run(second).info.status == "FINISHED"
+    assert client.get_run(first).info.status == "KILLED"

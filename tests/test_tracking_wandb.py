@@ -215,3 +215,39 @@ def test_a_chosen_mode_wins_over_the_offline_default(monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "disabled")
     ten_step_job()
     assert glob.glob(os.path.join(os.environ["WANDB_DIR"], "wandb", "*run-*")) == []
+
+
+def test_one_tracker_object_for_two_schedulers_in_turn_makes_two_runs(tmp_path):
+    """Each scheduler is one run, also when the same WandbTracker object is passed to both (the
+    second used to log into the first, finished run)."""
+    from hdet_track.readers.wandb import WandbReader
+    from hdet_track.tracking.wandb import WandbTracker
+
+    tracker = WandbTracker(project="reuse", dir=tmp_path, mode="offline")
+    ids = {}
+    for name, val in [("first", 0.5), ("second", 0.25)]:
+        model = nn.Linear(2, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        sched = HDETScheduler(opt, 0.1, total_steps=10, sync_every=5, track=tracker, run_name=name)
+        for _ in range(10):
+            opt.step()
+            sched.step(1.0)
+        sched.log_metrics({"val_loss": val})
+        sched.close()
+        ids[name] = sched.run_ids["wandb"]
+        if name == "first":
+            first_file = glob.glob(os.path.join(tmp_path, "wandb", "offline-run-*", "run-*.wandb"))
+            assert len(first_file) == 1
+            first_bytes = open(first_file[0], "rb").read()
+    assert ids["first"] and ids["second"] and ids["first"] != ids["second"]
+    assert open(first_file[0], "rb").read() == first_bytes  # the first run is untouched by the second
+    reader = WandbReader(str(tmp_path))
+    summaries = {s.run_id: s for s in reader.list_runs()}
+    assert sorted(summaries) == sorted(ids.values())
+    for name, val in [("first", 0.5), ("second", 0.25)]:
+        run = reader.read(ids[name])
+        assert (run.status, run.name) == ("FINISHED", name)
+        assert [c.step for c in run.converge] == [5, 10]
+        assert list(run.replica_series("loss", 0)[0]) == list(range(1, 11))
+        assert list(run.metrics["val_loss"][1]) == [val]
+    assert not list(tracker.spill_dir().glob("spill-*"))  # nothing was left undelivered

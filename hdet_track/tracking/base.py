@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 import os
 import re
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple
@@ -58,6 +60,36 @@ class Tracker:
 
     name: ClassVar[str] = ""
     main_process_only: ClassVar[bool] = True
+    # One tracker object logs one run at a time (see _begin_run); a later scheduler gets a new run.
+    _run_owner: int | None = None  # the thread whose run is open (a hub's writer), None between runs
+
+    def _begin_run(self) -> bool:
+        """For :meth:`start`: False when this thread's run is open already (a retry: nothing to do);
+        otherwise wait until no other thread's run of this object is open (a scheduler ended just
+        before: its writer may still be finishing it), claim the object and return True (start a
+        new run). Raises when another run stays open longer than :data:`RUN_WAIT_SECONDS`."""
+        me = threading.get_ident()
+        deadline = time.monotonic() + RUN_WAIT_SECONDS
+        with _RUNS:
+            while self._run_owner not in (None, me):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RuntimeError(shared_tracker_message(self))
+                _RUNS.wait(left)
+            if self._run_owner == me:
+                return False
+            self._run_owner = me
+            return True
+
+    def _end_run(self) -> None:
+        """The run has ended (or failed to start): the next :meth:`start` makes a new one."""
+        with _RUNS:
+            self._run_owner = None
+            _RUNS.notify_all()
+
+    @property
+    def _run_open(self) -> bool:
+        return self._run_owner is not None
 
     def start(self, run_start: RunStart) -> None:
         """Create (or attach to) the run. Called again after a failure: must be idempotent."""
@@ -91,6 +123,49 @@ class Tracker:
         return {}
 
 
+_RUNS = threading.Condition()
+RUN_WAIT_SECONDS = 30.0  # how long a new run waits for an ending run of the same tracker object
+
+
+def shared_tracker_message(tracker: Tracker) -> str:
+    cls, name = type(tracker).__name__, tracker.name or "mlflow"
+    return (
+        f"Expected track to be a tracker object that no other open run uses, but this {cls} object is "
+        f"still logging the run of another scheduler that has not ended: one tracker object logs one run "
+        f"at a time. Pass a new tracker object to each scheduler ({cls}(...)), or track=True / "
+        f"track={name!r} (a new run each), or end the other scheduler's run first (sched.close() or its "
+        f"with block)"
+    )
+
+
+def _open_elsewhere(tracker: Tracker) -> bool:
+    """Whether a scheduler of this process whose run is still open (not ended, and not about to be
+    ended by the next run's start, see :mod:`.lifecycle`) logs to this very object."""
+    from . import lifecycle
+
+    for recorder in list(lifecycle._RECORDERS):
+        hub = recorder.hub
+        if hub is None or hub.ended or not any(t is tracker for t in hub.trackers):
+            continue
+        if recorder.finished_open():
+            continue  # it reached its last step: the next run's start ends it FINISHED
+        return True
+    return False
+
+
+def _check_not_shared(trackers: list[Tracker]) -> list[Tracker]:
+    """A scheduler's trackers: each object once, and none that another open run logs to."""
+    for i, t in enumerate(trackers):
+        if any(t is u for u in trackers[:i]):
+            raise ValueError(
+                f"Expected track to list each tracker object once, but got the same {type(t).__name__} "
+                f"object twice; pass a new object for each run you want"
+            )
+        if _open_elsewhere(t):
+            raise ValueError(shared_tracker_message(t))
+    return trackers
+
+
 # Built-in backends by name, imported only when asked for (no registration by import side effect).
 TRACKERS: dict[str, str] = {
     "mlflow": "hdet_track.tracking.mlflow:MLflowTracker",
@@ -118,12 +193,12 @@ def resolve_trackers(track: Any) -> list[Tracker]:
     if isinstance(track, str):
         return [get_tracker_class(track)()]
     if isinstance(track, Tracker):
-        return [track]
+        return _check_not_shared([track])
     if isinstance(track, (list, tuple)) and track:
         out: list[Tracker] = []
         for item in track:
             out.extend(resolve_trackers(item))
-        return out
+        return _check_not_shared(out)
     raise ValueError(
         f"Expected track to be True, False, 'mlflow', 'wandb', a hdet_track.tracking.Tracker or a list of "
         f"them, but got {track!r}"

@@ -126,6 +126,9 @@ class IsolatedTracker(Tracker):
         return self.inner.spill_settings()
 
     def start(self, run_start: RunStart) -> None:
+        # One wrapper (one child process) per scheduler's run: the child gets the caller's tracker
+        # object as settings only (MLflowTracker.__getstate__), so a tracker object that logged an
+        # earlier run starts a new one here, whatever run_id the caller's object still names.
         if self._run_id is None:
             self._run_id = self._call("start", run_start)
             adopt = getattr(self.inner, "_adopt_run_id", None)
@@ -141,6 +144,9 @@ class IsolatedTracker(Tracker):
     def finish(self, run_end: RunEnd) -> None:
         self._call("finish", run_end)
         self._dead = True
+        ended = getattr(self.inner, "_adopt_run_end", None)
+        if ended is not None:
+            ended()  # the caller's tracker object is free for a later scheduler's run
         if self._proc is not None:
             try:
                 self._proc.wait(30)

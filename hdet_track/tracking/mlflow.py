@@ -72,6 +72,7 @@ class MLflowTracker(Tracker):
         self.tracking_uri = tracking_uri
         self.experiment = experiment
         self.run_name = run_name
+        self._given_run_name = run_name  # run_name may be filled in per run (the scheduler's run_name=)
         self._attach_id = run_id
         self.parent_run_id = parent_run_id
         self.extra_tags = dict(tags or {})
@@ -93,7 +94,22 @@ class MLflowTracker(Tracker):
         return self._client
 
     def _adopt_run_id(self, run_id: str) -> None:
+        """This object ran in a child process (IsolatedTracker), which created run ``run_id``: so
+        that ``run_id`` names it here too. A resume request was for that run: used up."""
         self._run_id = run_id
+        self._resume_id = None
+
+    def _adopt_run_end(self) -> None:
+        """The run the child process logged has ended: a later scheduler gets its own name."""
+        self.run_name = self._given_run_name
+
+    def __getstate__(self) -> dict[str, Any]:
+        # What IsolatedTracker sends its child: the settings (and a resume request), never the
+        # state of a run this object logged before: each child, i.e. each scheduler, starts its run.
+        state = self.__dict__.copy()
+        state.update(_run_id=None, _client=None, _archive=None, _pending=[], _attached=False, _skip_until=-1)
+        state.pop("_run_owner", None)
+        return state
 
     def _uri(self) -> str:
         # MLflow's own default (3.x) without importing MLflow
@@ -113,8 +129,18 @@ class MLflowTracker(Tracker):
             self._resume_id = run_id
 
     def start(self, run_start: RunStart) -> None:
-        if self._run_id is not None:
+        # Once per run (a retry of start is a no-op); after finish() a new run (the next scheduler's).
+        if not self._begin_run():
             return
+        try:
+            self._start(run_start)
+        except BaseException:
+            self._end_run()
+            raise
+
+    def _start(self, run_start: RunStart) -> None:
+        self._client, self._run_id, self._attached, self._skip_until = None, None, False, -1
+        self._archive, self._pending = None, []
         mlflow, MlflowClient = _import_mlflow()
         from mlflow.entities import Param, RunTag
 
@@ -156,6 +182,7 @@ class MLflowTracker(Tracker):
             client.log_batch(run_id, params=params[i : i + _MAX_PARAMS], tags=run_tags_list if i == 0 else [])
         self._client = client
         self._run_id = run_id
+        self._resume_id = None  # used up: a later run of this object is a new one unless resumed again
         self._archive = EventArchive(
             Path(tempfile.mkdtemp(prefix=f"hdet-{run_id[:8]}-")) / ARTIFACT_DIR,
             chunk_seconds=self.chunk_seconds,
@@ -196,14 +223,16 @@ class MLflowTracker(Tracker):
             self._pending.pop(0)
 
     def finish(self, run_end: RunEnd) -> None:
-        if self._run_id is None:
+        if self._run_id is None or not self._run_open:
             return
         if self._archive is not None:
             self._pending += self._archive.write()
         self._upload(strict=True)
         if run_end.error:
             self._client.set_tag(self._run_id, "hdet.error", run_end.error[-4900:])
-        if self._attached and run_end.status == "FINISHED":
-            return  # the run's owner (a Lightning logger, a parent script) ends it
-        end_ms = int((run_end.time or time.time()) * 1000)
-        self._client.set_terminated(self._run_id, status=run_end.status, end_time=end_ms)
+        if not (self._attached and run_end.status == "FINISHED"):  # else its owner (a Lightning logger...) ends it
+            end_ms = int((run_end.time or time.time()) * 1000)
+            self._client.set_terminated(self._run_id, status=run_end.status, end_time=end_ms)
+        # Ended (run_id still names it): the next start(), a later scheduler's, makes a new run.
+        self.run_name = self._given_run_name
+        self._end_run()

@@ -94,6 +94,7 @@ class WandbTracker(Tracker):
         self.mode = mode
         self.group = group
         self.run_name = run_name
+        self._given_run_name = run_name  # run_name may be filled in per run (the scheduler's run_name=)
         self.dir = dir
         self.chunk_seconds = chunk_seconds
         self._run: Any = None
@@ -122,8 +123,17 @@ class WandbTracker(Tracker):
             self._resume_id = run_id
 
     def start(self, run_start: RunStart) -> None:
-        if self._run is not None:
+        # Once per run (a retry of start is a no-op); after finish() a new run (the next scheduler's).
+        if not self._begin_run():
             return
+        try:
+            self._start(run_start)
+        except BaseException:
+            self._end_run()
+            raise
+
+    def _start(self, run_start: RunStart) -> None:
+        self._run, self._archive, self._defined = None, None, set()
         wandb = _import_wandb()
         tags = run_tags(run_start)
         if self._existing is not None:
@@ -144,6 +154,7 @@ class WandbTracker(Tracker):
             resume="allow" if self._resume_id else None,
         )
         lifecycle.end_runs_first_at_exit()  # before the exit handler wandb.init registered
+        self._resume_id = None  # used up: a later run of this object is a new one unless resumed again
         self._setup(run, tags)
 
     def _setup(self, run: Any, tags: dict[str, str]) -> None:
@@ -182,8 +193,14 @@ class WandbTracker(Tracker):
             self._archive.write()
 
     def finish(self, run_end: RunEnd) -> None:
-        if self._run is None:
+        if self._run is None or not self._run_open:
             return
+        self._finish(run_end)
+        # Ended (run_id still names it): the next start(), a later scheduler's, makes a new run.
+        self.run_name = self._given_run_name
+        self._end_run()
+
+    def _finish(self, run_end: RunEnd) -> None:
         self.flush()
         self._run.summary["hdet/status"] = run_end.status
         if run_end.error:
