@@ -142,9 +142,7 @@ def test_a_finished_run_left_open_is_not_failed_by_the_next_run_of_the_sweep(tmp
     second run of the same process does is not the first's failure, and the first's scheduler and
     model are not kept alive by the tracking once the second starts."""
     uri = f"sqlite:///{tmp_path / 'store.db'}" if backend == "sqlite" else str(tmp_path / "wandb-dir")
-    proc = subprocess.run(
-        [sys.executable, SWEEP_JOB, backend, uri, case], capture_output=True, text=True, timeout=240
-    )
+    proc = subprocess.run([sys.executable, SWEEP_JOB, backend, uri, case], capture_output=True, text=True, timeout=240)
     assert (proc.returncode == 0) == (case == "ok"), proc.stderr[-3000:]
     runs = _runs_by_name(backend, uri)
     assert sorted(runs) == ["first", "second"], proc.stderr[-3000:]
