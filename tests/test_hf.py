@@ -152,3 +152,82 @@ def test_resume_from_checkpoint_continues_the_schedule_and_the_run(tmp_path):
     history = [m.step for m in client.get_metric_history(killed.info.run_id, "hdet/replica_01/loss")]
     assert len(history) == len(set(history))
     assert [e.step for e in run.converge] == [10, 15, 20, 30, 40]  # converged at the checkpoint too
+
+
+# A sweep in one process (as a loop over trials or Optuna runs it): each trial's train() may raise
+# after its last step (here the final evaluation's compute_metrics) and the loop goes on.
+_SWEEP_JOB = """
+import os, sys
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+import hdet_track
+from hdet_track.tracking.mlflow import MLflowTracker
+
+URI = sys.argv[1]
+
+def failing_metrics(_):
+    raise RuntimeError("compute_metrics failed in the final evaluation")
+
+def trainer(name, report_to=()):
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=1, n_head=2))
+    data = [{"input_ids": torch.randint(0, 32, (8,)), "labels": torch.randint(0, 32, (8,))} for _ in range(32)]
+    args = TrainingArguments(
+        output_dir=os.path.join(os.getcwd(), name), max_steps=6, per_device_train_batch_size=4,
+        learning_rate=1e-3, report_to=list(report_to), use_cpu=True, save_strategy="no", disable_tqdm=True,
+        logging_strategy="no", eval_strategy="steps", eval_steps=6, run_name=name,
+    )
+    return Trainer(model=model, args=args, train_dataset=data, eval_dataset=data[:8],
+                   compute_metrics=failing_metrics)
+
+def trial(t):
+    try:
+        t.train()
+    except RuntimeError as exc:
+        assert str(exc) == "compute_metrics failed in the final evaluation"  # re-raised unchanged
+        return "raised"
+    return "returned"
+
+t = hdet_track.wrap(trainer("sweep"), sync_every=3, track=MLflowTracker(tracking_uri=URI, run_name="fails"))
+assert trial(t) == "raised"
+t.compute_metrics = None  # the next trial, same trainer: it trains and evaluates normally
+assert trial(t) == "returned"
+t.lr_scheduler.log_metrics({"val_loss": 0.25})  # after train(): into that trial's run
+os.environ["MLFLOW_TRACKING_URI"] = URI
+r = hdet_track.wrap(trainer("hf_run", report_to=["mlflow"]), sync_every=3)  # Hugging Face's own run
+assert trial(r) == "raised"
+print("sweep done", flush=True)
+"""
+
+
+def test_train_raising_after_its_last_step_ends_the_run_failed_and_a_normal_train_finished(tmp_path):
+    """train() raises after the last step and the caller catches it: that run is FAILED with the
+    error, not FINISHED at the process's exit; the next train() of the same trainer ends FINISHED,
+    with a metric logged after train() returned; a report_to="mlflow" run fails the same way."""
+    import subprocess
+    import sys
+
+    from hdet_track.readers.mlflow import MLflowReader
+
+    uri = f"sqlite:///{tmp_path / 'sweep.db'}"
+    script = tmp_path / "sweep_job.py"
+    script.write_text(_SWEEP_JOB)
+    proc = subprocess.run([sys.executable, str(script), uri], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "sweep done" in proc.stdout, proc.stderr[-4000:]
+    reader = MLflowReader(uri)
+    runs = {}
+    for summary in reader.list_runs():
+        runs.setdefault(summary.name, []).append(reader.read(summary.run_id))
+    assert sorted(runs) == ["fails", "hf_run"] and len(runs["fails"]) == 2, {k: len(v) for k, v in runs.items()}
+    failed, finished = sorted(runs["fails"], key=lambda run: run.status)
+    assert failed.status == "FAILED"
+    assert "RuntimeError: compute_metrics failed in the final evaluation" in failed.tags["hdet.error"]
+    assert "val_loss" not in failed.metrics
+    assert finished.status == "FINISHED" and "hdet.error" not in finished.tags
+    steps, values = finished.metrics["val_loss"]
+    assert list(values) == [0.25] and list(steps) == [6]  # not dropped: the run stayed open after train()
+    for run in (failed, finished):
+        assert list(run.mean_series("loss")[0]) == list(range(1, 7))  # every step, before the end
+    (hf_run,) = runs["hf_run"]
+    assert hf_run.status == "FAILED"  # not ended FINISHED by MLflow's own exit hook
+    assert "RuntimeError: compute_metrics failed in the final evaluation" in hf_run.tags["hdet.error"]

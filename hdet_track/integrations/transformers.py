@@ -6,11 +6,21 @@ trainer's optimizer steps; one HDET step per optimizer step, so gradient accumul
 once), fed with the training loss of that step. It honours ``report_to``: with ``mlflow`` or
 ``wandb`` it logs into the run Hugging Face's own callback opened; otherwise through the project's
 tracker when ``track`` asks for one. Under ``torchrun`` the replicas are the DDP ranks.
+
+The run stays open after training reached its last step, for final metrics
+(``trainer.lr_scheduler.log_metrics(...)``), as a plain scheduler's does: it ends FINISHED at the
+next ``train()``, ``trainer.lr_scheduler.close()`` or the process's exit. A training stopped early
+(``EarlyStoppingCallback``, ``control.should_training_stop``) ends it FINISHED when ``train()``
+returns. With ``wrap``, an exception out of ``train()`` (even one raised after the last step, e.g.
+by the final evaluation's ``compute_metrics``, and caught by a sweep loop) ends it FAILED with the
+error (KILLED for ``KeyboardInterrupt``) before it propagates unchanged.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import traceback
 from typing import Any
 
 import torch
@@ -23,6 +33,8 @@ except ImportError as exc:  # pragma: no cover
     raise ImportError("hdet_track.integrations.transformers needs transformers: pip install 'hdet-track[hf]'") from exc
 
 __all__ = ["HDETTrainerCallback", "wrap_trainer"]
+
+logger = logging.getLogger(__name__)
 
 
 class _LossFedScheduler(HDETScheduler):
@@ -66,6 +78,29 @@ def load_state(args: Any, state: Any, sched: HDETScheduler) -> None:
         sched.load_state_dict(torch.load(path, weights_only=True))
 
 
+def end_of_training(sched: HDETScheduler) -> None:
+    """``train()`` returned: the run stays open for final metrics when the schedule reached its
+    end (the process's exit ends it FINISHED); a training stopped early ends it FINISHED now."""
+    if sched.last_epoch < sched.total_steps:
+        sched.close()
+
+
+def _end_failed(sched: HDETScheduler, args: Any, exc: BaseException) -> None:
+    """``train()`` raised ``exc``: the run ends FAILED (KILLED on ``KeyboardInterrupt``) with the error."""
+    status = "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED"
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-4000:]
+    sched.close(status, text)
+    report_to = args.report_to if isinstance(args.report_to, (list, tuple)) else [args.report_to]
+    if "mlflow" in report_to:
+        # Hugging Face's MLflow callback opened this run and ends it only in on_train_end, which an
+        # exception skips: MLflow's own exit hook would then end it FINISHED.
+        import mlflow
+
+        active = mlflow.active_run()
+        if active is not None and active.info.run_id == sched.run_ids.get("mlflow"):
+            mlflow.end_run(status)
+
+
 def _report_tracker(args: Any, track: Any) -> Any:
     """The run Hugging Face's reporting callback opened (``report_to``), else ``track`` as given."""
     report_to = args.report_to if isinstance(args.report_to, (list, tuple)) else [args.report_to]
@@ -93,9 +128,15 @@ class _TrackingCallback(TrainerCallback):
         self.track = track
         self.log_every = log_every
         self.compare_group = compare_group
+        self.scheduler: HDETScheduler | None = None  # the last train()'s, whose run may still be open
+        self.began = False  # this train() call reached on_train_begin (its scheduler is self.scheduler)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         sched = self.trainer.lr_scheduler
+        if self.scheduler is not None and self.scheduler is not sched:
+            self.scheduler.close()  # the previous train()'s run, left open for final metrics
+        self.scheduler = sched if isinstance(sched, HDETScheduler) else None
+        self.began = True
         if isinstance(sched, HDETScheduler):
             load_state(args, state, sched)
         if isinstance(sched, HDETScheduler) and not sched.tracking:
@@ -116,9 +157,13 @@ class _TrackingCallback(TrainerCallback):
             save_state(args, state, sched)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        sched = self.trainer.lr_scheduler
-        if isinstance(sched, HDETScheduler):
-            sched.close()
+        if self.scheduler is not None:
+            end_of_training(self.scheduler)
+
+    def on_failure(self, exc: BaseException) -> None:
+        """``train()`` raised: end this call's run FAILED (not an earlier call's, left open)."""
+        if self.began and self.scheduler is not None:
+            _end_failed(self.scheduler, self.trainer.args, exc)
 
 
 def wrap_trainer(
@@ -146,9 +191,24 @@ def wrap_trainer(
             trainer._created_lr_scheduler = True
         return trainer.lr_scheduler
 
+    callback = _TrackingCallback(trainer, track, log_every, compare_group)
+    original_train = trainer.train
+
+    def train(*args: Any, **kwargs: Any) -> Any:
+        callback.began = False
+        try:
+            return original_train(*args, **kwargs)
+        except BaseException as exc:
+            try:
+                callback.on_failure(exc)
+            except Exception:  # noqa: BLE001 - never hide the training's own exception
+                logger.warning("hdet-track: could not end the run FAILED:\n%s", traceback.format_exc())
+            raise
+
     trainer.training_step = training_step
     trainer.create_scheduler = create_scheduler
-    trainer.add_callback(_TrackingCallback(trainer, track, log_every, compare_group))
+    trainer.train = train
+    trainer.add_callback(callback)
     return trainer
 
 
@@ -175,7 +235,10 @@ class HDETTrainerCallback(TrainerCallback):
     rates (the Trainer's own scheduler object is kept, but its ``step`` and ``get_last_lr`` now
     drive and report HDET), and takes each optimizer step's training loss from the model's output
     (``outputs.loss``, as Hugging Face models return when given labels). ``hdet_track.wrap(trainer)``
-    does the same without relying on the model's output.
+    does the same without relying on the model's output, and also ends the run FAILED when
+    ``train()`` raises: a callback never sees that exception (Hugging Face has no exception
+    callback), so in this form a run that reached its last step ends FINISHED (at the next
+    ``train()``, ``callback.scheduler.close()`` or the process's exit) even when ``train()`` raised.
     """
 
     def __init__(
@@ -198,6 +261,10 @@ class HDETTrainerCallback(TrainerCallback):
         lr_scheduler: Any = None,
         **kwargs: Any,
     ) -> None:
+        if self._hook is not None:  # the previous train() raised before on_train_end
+            self._hook.remove()
+        if self.scheduler is not None:
+            self.scheduler.close()  # the previous train()'s run, left open for final metrics
         sched = _hdet_for(args, optimizer, model, state.max_steps, self.hdet_kwargs)
         self.scheduler = sched
         load_state(args, state, sched)
@@ -228,5 +295,6 @@ class HDETTrainerCallback(TrainerCallback):
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._hook is not None:
             self._hook.remove()
+            self._hook = None
         if self.scheduler is not None:
-            self.scheduler.close()
+            end_of_training(self.scheduler)
