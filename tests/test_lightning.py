@@ -119,3 +119,58 @@ def test_ckpt_path_resumes_the_schedule_and_the_run(tmp_path):
     # converged where the uninterrupted run did (syncs, and any step-guard rollback) and at the checkpoint
     assert [e.step for e in read.converge] == [e.step for e in reference.converge]
     assert {20, 30, 40, 60} <= {e.step for e in read.converge}
+
+
+def test_a_fit_that_reached_its_last_step_keeps_the_run_open_for_final_metrics(tmp_path, monkeypatch):
+    """After fit(), callback.scheduler.log_metrics lands in the run (it used to be dropped: the
+    callback closed the run in on_train_end); the next fit with the same callback ends it FINISHED
+    and starts its own; a fit stopped early (before the schedule's last step) ends it at once."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from hdet_track.integrations.lightning import HDETCallback
+    from hdet_track.readers.mlflow import MLflowReader
+
+    class Module(pl.LightningModule):
+        def __init__(self, stop_at: int | None = None):
+            super().__init__()
+            self.net = torch.nn.Linear(4, 1)
+            self.stop_at = stop_at
+
+        def training_step(self, batch, batch_idx):
+            if batch_idx == self.stop_at:
+                self.trainer.should_stop = True  # as EarlyStopping does
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    g = torch.Generator().manual_seed(0)
+    data = DataLoader(TensorDataset(torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g)), batch_size=8)
+    callback = HDETCallback(max_lr=0.05, sync_every=4, track=True)
+
+    def fit(module):
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=1, max_steps=8, logger=False, callbacks=[callback],
+            enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+            default_root_dir=tmp_path,
+        )  # fmt: skip
+        trainer.fit(module, data)
+        return callback.scheduler
+
+    first = fit(Module())
+    first.log_metrics({"val_loss": 0.5})
+    second = fit(Module())  # ends the first run FINISHED, starts its own
+    second.log_metrics({"val_loss": 0.25})
+    second.close()
+    early = fit(Module(stop_at=2))  # stopped after 3 of the schedule's 8 steps
+    assert early.last_epoch == 3
+    early.log_metrics({"val_loss": 9.0})  # dropped, with a warning: the run ended with the fit
+    reader = MLflowReader(uri)
+    runs = sorted((reader.read(s.run_id) for s in reader.list_runs()), key=lambda r: r.start_time)
+    assert [r.status for r in runs] == ["FINISHED", "FINISHED", "FINISHED"]
+    assert [list(r.metrics["val_loss"][1]) if "val_loss" in r.metrics else [] for r in runs] == [[0.5], [0.25], []]
+    assert [[c.step for c in r.converge] for r in runs[:2]] == [[4, 8], [4, 8]]

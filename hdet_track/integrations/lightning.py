@@ -77,6 +77,8 @@ class HDETCallback(pl.Callback):
         self._restored: dict[str, Any] | None = None
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if self.scheduler is not None:
+            self.scheduler.close()  # the previous fit's run, left open for final metrics
         kwargs = dict(self.hdet_kwargs)
         kwargs.setdefault("model", pl_module)
         kwargs["track"] = _tracker_for(trainer, self.track)
@@ -133,7 +135,11 @@ class HDETCallback(pl.Callback):
         self._restored = state_dict.get("scheduler")
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        if self.scheduler is not None:
+        # A fit that reached the schedule's last step leaves the run open for final metrics
+        # (callback.scheduler.log_metrics(...)), as a plain scheduler does: it ends FINISHED at the
+        # next fit, close() or the process's exit. A fit stopped early (max_epochs, early stopping)
+        # ends it now: the process's exit would take the unfinished schedule for a failure.
+        if self.scheduler is not None and self.scheduler.last_epoch < self.scheduler.total_steps:
             self.scheduler.close()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
