@@ -13,15 +13,25 @@ import torch
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
-def run_example(name: str, args: list[str], cwd: Path, env_update: dict[str, str], ok: bool = True) -> None:
+def run_example(
+    name: str, args: list[str], cwd: Path, env_update: dict[str, str], ok: bool = True, done_when: str | None = None
+) -> None:
     """Run examples/``name`` with a clean tracking environment plus ``env_update``; it must exit 0
-    (or, with ``ok=False``, must not)."""
+    (or, with ``ok=False``, must not). ``done_when``: the text the job prints once its work is done;
+    after it, torch 2.13's gloo abort at interpreter exit (README, "Run status") is not a failure:
+    the caller's checks of what the job wrote decide."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "HDET_", "WANDB_"))}
     env.update(env_update)
     proc = subprocess.run(
         [sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True, timeout=600, cwd=cwd, env=env
     )
-    assert (proc.returncode == 0) == ok, proc.stderr[-4000:]
+    # (the ranks' stderr interleave, so the abort's line may come before the text that says done)
+    exit_abort = (
+        done_when is not None
+        and done_when in proc.stderr
+        and "terminate called without an active exception" in proc.stderr
+    )
+    assert (proc.returncode == 0) == ok or (ok and exit_abort), proc.stderr[-4000:]
 
 
 def dumped_lrs(dump: Path, replicas: int = 2) -> list[dict[int, float]]:

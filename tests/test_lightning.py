@@ -18,7 +18,7 @@ def test_lightning_ddp_example(tmp_path):
     dump = tmp_path / "dump"
     dump.mkdir()
     args = ["--steps", "60", "--val-every", "3", "--dump", str(dump)]
-    run_example("lightning_ddp.py", args, tmp_path, {"MLFLOW_TRACKING_URI": uri})
+    run_example("lightning_ddp.py", args, tmp_path, {"MLFLOW_TRACKING_URI": uri}, done_when="`Trainer.fit` stopped")
     assert_synced_only_at(dump, [20, 40, 60], between=30)
     # Validation (every 3 epochs of 10 steps) starts with the last sync's record complete: sync 20's
     # divergences would otherwise wait for sync 40's gather (its window was short).
