@@ -532,6 +532,13 @@ def repairs(score: dict, name: str, modes, lrs) -> bool:
     return all(a <= b for a, b in worst) and any(a < b for a, b in worst)
 
 
+def load_records(out: Path) -> dict[str, dict]:
+    """The runs already in a JSON-lines ``--out`` file, by key (none when it does not exist)."""
+    if not out.exists():
+        return {}
+    return {(rec := json.loads(line))["key"]: rec for line in out.read_text().splitlines()}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--round", type=int, default=2, choices=sorted(ROUNDS))
@@ -547,11 +554,7 @@ def main() -> int:
     args = p.parse_args()
 
     out = Path(args.out)
-    done = {}
-    if out.exists():
-        for line in out.read_text().splitlines():
-            rec = json.loads(line)
-            done[rec["key"]] = rec
+    done = load_records(out)
     seeds = args.seeds or SEEDS[args.round]
     candidates = args.candidates or list(ROUNDS[args.round])
     plan = []

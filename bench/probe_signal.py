@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from controller_dev import DevRun, TailProbe, dev_task  # noqa: E402
+from controller_dev import DevRun, TailProbe, dev_task, load_records  # noqa: E402
 from torch import nn  # noqa: E402
 
 from hdet_track import HDETScheduler, NonFiniteReplicasError  # noqa: E402
@@ -126,11 +126,7 @@ def main() -> int:
     p.add_argument("--out", required=True, help="JSON-lines file; runs already in it are not repeated")
     args = p.parse_args()
     out = Path(args.out)
-    done = {}
-    if out.exists():
-        for line in out.read_text().splitlines():
-            rec = json.loads(line)
-            done[rec["key"]] = rec
+    done = load_records(out)
     for mode in args.modes:
         for lr in args.lrs:
             run = DevRun("fashion-mnist", mode, "fanout-only", lr, args.steps, args.replicas, seed=args.seed, round=18)

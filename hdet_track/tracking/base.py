@@ -81,6 +81,17 @@ class Tracker:
             self._run_owner = me
             return True
 
+    def _start_claimed(self, start: Any) -> None:
+        """For :meth:`start`: claim the object (:meth:`_begin_run`) and call ``start()`` to create the
+        run; nothing on a retry of this thread's open run; released again if ``start()`` raises."""
+        if not self._begin_run():
+            return
+        try:
+            start()
+        except BaseException:
+            self._end_run()
+            raise
+
     def _end_run(self) -> None:
         """The run has ended (or failed to start): the next :meth:`start` makes a new one."""
         with _RUNS:
@@ -143,7 +154,7 @@ def _open_elsewhere(tracker: Tracker) -> bool:
     ended by the next run's start, see :mod:`.lifecycle`) logs to this very object."""
     from . import lifecycle
 
-    for recorder in list(lifecycle._RECORDERS):
+    for recorder in lifecycle.registered():
         hub = recorder.hub
         if hub is None or hub.ended or not any(t is tracker for t in hub.trackers):
             continue

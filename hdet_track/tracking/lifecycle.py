@@ -27,7 +27,7 @@ import threading
 import traceback
 from typing import Any
 
-__all__ = ["install", "register", "unregister", "exit_status", "end_runs_first_at_exit"]
+__all__ = ["install", "register", "registered", "unregister", "exit_status", "end_runs_first_at_exit"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +48,11 @@ def register(recorder: Any) -> None:
         except Exception:  # noqa: BLE001 - never in the way of the next run
             logger.warning("hdet-track: could not end the previous run:\n%s", traceback.format_exc())
     _RECORDERS.add(recorder)
+
+
+def registered() -> list:
+    """The recorders whose runs the process's exit would still end."""
+    return list(_RECORDERS)
 
 
 def unregister(recorder: Any) -> None:

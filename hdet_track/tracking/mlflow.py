@@ -130,13 +130,7 @@ class MLflowTracker(Tracker):
 
     def start(self, run_start: RunStart) -> None:
         # Once per run (a retry of start is a no-op); after finish() a new run (the next scheduler's).
-        if not self._begin_run():
-            return
-        try:
-            self._start(run_start)
-        except BaseException:
-            self._end_run()
-            raise
+        self._start_claimed(lambda: self._start(run_start))
 
     def _start(self, run_start: RunStart) -> None:
         self._client, self._run_id, self._attached, self._skip_until = None, None, False, -1

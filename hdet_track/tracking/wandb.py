@@ -124,13 +124,7 @@ class WandbTracker(Tracker):
 
     def start(self, run_start: RunStart) -> None:
         # Once per run (a retry of start is a no-op); after finish() a new run (the next scheduler's).
-        if not self._begin_run():
-            return
-        try:
-            self._start(run_start)
-        except BaseException:
-            self._end_run()
-            raise
+        self._start_claimed(lambda: self._start(run_start))
 
     def _start(self, run_start: RunStart) -> None:
         self._run, self._archive, self._defined = None, None, set()
