@@ -53,6 +53,10 @@ LR = "lr"
 VAL_LOSS = "val_loss"
 VAL_ACCURACY = "val_accuracy"
 DIVERGED_AT_STEP = "diverged_at_step"
+# Files a W&B run keeps beside its event archive (files/hdet_events/): the user's metrics as
+# {"key", "step", "value"} lines, and the process that owns the run (host, pid, start, pidns).
+WANDB_USER_METRICS_FILE = "user_metrics.jsonl"
+WANDB_OWNER_FILE = "owner.json"
 # Step axes in W&B rows (every row carries its own step, so rows may arrive in any order).
 STEP = "hdet/step"
 SYNC_STEP = "hdet/sync/step"

@@ -251,3 +251,137 @@ def test_one_tracker_object_for_two_schedulers_in_turn_makes_two_runs(tmp_path):
         assert list(run.replica_series("loss", 0)[0]) == list(range(1, 11))
         assert list(run.metrics["val_loss"][1]) == [val]
     assert not list(tracker.spill_dir().glob("spill-*"))  # nothing was left undelivered
+
+
+KILL_JOB = """
+import sys, time
+import torch
+from hdet_track import HDETScheduler
+from hdet_track.tracking.wandb import WandbTracker
+
+torch.manual_seed(0)
+model = torch.nn.Linear(2, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+tracker = WandbTracker(project="kill", dir=sys.argv[1], mode="offline", run_name="job")
+sched = HDETScheduler(opt, 0.1, total_steps=30, spread=0.0, sync_every=10, track=tracker)
+for k in range(1, 31):
+    opt.step()
+    sched.step(1.0 / k)
+sched.log_metrics({"val_loss": 0.5})  # after the last step: the run stays open for it
+assert sched.flush() is True
+if sys.argv[2] == "close":
+    sched.close()
+    sys.exit(0)
+print("READY", flush=True)
+time.sleep(300)  # evaluating, when the OOM killer strikes
+"""
+
+
+def _start_job(tmp_path, mode):
+    import subprocess
+    import sys
+
+    script = tmp_path / "job.py"
+    script.write_text(KILL_JOB)
+    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true")
+    for name in ("WANDB__TRANSACTION_LOG_FLUSH_INTERVAL", "WANDB_X_TRANSACTION_LOG_FLUSH_INTERVAL"):
+        env.pop(name, None)  # W&B's default (15 s) unless hdet-track shortens it
+    return subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path / "store"), mode], env=env, stdout=subprocess.PIPE, text=True
+    )
+
+
+def _read_single(root):
+    from hdet_track.readers.wandb import WandbReader
+
+    reader = WandbReader(root)
+    (summary,) = reader.list_runs()
+    return summary, reader.read(summary.run_id)
+
+
+def test_a_run_killed_after_flush_reads_killed_with_everything_flushed(tmp_path):
+    """SIGKILL (the OOM killer during evaluation) after the last step, ``val_loss`` and ``flush()``:
+    what was flushed is on disk (W&B buffers its run file for 15 s by default), and the run, whose
+    process is gone without ending it, reads KILLED, not RUNNING and live for ever. While the
+    process lives, the same run reads RUNNING and live."""
+    import signal
+
+    proc = _start_job(tmp_path, "hang")
+    try:
+        assert proc.stdout.readline().strip() == "READY"
+        summary, run = _read_single(tmp_path / "store")
+        assert run.status == "RUNNING" and run.live and summary.live  # the owner is alive
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    # W&B's own run file holds everything logged before flush() returned
+    contents = read_wandb_file(glob.glob(str(tmp_path / "store" / "wandb" / "offline-run-*" / "run-*.wandb"))[0])
+    assert contents.exit_code is None
+    assert sorted(row["hdet/step"] for row in contents.history if "hdet/replica_00/loss" in row) == list(range(1, 31))
+    assert [row["val_loss"] for row in contents.history if "val_loss" in row] == [0.5]
+    deadline = time.monotonic() + 30
+    while True:  # W&B's service may write for a moment after the process is gone
+        summary, run = _read_single(tmp_path / "store")
+        if run.status != "RUNNING" or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert run.status == "KILLED" and not run.live and not summary.live and summary.status == "KILLED"
+    error = run.tags["hdet.error"]
+    assert f"pid {proc.pid}" in error and "ended without ending the run" in error, error
+    assert error.endswith("after its last logged step 30"), error
+    assert run.replica_series("loss", 0)[0].tolist() == list(range(1, 31))
+    assert run.replica_series("loss", 0)[1].tolist() == pytest.approx([1.0 / k for k in range(1, 31)])
+    assert [c.step for c in run.converge] == [10, 20, 30]
+    assert run.metrics["val_loss"][0].tolist() == [30] and run.metrics["val_loss"][1].tolist() == [0.5]
+
+
+def test_a_run_killed_is_read_from_the_archive_when_wandb_lost_its_file(tmp_path):
+    """hdet-track's readers do not depend on W&B's write timing: with W&B's history cut to before
+    the last steps (what a SIGKILL within W&B's flush interval leaves), every step's loss and the
+    val_loss come from hdet-track's own files, written by flush()."""
+    import shutil
+
+    from hdet_track.readers.wandb import WandbReader
+
+    proc = _start_job(tmp_path, "close")
+    assert proc.wait(timeout=300) == 0
+    directory = glob.glob(str(tmp_path / "store" / "wandb" / "offline-run-*"))[0]
+    copy = tmp_path / "copy" / os.path.basename(directory)
+    shutil.copytree(directory, copy)
+    wandb_file = glob.glob(str(copy / "run-*.wandb"))[0]
+    data = open(wandb_file, "rb").read()
+    cut = len(data)
+    while cut > 0:  # the file as W&B had written it before step 20's row
+        contents = read_wandb_file_bytes(data[:cut], tmp_path)
+        if not any(row.get("hdet/step", 0) >= 20 for row in contents.history):
+            break
+        cut -= 512
+    open(wandb_file, "wb").write(data[:cut])
+    run = WandbReader(tmp_path / "copy").read(os.path.basename(wandb_file)[len("run-") : -len(".wandb")])
+    assert run.replica_series("loss", 0)[0].tolist() == list(range(1, 31))
+    assert run.metrics["val_loss"][1].tolist() == [0.5]
+
+
+def read_wandb_file_bytes(data, tmp_path):
+    path = tmp_path / "probe.wandb"
+    path.write_bytes(data)
+    try:
+        return read_wandb_file(path)
+    except WandbFormatError:
+        from hdet_track.wandb_file import WandbFileContents
+
+        return WandbFileContents()
+
+
+def test_a_run_whose_process_ended_it_reads_finished(tmp_path):
+    """A process that closed its run and exited: FINISHED (its owner is gone, but the run ended)."""
+    proc = _start_job(tmp_path, "close")
+    assert proc.wait(timeout=300) == 0
+    time.sleep(2.5)  # past the reader's grace for W&B's service
+    summary, run = _read_single(tmp_path / "store")
+    assert run.status == "FINISHED" and not run.live and "hdet.error" not in run.tags
+    assert run.metrics["val_loss"][1].tolist() == [0.5]
+    assert run.replica_series("loss", 0)[0].tolist() == list(range(1, 31))

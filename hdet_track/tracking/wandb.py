@@ -4,8 +4,10 @@ sync and controller series on a sync axis, Parquet event chunks in the run's fil
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import socket
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -29,6 +31,51 @@ SYNC_STEP = names.SYNC_STEP
 _SYNC_PREFIXES = ("hdet/sync/", "hdet/controller/", "hdet/onecycle/")
 _STEP_GLOBS = (names.LOSS, names.LR, "hdet/replica_*")
 FINISH_WAIT_SECONDS = 15.0  # for W&B's service to close the run file after finish()
+# wandb-core buffers the run file (``.wandb``) and writes it every ``x_transaction_log_flush_interval``
+# seconds (15 by default): a SIGKILL (the OOM killer during evaluation) lost up to 15 s of history,
+# after the last step exactly what matters (the last steps, val_loss). Unless the user chose an
+# interval, runs hdet-track starts write it every second: at most one write() a second of what is
+# buffered anyway, to a local file, in W&B's own process; nothing on the training thread (the bytes
+# written are the same, only the number of writes grows, by about one a second). ``flush()`` then
+# waits (bounded; typically under a second) until the file holds everything logged, so after
+# ``sched.flush()`` the run file (what ``wandb sync`` uploads) is whole. On top of that,
+# hdet-track's readers do not depend on W&B's timing at all: the per-step series and syncs are in
+# hdet-track's own event archive, written by ``flush()`` in this process, and so are the user's
+# metrics (``user_metrics.jsonl`` beside it) -- both on disk when ``flush()`` returns, even if W&B's
+# wait timed out (a user-chosen interval of 0 or minutes, a stalled service).
+TRANSACTION_LOG_FLUSH_INTERVAL = 1.0
+FLUSH_WAIT_MARGIN = 5.0  # flush() waits at most the run's flush interval (<= 15 s) plus this
+_INTERVAL_ENV = ("WANDB__TRANSACTION_LOG_FLUSH_INTERVAL", "WANDB_X_TRANSACTION_LOG_FLUSH_INTERVAL")
+USER_METRICS_FILE = names.WANDB_USER_METRICS_FILE
+OWNER_FILE = names.WANDB_OWNER_FILE
+
+
+def process_identity(pid: int | None = None) -> dict[str, Any]:
+    """``host``, ``pid`` and, where ``/proc`` tells, the process's start time (``start``: clock ticks
+    after boot; guards against a reused pid) and pid namespace (``pidns``: pids of another container
+    with the same hostname are not comparable). Read by :func:`hdet_track.readers.wandb.owner_alive`."""
+    pid = os.getpid() if pid is None else pid
+    out: dict[str, Any] = {"host": socket.gethostname(), "pid": pid, "start": None, "pidns": None}
+    try:
+        out["start"] = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        pass
+    try:
+        out["pidns"] = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        pass
+    return out
+
+
+def _written_step(path: str | os.PathLike) -> int | None:
+    """The highest W&B ``_step`` among the history rows in the run file ``path``."""
+    from ..wandb_file import WandbFormatError, read_wandb_file
+
+    try:
+        steps = [row["_step"] for row in read_wandb_file(path).history if isinstance(row.get("_step"), int)]
+    except (OSError, WandbFormatError):
+        return None
+    return max(steps, default=None)
 
 
 def wait_until_written(path: str | os.PathLike, timeout: float) -> bool:
@@ -101,6 +148,7 @@ class WandbTracker(Tracker):
         self._archive: EventArchive | None = None
         self._resume_id: str | None = None
         self._defined: set[str] = set()
+        self._user_points: list[dict[str, Any]] = []  # user metrics not yet in user_metrics.jsonl
 
     @property
     def run_id(self) -> str | None:
@@ -127,7 +175,7 @@ class WandbTracker(Tracker):
         self._start_claimed(lambda: self._start(run_start))
 
     def _start(self, run_start: RunStart) -> None:
-        self._run, self._archive, self._defined = None, None, set()
+        self._run, self._archive, self._defined, self._user_points = None, None, set(), []
         wandb = _import_wandb()
         tags = run_tags(run_start)
         if self._existing is not None:
@@ -146,10 +194,17 @@ class WandbTracker(Tracker):
             reinit="create_new",
             id=self._resume_id,
             resume="allow" if self._resume_id else None,
+            settings=self._settings(wandb),
         )
         lifecycle.end_runs_first_at_exit()  # before the exit handler wandb.init registered
         self._resume_id = None  # used up: a later run of this object is a new one unless resumed again
         self._setup(run, tags)
+
+    @staticmethod
+    def _settings(wandb: Any) -> Any:
+        if any(os.environ.get(name) for name in _INTERVAL_ENV):
+            return None  # the user's choice
+        return wandb.Settings(x_transaction_log_flush_interval=TRANSACTION_LOG_FLUSH_INTERVAL)
 
     def _setup(self, run: Any, tags: dict[str, str]) -> None:
         run.define_metric(STEP, hidden=True)
@@ -162,6 +217,14 @@ class WandbTracker(Tracker):
             run.summary[k] = v
         self._run = run
         self._archive = EventArchive(Path(run.dir) / ARTIFACT_DIR, chunk_seconds=self.chunk_seconds)
+        # Who owns the run: a reader on this host tells a live run from one whose process was killed
+        # (SIGKILL, the OOM killer) before it could end the run; W&B's file says neither.
+        try:
+            folder = Path(run.dir) / ARTIFACT_DIR
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / OWNER_FILE).write_text(json.dumps(process_identity() | {"time": time.time()}))
+        except OSError as exc:  # pragma: no cover - an unwritable run directory fails later anyway
+            logger.warning("hdet-track: could not record the W&B run's owner: %s", exc)
 
     def log(self, batch: Batch) -> None:
         rows: dict[tuple[str, int], dict[str, float]] = defaultdict(dict)
@@ -171,6 +234,8 @@ class WandbTracker(Tracker):
             if axis == STEP and not builtin and p.key not in self._defined:
                 self._run.define_metric(p.key, step_metric=STEP)  # a user metric (val_loss, ...)
                 self._defined.add(p.key)
+            if axis == STEP and not builtin and not p.key.startswith("hdet/"):
+                self._user_points.append({"key": p.key, "step": p.step, "value": p.value})
             rows[(axis, p.step)][p.key] = p.value
         for (axis, step), row in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][0])):
             row[axis] = step
@@ -180,11 +245,52 @@ class WandbTracker(Tracker):
         for block in batch.steps:
             self._archive.add_steps(block)
         if self._archive.due():
-            self._archive.write()
+            self._write_archive()
+
+    def _write_archive(self) -> None:
+        if self._archive is None:
+            return
+        self._archive.write()
+        if self._user_points:
+            with open(self._archive.directory / USER_METRICS_FILE, "a", encoding="utf-8") as f:
+                f.write("".join(json.dumps(p) + "\n" for p in self._user_points))
+            self._user_points = []
 
     def flush(self) -> None:
-        if self._archive is not None:
-            self._archive.write()
+        """Write the event archive and the user's metrics, then wait (bounded) until W&B's run file
+        holds every row logged so far: all of it survives a SIGKILL once this returns."""
+        self._write_archive()
+        if self._run is None or not self._run_open:
+            return
+        settings = self._run.settings
+        path, last = getattr(settings, "sync_file", None), getattr(self._run, "_local_step", 0) - 1
+        unwritten = getattr(settings, "mode", "") == "disabled" or getattr(settings, "x_skip_transaction_log", False)
+        if not path or unwritten or last < getattr(self._run, "starting_step", 0):
+            return  # nothing logged, or no run file to wait for
+        interval = float(getattr(settings, "x_transaction_log_flush_interval", 15.0) or 0.0)
+        deadline = time.monotonic() + min(max(interval, 0.0), 15.0) + FLUSH_WAIT_MARGIN
+        size, pause = -1, 0.02
+        while True:
+            try:
+                now = os.path.getsize(path)
+            except OSError:
+                now = -1
+            if now != size:  # parse again only once W&B wrote more
+                size = now
+                written = _written_step(path)
+                if written is not None and written >= last:
+                    return
+            if time.monotonic() >= deadline:
+                logger.warning(
+                    "hdet-track: W&B had not written step %d of run %s to %s when flush() gave up; hdet-track's "
+                    "readers take it from the event archive",
+                    last,
+                    self._run.id,
+                    path,
+                )
+                return
+            time.sleep(pause)
+            pause = min(pause * 2, 0.2)
 
     def finish(self, run_end: RunEnd) -> None:
         if self._run is None or not self._run_open:
@@ -195,7 +301,7 @@ class WandbTracker(Tracker):
         self._end_run()
 
     def _finish(self, run_end: RunEnd) -> None:
-        self.flush()
+        self._write_archive()  # finish() waits for W&B's file below
         self._run.summary["hdet/status"] = run_end.status
         if run_end.error:
             self._run.summary["hdet/error"] = run_end.error[-4000:]
