@@ -385,3 +385,41 @@ def test_a_run_whose_process_ended_it_reads_finished(tmp_path):
     assert run.status == "FINISHED" and not run.live and "hdet.error" not in run.tags
     assert run.metrics["val_loss"][1].tolist() == [0.5]
     assert run.replica_series("loss", 0)[0].tolist() == list(range(1, 31))
+
+
+INTERVAL_JOB = """
+import sys, torch, wandb
+from hdet_track import HDETScheduler
+from hdet_track.tracking.wandb import WandbTracker
+if sys.argv[2] != "none":
+    wandb.setup(settings=wandb.Settings(x_transaction_log_flush_interval=float(sys.argv[2])))
+opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+tracker = WandbTracker(project="interval", dir=sys.argv[1], mode="offline")
+sched = HDETScheduler(opt, 0.1, total_steps=2, spread=0.0, sync_every=1, track=tracker)
+for _ in range(2):
+    opt.step()
+    sched.step(1.0)
+assert sched.flush() is True
+print("INTERVAL", tracker.run.settings.x_transaction_log_flush_interval)
+sched.close()
+"""
+
+
+@pytest.mark.parametrize("chosen", ["none", "7"])
+def test_run_file_interval_is_one_second_unless_the_user_chose_one(tmp_path, chosen):
+    """hdet-track's runs write W&B's run file every second (W&B's default, 15 s, loses that much to
+    a SIGKILL), but an interval the user set through ``wandb.setup(settings=...)`` is kept."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "job.py"
+    script.write_text(INTERVAL_JOB)
+    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true")
+    for name in ("WANDB__TRANSACTION_LOG_FLUSH_INTERVAL", "WANDB_X_TRANSACTION_LOG_FLUSH_INTERVAL"):
+        env.pop(name, None)
+    out = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), chosen], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    (line,) = [x for x in out.stdout.splitlines() if x.startswith("INTERVAL")]
+    assert float(line.split()[1]) == (1.0 if chosen == "none" else 7.0)

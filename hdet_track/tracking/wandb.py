@@ -202,9 +202,19 @@ class WandbTracker(Tracker):
 
     @staticmethod
     def _settings(wandb: Any) -> Any:
+        """Settings for a run hdet-track starts: W&B's run file written every second, unless the user
+        chose an interval (in the environment, ``wandb.setup(settings=...)`` or W&B's settings file)."""
         if any(os.environ.get(name) for name in _INTERVAL_ENV):
             return None  # the user's choice
-        return wandb.Settings(x_transaction_log_flush_interval=TRANSACTION_LOG_FLUSH_INTERVAL)
+        field = "x_transaction_log_flush_interval"
+        try:
+            chosen = getattr(wandb.setup().settings, field)  # what wandb.init would use
+            default = wandb.Settings.model_fields[field].default
+        except Exception:  # noqa: BLE001 - an older or newer wandb: keep to the environment check
+            chosen = default = None
+        if chosen != default:
+            return None  # the user's choice
+        return wandb.Settings(**{field: TRANSACTION_LOG_FLUSH_INTERVAL})
 
     def _setup(self, run: Any, tags: dict[str, str]) -> None:
         run.define_metric(STEP, hidden=True)
