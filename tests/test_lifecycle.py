@@ -158,6 +158,48 @@ def test_a_finished_run_left_open_is_not_failed_by_the_next_run_of_the_sweep(tmp
         assert "FIRST_FREED True" in proc.stdout, proc.stdout
 
 
+@pytest.mark.parametrize("backend", ["sqlite", "wandb"])
+def test_a_retry_loop_that_resumes_in_the_same_process_ends_the_run_finished(tmp_path, backend):
+    """The first attempt raises (the loop catches it) and a new scheduler of the same process
+    resumes the run from a checkpoint: the run ends FINISHED with one point per step, the first
+    attempt's end noted in ``hdet.resumed_after``, not FAILED by the first attempt's writer at exit
+    (and, with W&B, not refused as "in use" and spilled)."""
+    uri = f"sqlite:///{tmp_path / 'store.db'}" if backend == "sqlite" else str(tmp_path / "wandb-dir")
+    job = str(Path(__file__).parent / "jobs" / "retry_job.py")
+    proc = subprocess.run([sys.executable, job, backend, uri], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0 and "RETRY a transient failure at step 13" in proc.stdout, proc.stderr[-3000:]
+    runs = _runs_by_name(backend, uri)
+    assert list(runs) == ["retry"], proc.stderr[-3000:]
+    run = runs["retry"]
+    assert run.status == "FINISHED" and not run.tags.get("hdet.error"), (run.tags, proc.stderr[-3000:])
+    assert run.replica_series("loss", 0)[0].tolist() == list(range(1, 21))
+    assert list(run.metrics["val_loss"][1]) == [0.5]
+    if backend == "sqlite":
+        assert "left at step 13 of 20" in run.tags.get("hdet.resumed_after", ""), run.tags
+    else:
+        assert not list((tmp_path / "wandb-dir" / "wandb").glob(".hdet-spill/spill-*"))
+
+
+def test_a_checkpoint_before_the_first_step_does_not_wait_for_a_run(tmp_path):
+    """state_dict() at step 0 (a checkpoint written before training) has no run to wait for: it
+    returns at once without run ids (it used to block 30 s on rank 0); after a step it has one."""
+    import torch
+
+    from hdet_track import HDETScheduler
+    from hdet_track.tracking.mlflow import MLflowTracker
+
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    tracker = MLflowTracker(tracking_uri=f"sqlite:///{tmp_path / 'store.db'}", experiment="s0")
+    with HDETScheduler(opt, 0.05, total_steps=4, sync_every=2, model=model, track=tracker) as sched:
+        began = time.monotonic()
+        assert sched.state_dict()["runs"] == {}
+        assert time.monotonic() - began < 10  # a hang check, not a speed target: the wait was 30 s
+        opt.step()
+        sched.step(1.0)
+        assert sched.state_dict()["runs"] == {"mlflow": tracker.run_id} and tracker.run_id
+
+
 def test_closed_runs_do_not_keep_their_scheduler_and_model_alive(tmp_path):
     """A sweep that closes each run (the ``with`` block) does not accumulate its trials' models
     (on a GPU, their memory) in the process-wide registry of runs to end at exit."""

@@ -53,6 +53,7 @@ class Recorder(SchedulerCallback):
         self.close_at_end = close_at_end
         self.created = time.time()  # the run's start time is the job's, whenever a backend writes it
         self.total_steps = 0
+        self.last_step = 0
         self.hub: Any = None
         self.started = False
         self._info: Callable[[], RunInfo] | None = None
@@ -93,6 +94,7 @@ class Recorder(SchedulerCallback):
                 t.run_name = self.run_name
             if t.name in info.resumed_runs:
                 t.resume(info.resumed_runs[t.name])
+        self._end_abandoned(set(info.resumed_runs.values()))
         import torch
 
         start = RunStart(
@@ -115,11 +117,28 @@ class Recorder(SchedulerCallback):
         )
         self.hub.start(start)
 
+    def _end_abandoned(self, run_ids: set[str]) -> None:
+        """A scheduler of this process resumes a run that an earlier one left open (a retry loop that
+        caught the exception): end the earlier one's writer first, FAILED, so that the resumed run
+        starts from an ended run and is not ended again by the process's exit."""
+        for other in lifecycle.registered():
+            hub = getattr(other, "hub", None)
+            if other is self or hub is None or hub.ended or not any(t.run_id in run_ids for t in hub.trackers):
+                continue
+            step, total = other.last_step, other.total_steps
+            other.on_close(
+                "FAILED",
+                f"left at step {step} of {total} without closing the run; a later scheduler of the same "
+                f"process resumed the run from a checkpoint",
+                step,
+            )
+
     def on_sync(self, record: SyncRecord) -> None:
         if self.hub is not None:  # stamped with the sync's own time, however late it is handed over
             self.hub.record(record, record.time if math.isfinite(record.time) else None)
 
     def on_step(self, step: int) -> None:
+        self.last_step = step
         if self.hub is not None:
             self.hub.note_step(step)
             if step == self.total_steps and self.close_at_end and not self.hub.ended:
@@ -148,9 +167,10 @@ class Recorder(SchedulerCallback):
         return True if self.hub is None else self.hub.flush(timeout)
 
     def run_ids(self, wait: float = 0.0) -> dict[str, str | None]:
-        """Rank 0: each backend's run id (waiting up to ``wait`` s for the run to be created)."""
+        """Rank 0: each backend's run id (waiting up to ``wait`` s for a started run to be created;
+        before the first step there is none to wait for)."""
         if self.hub is None:
             return {}
-        if wait > 0:
+        if wait > 0 and self.started:
             self.hub.started.wait(wait)
         return {t.name or type(t).__name__: t.run_id for t in self.hub.trackers}
