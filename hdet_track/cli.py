@@ -427,7 +427,7 @@ def run_recover(source: str | None) -> int:
 
     from .readers import default_source
     from .readers.mlflow import sqlite_file
-    from .tracking.spill import recover, store_spill_dir
+    from .tracking.spill import recover, spill_dirs, store_spill_dir
 
     source = source or default_source()
     if "://" not in source and not Path(source).exists():
@@ -440,7 +440,8 @@ def run_recover(source: str | None) -> int:
         return _fail(f"recover: no MLflow store at {source} ({db.absolute()} does not exist) and no spill beside it")
     lines = recover(source)
     if not lines:
-        print(f"hdet-track recover: nothing to deliver for {source} (looked in {store_spill_dir(source)})")
+        looked = " and ".join(str(d) for d in spill_dirs(source))
+        print(f"hdet-track recover: nothing to deliver for {source} (looked in {looked})")
         return 0
     for line in lines:
         print(line)

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from mlflow.tracking import MlflowClient
 
 from hdet_track.readers.mlflow import MLflowReader
@@ -122,3 +123,76 @@ def test_the_next_job_on_the_same_server_delivers_a_crashed_jobs_spill(tmp_path)
         assert not list(where.glob("spill-*"))
     finally:
         server.stop()
+
+
+SPILL_JOB = """
+import sys
+import torch
+from hdet_track import HDETScheduler
+
+backend, store = sys.argv[1:3]
+if backend == "wandb":
+    from hdet_track.tracking.wandb import WandbTracker
+    track = WandbTracker(project="spilled", dir=store, run_name="spilled")  # online, no API key: spilled
+else:
+    from hdet_track.tracking.mlflow import MLflowTracker
+    track = MLflowTracker(tracking_uri=store, experiment="spilled", run_name="spilled")
+opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+sched = HDETScheduler(opt, 0.1, total_steps=20, spread=0.0, sync_every=5, track=track)
+for k in range(1, 21):
+    opt.step()
+    sched.step(1.0 / k)
+sched.log_metrics({"val_loss": 0.25})
+sched.close()
+"""
+
+
+@pytest.mark.parametrize("backend", ["mlflow", "wandb"])
+def test_recover_from_elsewhere_delivers_a_relative_store_where_the_job_ran(tmp_path, backend):
+    """A job that logged to a relative store (``sqlite:///mlflow.db``, ``WandbTracker(dir="store")``)
+    while it could not be written (a damaged sqlite file; W&B online without a key) leaves a spill in
+    that store; ``hdet-track recover STORE`` run from another directory delivers it into that store,
+    not into one relative to where recover runs (and finds W&B's spill under ``STORE/wandb/``)."""
+    job_dir, elsewhere = tmp_path / "job", tmp_path / "elsewhere"
+    job_dir.mkdir()
+    elsewhere.mkdir()
+    (job_dir / "job.py").write_text(SPILL_JOB)
+    env = _env() | {"HOME": str(tmp_path / "home"), "WANDB_SILENT": "true"}
+    env.pop("WANDB_API_KEY", None)
+    if backend == "mlflow":
+        (job_dir / "mlflow.db").write_bytes(b"not a database" * 100)
+        args, source = ["mlflow", "sqlite:///mlflow.db"], f"sqlite:///{job_dir / 'mlflow.db'}"
+    else:
+        args, source = ["wandb", "store"], str(job_dir / "store")
+    job = subprocess.run(
+        [sys.executable, "job.py", *args],
+        cwd=job_dir,
+        env=env | {"WANDB_MODE": "online"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert job.returncode == 0, job.stderr[-3000:]
+    if backend == "mlflow":
+        (job_dir / "mlflow.db").unlink()  # repaired: recover may create the store again
+    out = subprocess.run(
+        [CLI, "recover", source],
+        cwd=elsewhere,
+        env=env | {"WANDB_MODE": "offline"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert out.returncode == 0 and "batches delivered" in out.stdout, (out.stdout, out.stderr[-3000:])
+    # no store where recover ran (a new MLflow experiment's artifacts go to MLflow's default root, ./mlruns)
+    assert not [p for p in elsewhere.iterdir() if p.name != "mlruns"], list(elsewhere.iterdir())
+    if backend == "mlflow":
+        reader = MLflowReader(source)
+    else:
+        from hdet_track.readers.wandb import WandbReader
+
+        reader = WandbReader(source)
+    (summary,) = reader.list_runs()
+    run = reader.read(summary.run_id)
+    assert run.replica_series("loss", 0)[0].tolist() == list(range(1, 21))
+    assert list(run.metrics["val_loss"][1]) == [0.25]

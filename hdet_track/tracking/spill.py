@@ -29,7 +29,7 @@ from ..events import RunEnd, RunStart, event_from_dict
 from .archive import StepBlock
 from .base import Batch, Point, Tracker
 
-__all__ = ["SpillFile", "cache_dir", "store_spill_dir", "replay_file", "recover"]
+__all__ = ["SpillFile", "cache_dir", "store_spill_dir", "spill_dirs", "replay_file", "recover"]
 
 logger = logging.getLogger(__name__)
 DIRNAME = ".hdet-spill"
@@ -146,7 +146,8 @@ def replay_file(path: Path) -> str:
     spill = SpillFile(claimed, json.loads(claimed.open().readline()))
     head = spill.header
     try:
-        tracker = get_tracker_class(head["backend"])(**head.get("settings", {}))
+        settings = _anchored(head["backend"], head.get("settings", {}), path.parent)
+        tracker = get_tracker_class(head["backend"])(**settings)
         if head.get("run_id"):
             tracker.resume(head["run_id"])
         sink = maybe_isolated(tracker)
@@ -172,11 +173,37 @@ def replay_file(path: Path) -> str:
         os.rename(claimed, path)
         return f"{path.name}: not delivered ({type(exc).__name__}: {exc}); kept"
     claimed.unlink()
-    return f"{path.name}: {len(batches)} batches delivered to {head['backend']} run {sink.run_id}"
+    where = settings.get("tracking_uri") or settings.get("dir") or ""
+    return f"{path.name}: {len(batches)} batches delivered to {head['backend']} run {sink.run_id}" + (
+        f" in {where}" if where else ""
+    )
+
+
+def spill_dirs(source: str) -> list[Path]:
+    """Where ``recover`` looks for the spills of ``source``: the spill directory itself, or the store's
+    (for a W&B directory also ``wandb/.hdet-spill``, where :class:`WandbTracker` keeps them)."""
+    if Path(source).name == DIRNAME:
+        return [Path(source)]
+    found = [store_spill_dir(source)]
+    if "://" not in source:
+        found.append(Path(source) / "wandb" / DIRNAME)
+    return found
 
 
 def recover(source: str) -> list[str]:
     """Deliver every orphaned spill of the store ``source`` (an MLflow URI, a W&B directory, or a
     spill directory itself)."""
-    directory = Path(source) if Path(source).name == DIRNAME else store_spill_dir(source)
-    return [replay_file(path) for path in orphans(directory)]
+    return [replay_file(path) for directory in spill_dirs(source) for path in orphans(directory)]
+
+
+def _anchored(backend: str, settings: dict[str, Any], directory: Path) -> dict[str, Any]:
+    """``settings`` with a relative store (``sqlite:///mlflow.db``, W&B's ``dir``), which meant the
+    job's working directory, resolved where the spill lies: in that store (``recover`` may run
+    anywhere)."""
+    out = dict(settings)
+    uri = out.get("tracking_uri")
+    if backend == "mlflow" and isinstance(uri, str) and uri.startswith("sqlite:///") and uri[10:11] != "/":
+        out["tracking_uri"] = f"sqlite:///{directory.resolve().parent / Path(uri[len('sqlite:///') :]).name}"
+    if backend == "wandb" and directory.parent.name == "wandb" and not Path(out.get("dir") or ".").is_absolute():
+        out["dir"] = str(directory.resolve().parent.parent)  # the tracker keeps its spills in <dir>/wandb/
+    return out
