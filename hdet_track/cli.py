@@ -82,11 +82,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(subparser=demo)  # run_demo's own errors read "usage: hdet-track demo ..."
     cmp = sub.add_parser("compare", help="the comparison table (paper's Table 1) from runs already logged")
-    cmp.add_argument("--tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db")
+    cmp.add_argument(
+        "--tracking-uri",
+        default=None,
+        help="an MLflow tracking URI or a W&B directory (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)",
+    )
     cmp.add_argument(
         "--experiment",
         default=None,
-        help="default: the experiment the demo writes to ($MLFLOW_EXPERIMENT_NAME or hdet)",
+        help="default: the experiment the demo writes to ($MLFLOW_EXPERIMENT_NAME or hdet); "
+        "for a W&B directory, the W&B project",
     )
     cmp.add_argument("--group", default=None, help="compare group (default: the newest run's group)")
     cmp.add_argument("--format", choices=["table", "markdown", "json"], default="table")
@@ -280,22 +285,29 @@ def run_compare(tracking_uri: str | None, experiment: str | None, group: str | N
     import os
 
     from .compare import comparison_rows, format_rows
-    from .readers import ReaderError
-    from .readers.mlflow import MLflowReader
+    from .readers import ReaderError, open_reader
 
     experiment = experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or "hdet"
     try:
-        reader = MLflowReader(tracking_uri)
+        reader = open_reader(tracking_uri)
         summaries = reader.list_runs(experiment)
+        if group is None:
+            group = next((r.compare_group for r in summaries if r.compare_group), None)
+        chosen = [r for r in summaries if group is None or r.compare_group == group]
+        if not chosen:
+            return _fail(f"no runs in experiment {experiment!r}" + (f" with compare group {group!r}" if group else ""))
+        runs = [reader.read(r.run_id) for r in reversed(chosen)]  # oldest first: the order they ran
     except ReaderError as exc:
         return _fail(str(exc))
-    if group is None:
-        group = next((r.compare_group for r in summaries if r.compare_group), None)
-    chosen = [r for r in summaries if group is None or r.compare_group == group]
-    if not chosen:
-        return _fail(f"no runs in experiment {experiment!r}" + (f" with compare group {group!r}" if group else ""))
-    runs = [reader.read(r.run_id) for r in reversed(chosen)]  # oldest first: the order they ran
+    except Exception as exc:  # noqa: BLE001 - MLflow's or SQLAlchemy's own errors: name the argument
+        return _fail(
+            f"cannot read --tracking-uri {tracking_uri!r} (expected an MLflow tracking URI such as "
+            f"sqlite:///PATH or http://HOST:PORT, or a W&B directory): {type(exc).__name__}: {exc}"
+        )
     print(format_rows(comparison_rows(runs), fmt))
+    for run in runs:
+        for warning in run.warnings:
+            print(f"hdet-track compare: run {run.name or run.run_id}: {warning}", file=sys.stderr)
     return 0
 
 
@@ -364,21 +376,30 @@ def run_dashboard(source: str | None, host: str, port: int) -> int:
     import socket
     from pathlib import Path
 
-    from .readers import ReaderError, default_source
+    from .readers import ReaderError, default_source, resolve_source
     from .readers.mlflow import check_store_exists, pending_store
 
     with socket.socket() as s:
         try:
             s.bind((host, port))
         except OSError as exc:
+            import errno
+
+            bad_host = isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL
             print(
-                f"hdet-track dashboard: cannot listen on {host}:{port} ({exc.strerror}); pick another with --port",
+                f"hdet-track dashboard: cannot listen on {host}:{port} ({exc.strerror}); "
+                + ("--host must be an address of this machine, e.g. 127.0.0.1" if bad_host else "pick another --port"),
                 file=sys.stderr,
             )
             return 2
     source = source or default_source()
     if "://" not in source and not Path(source).exists():
         print(f"hdet-track dashboard: {source} is neither a tracking URI nor an existing directory", file=sys.stderr)
+        return 2
+    try:
+        source = resolve_source(source)  # a directory holding mlflow.db, or a sqlite file: its sqlite:/// URI
+    except ReaderError as exc:
+        print(f"hdet-track dashboard: {exc}", file=sys.stderr)
         return 2
     db = pending_store(source)
     if db is not None:  # read-only, and ready before the first job: the runs appear once a job creates it

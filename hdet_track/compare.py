@@ -123,7 +123,7 @@ def format_rows(rows: Sequence[ComparisonRow], fmt: str = "table") -> str:
     ]
     body = [
         [
-            r.name,
+            r.name if r.status == "FINISHED" else f"{r.name} ({r.status})",  # a run that did not end cleanly
             r.schedule,
             _num(r.mean_lr),
             _num(r.final_train_loss),

@@ -410,3 +410,72 @@ def test_wandb_demo_logs_offline_without_wandb_mode_and_prints_compare_s_table(t
     rows = comparison_rows(runs)
     assert all(r.val_accuracy == r.val_accuracy for r in rows)  # read back: not NaN
     assert "hdet-track dashboard" in proc.stdout
+
+
+def test_compare_reads_a_directory_holding_mlflow_db_or_the_bare_file(demo_store, tmp_path, capsys):
+    """A directory holding ``mlflow.db`` (what the dashboard accepts) and the bare sqlite file read
+    as that store's ``sqlite:///`` URI; before, the directory went to MLflow as a file-store path."""
+    import shutil
+
+    uri, _, _, root = demo_store
+    shutil.copy(root / "demo.db", tmp_path / "mlflow.db")
+    assert main(["compare", "--tracking-uri", uri, "--format", "json"]) == 0
+    expected = [(r["name"], r["final_train_loss"]) for r in json.loads(capsys.readouterr().out)]
+    for source in (tmp_path, tmp_path / "mlflow.db"):
+        assert main(["compare", "--tracking-uri", str(source), "--format", "json"]) == 0, capsys.readouterr().err
+        assert [(r["name"], r["final_train_loss"]) for r in json.loads(capsys.readouterr().out)] == expected
+
+
+def test_compare_on_a_file_that_is_not_a_store_is_a_one_line_error_and_leaves_it_alone(tmp_path, capsys):
+    """No traceback, the value and what is allowed named, and the file not turned into a store."""
+    bad = tmp_path / "notes.txt"
+    bad.write_text("not a database")
+    assert main(["compare", "--tracking-uri", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert str(bad) in err and "not a sqlite database" in err and "sqlite:///PATH" in err
+    assert bad.read_text() == "not a database"
+    assert main(["dashboard", str(bad), "--port", str(_free_port())]) == 2
+    assert "not a sqlite database" in capsys.readouterr().err
+
+
+WANDB_RUN = """
+import sys, torch
+from hdet_track import HDETScheduler
+from hdet_track.tracking.wandb import WandbTracker
+opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+track = WandbTracker(project="hdet", dir=sys.argv[1], mode="offline", run_name="wb")
+with HDETScheduler(opt, 0.1, total_steps=10, spread=0.0, sync_every=5, track=track) as sched:
+    for k in range(1, 11):
+        opt.step()
+        sched.step(1.0 / k)
+    sched.log_metrics({"val_loss": 0.25})
+"""
+
+
+def test_compare_reads_a_wandb_directory(tmp_path, capsys):
+    """``compare --tracking-uri DIR`` on a W&B directory: the same rows as for MLflow (project =
+    experiment); a run that did not end cleanly is marked in the table."""
+    from hdet_track.compare import ComparisonRow, format_rows
+
+    (tmp_path / "job.py").write_text(WANDB_RUN)
+    proc = subprocess.run(
+        [sys.executable, str(tmp_path / "job.py"), str(tmp_path / "wb")],
+        env=dict(os.environ, WANDB_SILENT="true"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert main(["compare", "--tracking-uri", str(tmp_path / "wb"), "--format", "json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert (row["name"], row["status"], row["final_val_loss"]) == ("wb", "FINISHED", 0.25)
+    assert row["final_train_loss"] == pytest.approx(0.1)
+    killed = ComparisonRow(**(row | {"status": "KILLED"}))
+    assert format_rows([killed]).splitlines()[-1].startswith("wb (KILLED)")
+
+
+def test_dashboard_on_an_address_of_no_machine_names_host(capsys):
+    assert main(["dashboard", "--host", "999.1.1.1", "--port", str(_free_port())]) == 2
+    err = capsys.readouterr().err
+    assert "999.1.1.1" in err and "--host" in err and "--port" not in err

@@ -1,7 +1,7 @@
 """Readers: rebuild an :class:`HDETRun` from MLflow or W&B (no side channel from training).
 
-``open_reader(source)`` picks the reader: a directory is a W&B folder, anything else an MLflow
-tracking URI.
+``open_reader(source)`` picks the reader: a directory is a W&B folder (unless it holds ``mlflow.db``),
+anything else an MLflow tracking URI or sqlite file.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ __all__ = [
     "ReaderError",
     "RunNotFoundError",
     "open_reader",
+    "resolve_source",
     "default_source",
 ]
 
@@ -28,10 +29,46 @@ def default_source() -> str:
     return os.environ.get("HDET_DASHBOARD_SOURCE") or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
 
 
-def open_reader(source: str | None = None) -> RunReader:
-    """A reader for ``source``: a W&B directory (one holding ``wandb/`` or run folders) or an MLflow URI."""
+_SQLITE_MAGIC = b"SQLite format 3\x00"
+
+
+def resolve_source(source: str | None = None) -> str:
+    """``source`` as a reader takes it: an MLflow tracking URI as given; a directory holding
+    ``mlflow.db`` or a sqlite file as its ``sqlite:///`` URI; any other directory as itself (a W&B
+    folder).
+
+    Raises:
+        ReaderError: a path that is neither a directory nor a sqlite file.
+    """
     source = source or default_source()
-    if "://" not in source and Path(source).is_dir() and not Path(source, "mlflow.db").exists():
+    if "://" in source:
+        return source
+    path = Path(source)
+    if path.is_dir():
+        db = path / "mlflow.db"
+        return f"sqlite:///{db.absolute()}" if db.is_file() else source
+    try:
+        with open(path, "rb") as f:
+            sqlite = f.read(len(_SQLITE_MAGIC)) == _SQLITE_MAGIC
+    except OSError as exc:
+        raise ReaderError(_bad_source(source, exc.strerror or str(exc))) from None
+    if not sqlite:
+        raise ReaderError(_bad_source(source, "a file that is not a sqlite database"))
+    return f"sqlite:///{path.absolute()}"
+
+
+def _bad_source(source: str, what: str) -> str:
+    return (
+        f"Expected a source that is an MLflow tracking URI (sqlite:///PATH, http://HOST:PORT), a W&B "
+        f"directory or a directory holding mlflow.db, but got {source!r} ({what})"
+    )
+
+
+def open_reader(source: str | None = None) -> RunReader:
+    """A reader for ``source`` (see :func:`resolve_source`): W&B's for a directory without
+    ``mlflow.db``, MLflow's for anything else."""
+    source = resolve_source(source)
+    if "://" not in source:
         from .wandb import WandbReader
 
         return WandbReader(source)
