@@ -147,6 +147,12 @@ def selected_run() -> HDETRun | None:
         return None
     for w in run.warnings:
         st.warning(w)
+    error = run.tags.get("hdet.error", "").strip()
+    if run.status in ("FAILED", "KILLED") and error:  # why, in its own words (a traceback's last line)
+        st.error(f"{run.status}: {error.splitlines()[-1]}")
+        if "\n" in error:
+            with st.expander("Full error"):
+                st.code(error, language=None)
     return run
 
 

@@ -149,3 +149,30 @@ def test_a_missing_sqlite_store_is_shown_and_never_created(monkeypatch, tmp_path
     assert at.sidebar.error and missing in at.sidebar.error[0].value
     assert "does not exist" in at.sidebar.error[0].value
     assert not (tmp_path / "nowhere").exists()
+
+
+def test_a_failed_run_shows_why_and_compare_shows_read_warnings(monkeypatch, tmp_path):
+    """A FAILED run's error is on the page (its last line, the whole text in an expander), and the
+    Compare page says when a run was read with warnings (here a torn event-archive chunk)."""
+    uri = f"sqlite:///{tmp_path / 'failed.db'}"
+    opt = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)
+    track = MLflowTracker(tracking_uri=uri, experiment="failed", run_name="broken")
+    with pytest.raises(RuntimeError, match="a bad batch"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with HDETScheduler(opt, 0.1, total_steps=20, sync_every=5, compare_group="f", track=track) as sched:
+                for k in range(1, 13):
+                    opt.step()
+                    sched.step(1.0 / k)
+                raise RuntimeError("a bad batch at step 12")
+    at = app(monkeypatch, uri)
+    at.switch_page("app_pages/fanout.py").run()
+    assert not at.exception
+    assert any(e.value.startswith("FAILED: RuntimeError: a bad batch at step 12") for e in at.error), at.error
+    assert any("a bad batch" in c.value for c in at.code)
+    (chunk,) = (tmp_path / "mlruns").rglob("hdet_events/steps-*.parquet")
+    chunk.write_bytes(chunk.read_bytes()[: chunk.stat().st_size // 2])
+    at = app(monkeypatch, uri)
+    at.switch_page("app_pages/compare.py").run()
+    assert not at.exception
+    assert any(w.value.startswith("broken: ") for w in at.warning), at.warning

@@ -26,6 +26,9 @@ else:
             loaded.append(load_run(run_id))
         except ReaderError as exc:
             st.error(str(exc))
+    for run in loaded:
+        for w in run.warnings:
+            st.warning(f"{run.name or run.run_id}: {w}")
     if loaded:
         rows = comparison_rows(loaded)
         st.dataframe(
