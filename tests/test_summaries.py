@@ -187,6 +187,32 @@ def test_a_live_runs_summaries_grow_with_each_read(tmp_path):
     assert seen >= 4
 
 
+def test_a_write_that_dies_half_way_leaves_no_torn_chunk(tmp_path, monkeypatch):
+    """A chunk appears under its name whole or not at all (a live reader polls the directory): a
+    write that fails half way (the process killed, the disk full) leaves only the chunks before it."""
+    import pyarrow.parquet as pq
+
+    archive = EventArchive(tmp_path / ARTIFACT_DIR, chunk_rows=3_000, levels=LEVELS, rollup_every=3)
+    first, second = list(blocks())[:2]
+    archive.add_steps(first)
+    archive.write()
+    before = sorted(p.name for p in (tmp_path / ARTIFACT_DIR).rglob("*.parquet"))
+    real = pq.write_table
+
+    def dies_half_way(table, where, **kwargs):  # noqa: ANN001, ANN003 - injects the fault
+        real(table, where, **kwargs)
+        Path(where).write_bytes(Path(where).read_bytes()[: Path(where).stat().st_size // 2])
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(pq, "write_table", dies_half_way)
+    archive.add_steps(second)
+    with pytest.raises(OSError, match="No space"):
+        archive.write()
+    assert sorted(p.name for p in (tmp_path / ARTIFACT_DIR).rglob("*.parquet")) == before
+    run = read(tmp_path / ARTIFACT_DIR, max_rows=10**9)
+    assert not run.warnings and run.last_step == int(first.step.max())
+
+
 # ---------------------------------------------------------------------- the dashboard on a huge run
 APP = str(Path(__file__).resolve().parents[1] / "dashboard" / "app.py")
 PAGES = ["fanout", "converge", "controller", "compare", "export"]

@@ -93,6 +93,16 @@ def artifact_dir(path: str | os.PathLike) -> str:
     return f"{ARTIFACT_DIR}/{SUMMARY_DIR}" if Path(path).parent.name == SUMMARY_DIR else ARTIFACT_DIR
 
 
+def _write_atomic(table, path: Path) -> None:  # noqa: ANN001 - a pyarrow.Table
+    """Write a Parquet file under a temporary name, then rename it into place: a reader (the live
+    dashboard polls every 2 s) sees the whole file or none, never a half-written one."""
+    import pyarrow.parquet as pq
+
+    tmp = path.with_name(f".{path.name}.tmp")
+    pq.write_table(table, tmp)
+    os.replace(tmp, path)
+
+
 class EventArchive:
     """Buffers events and writes them as numbered Parquet chunks under ``directory``, with the
     summaries of each steps chunk under ``directory/summary`` (``levels``: steps per bucket)."""
@@ -146,7 +156,6 @@ class EventArchive:
     def write(self) -> list[Path]:
         """Write what is buffered as new chunks; returns their paths (possibly none)."""
         import pyarrow as pa
-        import pyarrow.parquet as pq
 
         written: list[Path] = []
         if self._blocks:
@@ -167,7 +176,7 @@ class EventArchive:
             columns |= {f"m:{k}": pa.array(col(lambda b: b.multipliers, k), type=pa.float64()) for k in mkeys}
             table = pa.table(columns)
             path = self.directory / f"steps-{self._index:06d}.parquet"
-            pq.write_table(table, path)
+            _write_atomic(table, path)
             written.append(path)
             written += self._write_summaries(table, path.name)
         if self._other:
@@ -181,14 +190,13 @@ class EventArchive:
                 }
             )
             path = self.directory / f"events-{self._index:06d}.parquet"
-            pq.write_table(table, path)
+            _write_atomic(table, path)
             written.append(path)
         self._blocks, self._rows, self._other = [], 0, []
         self._last_write = time.monotonic()
         return written
 
     def _write_summaries(self, table, name: str) -> list[Path]:  # noqa: ANN001 - the chunk's pyarrow.Table
-        import pyarrow.parquet as pq
 
         step = table.column("step").to_numpy()
         columns = {
@@ -202,7 +210,7 @@ class EventArchive:
         folder = self.directory / SUMMARY_DIR
         folder.mkdir(exist_ok=True)
         path = folder / part_name(self._index)
-        pq.write_table(piece.to_arrow(), path)
+        _write_atomic(piece.to_arrow(), path)
         written = [path]
         if self._first_index is None:
             self._first_index = self._index
@@ -211,6 +219,6 @@ class EventArchive:
             self._rollup = BucketTable.merge([self._rollup, *self._parts])
             self._parts = []
             path = folder / rollup_name(self._first_index, self._index)
-            pq.write_table(self._rollup.to_arrow(), path)
+            _write_atomic(self._rollup.to_arrow(), path)
             written.append(path)
         return written
