@@ -88,6 +88,10 @@ def _rows_of(table: StepTable, lo: int | None, hi: int | None) -> StepTable:
         mask &= table.step >= lo
     if hi is not None:
         mask &= table.step <= hi
+    return _masked(table, mask)
+
+
+def _masked(table: StepTable, mask: np.ndarray) -> StepTable:
     return StepTable(
         table.step[mask],
         table.replica[mask],
@@ -115,7 +119,10 @@ def read_archive(
     otherwise the run is an overview (``run.overview``). An archive without summaries is read in full.
     """
     max_rows = full_rows_limit() if max_rows is None else max_rows
-    reuse = previous is not None and previous.run_id == run.run_id and set(previous.chunks) <= set(names)
+    # A resumed W&B run (one archive per session) is read afresh: a later session's chunks may
+    # supersede rows read before (see _later_steps).
+    single = len({_scope(n) for n in names}) <= 1
+    reuse = single and previous is not None and previous.run_id == run.run_id and set(previous.chunks) <= set(names)
     prev = previous if reuse else None
     known = set(prev.chunks) if prev is not None else set()
     step_names = [n for n in names if not _is_piece(n) and n.rsplit("/", 1)[-1].startswith("steps-")]
@@ -137,6 +144,14 @@ def read_archive(
         tables, events = parse_chunks(chunks, run)
         return tables, events, fetched
 
+    def rows_of(chosen: list[str]) -> dict[str, StepTable]:
+        out = {}
+        for name in chosen:
+            tables, _, fetched = parse([name])
+            consumed.update(fetched)
+            out.update((name, table) for table in tables)
+        return out
+
     _, events, fetched = parse([n for n in others if n not in known])
     consumed.update(fetched)
     apply_events(run, events)
@@ -144,10 +159,11 @@ def read_archive(
     if not pieces and (prev is None or prev.aggregates is None):  # written before 0.3: every row
         whole = prev if prev is not None and prev.view is None else None
         have = set(whole.row_chunks) if whole is not None else set()
-        tables, _, fetched = parse([n for n in step_names if n not in have])
-        consumed.update(fetched)
+        read = rows_of([n for n in step_names if n not in have])
+        later = _later_steps({n: (int(t.step.min()), int(t.step.max())) for n, t in read.items() if len(t)})
+        tables = [_trim(t, later.get(_scope(n), [])) for n, t in read.items()]
         run.steps = StepTable.concat([whole.steps, *tables] if whole is not None else tables)
-        run.row_chunks = tuple(sorted(have | set(fetched)))
+        run.row_chunks = tuple(sorted(have | set(read)))
         run.chunks = tuple(sorted(consumed))
         if steps is not None:
             run.steps, run.view = _rows_of(run.steps, *steps), steps
@@ -187,12 +203,22 @@ def read_archive(
     levels = sorted({level for p in parts if p is not None for level in p.levels}) or list(LEVELS)
     read_rows: dict[str, StepTable] = {}
     missing = [n for n in step_names if (_scope(n), _chunk_index(n)) in wanted]
-    for name in missing:  # no summary (an older writer, a lost upload): summarise its rows here
-        tables, _, fetched = parse([name])
-        consumed.update(fetched)
-        for table in tables:
-            read_rows[name] = table
-            parts.append(_summarize(table, name, levels))
+    for name, table in rows_of(missing).items():  # no summary (an older writer, a lost upload): summarise here
+        read_rows[name] = table
+        parts.append(_summarize(table, name, levels))
+    later = _later_steps({n: r for p in parts if p is not None for n, r in p.chunks.items()})
+    if any(later.values()):  # sessions that overlap: their pieces would count those steps twice
+        kept = []
+        for part in parts:
+            if part is None or not any(_hits(r, later[_scope(n)]) for n, r in part.chunks.items()):
+                kept.append(part)
+                continue
+            read_rows |= rows_of([n for n in part.chunks if n not in read_rows])
+            for name in part.chunks:
+                if name in read_rows:
+                    read_rows[name] = _trim(read_rows[name], later[_scope(name)])
+                    kept.append(_summarize(read_rows[name], name, levels))
+        parts = kept
     run.aggregates = BucketTable.merge(parts)
     run.chunks = tuple(sorted(consumed | set(run.aggregates.chunks)))
 
@@ -215,10 +241,50 @@ def read_archive(
     have = set(prev.row_chunks) if same and prev is not None else set()
     tables = [prev.steps] if same and prev is not None else []
     todo = [n for n in in_range if n not in have and n not in read_rows]
-    fetched_tables, _, fetched = parse(todo)
-    tables += [read_rows[n] for n in in_range if n in read_rows and n not in have] + fetched_tables
+    fetched = rows_of(todo)
+    tables += [read_rows[n] for n in in_range if n in read_rows and n not in have]
+    tables += [_trim(t, later.get(_scope(n), [])) for n, t in fetched.items()]
     run.steps = _rows_of(StepTable.concat(tables), lo, hi)
     run.row_chunks = tuple(sorted(have | set(fetched) | (set(read_rows) & set(in_range))))
+
+
+def _later_steps(spans: dict[str, tuple[int, int]]) -> dict[str, list[tuple[int, int]]]:
+    """Scope -> the step ranges that later scopes' chunks (``spans``: chunk -> first and last step)
+    hold. A W&B run resumed from an older checkpoint has one archive per session, in name order;
+    where they overlap (written before the tracker skipped stored steps) the later session's rows win."""
+    out: dict[str, list[tuple[int, int]]] = {}
+    ranges: list[tuple[int, int]] = []
+    by_scope: dict[str, list[tuple[int, int]]] = {}
+    for name, span in spans.items():
+        by_scope.setdefault(_scope(name), []).append(span)
+    for scope in sorted(by_scope, reverse=True):
+        out[scope] = list(ranges)
+        ranges = _merged(ranges + by_scope[scope])
+    return out
+
+
+def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(ranges):
+        if out and lo <= out[-1][1] + 1:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def _hits(span: tuple[int, int], ranges: list[tuple[int, int]]) -> bool:
+    return any(span[0] <= hi and lo <= span[1] for lo, hi in ranges)
+
+
+def _trim(table: StepTable, ranges: list[tuple[int, int]]) -> StepTable:
+    """``table`` without its rows in the step ``ranges`` (a later session's)."""
+    if not ranges or not len(table):
+        return table
+    drop = np.zeros(len(table), dtype=bool)
+    for lo, hi in ranges:
+        drop |= (table.step >= lo) & (table.step <= hi)
+    return _masked(table, ~drop) if drop.any() else table
 
 
 def _summarize(table: StepTable, name: str, levels: Sequence[int]) -> BucketTable:
@@ -230,7 +296,8 @@ def _summarize(table: StepTable, name: str, levels: Sequence[int]) -> BucketTabl
 
 
 def apply_events(run: HDETRun, events: Iterable[Any]) -> None:
-    """Fold parsed events into ``run`` (start, converge, controller, end), in step order."""
+    """Fold parsed events into ``run`` (start, converge, controller, end), in step order; of events
+    that repeat one another (two sessions of a resumed run wrote them) the last one."""
     for ev in events:
         if isinstance(ev, RunStart):
             run.start = ev
@@ -242,6 +309,13 @@ def apply_events(run: HDETRun, events: Iterable[Any]) -> None:
             run.guard.append(ev)
         elif isinstance(ev, RunEnd):
             run.end = ev
-    run.converge.sort(key=lambda e: e.step)
-    run.controller.sort(key=lambda e: e.step)
-    run.guard.sort(key=lambda e: e.step)
+    run.converge, run.controller, run.guard = _latest(run.converge), _latest(run.controller), _latest(run.guard)
+
+
+def _latest(events: list[Any]) -> list[Any]:
+    """One event per kind, step and name (a guard's: action and replicas), the last; in step order."""
+
+    def key(e: Any) -> tuple:
+        return e.kind, e.step, getattr(e, "name", None), getattr(e, "action", None), str(getattr(e, "replicas", ""))
+
+    return sorted({key(e): e for e in events}.values(), key=lambda e: e.step)

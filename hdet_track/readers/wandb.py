@@ -8,121 +8,36 @@ its last complete record.
 from __future__ import annotations
 
 import json
-import os
-import socket
 import time
-from collections import Counter
 from pathlib import Path
 
 import numpy as np
 
 from .. import names
+from ..owner import owner_alive
 from ..summaries import SUMMARY_DIR
 from ..wandb_file import WandbFormatError, read_wandb_file
+from ..wandb_store import (
+    _EVENTS,
+    OWNER_FILE,
+    StoredSteps,
+    _archived_last_step,
+    _read_user_metrics,
+    _row_step,
+    _series,
+    _session_user_metrics,
+    _user_metrics,
+    stored_steps,
+)
 from .archive import read_archive
 from .base import HDETRun, RunNotFoundError, RunSummary, StepTable, converge_from_series
 
-__all__ = ["WandbReader", "find_run_dirs", "owner_alive"]
+__all__ = ["WandbReader", "find_run_dirs", "owner_alive", "StoredSteps", "stored_steps"]
 
-_SYNC_PREFIXES = ("hdet/sync/", "hdet/controller/", "hdet/onecycle/")
-_EVENTS = ("files", "hdet_events")
-USER_METRICS_FILE = names.WANDB_USER_METRICS_FILE  # written by hdet_track.tracking.wandb.WandbTracker
-OWNER_FILE = names.WANDB_OWNER_FILE
 # W&B's service is a process of its own: it may still be writing the end of a run whose training
 # process has just exited. A run is read KILLED once its owner is gone AND this long has passed
 # since the run file last changed (never from the file's age alone).
 OWNER_GONE_GRACE_SECONDS = 2.0
-
-
-def owner_alive(owner: dict) -> bool | None:
-    """Whether the process ``owner`` (``process_identity()``: host, pid, start, pidns) is alive;
-    None when this host cannot tell (another host, another pid namespace, no pid)."""
-    pid = owner.get("pid")
-    if owner.get("host") != socket.gethostname() or not isinstance(pid, int) or pid <= 0:
-        return None
-    try:
-        if owner.get("pidns") and os.readlink("/proc/self/ns/pid") != owner["pidns"]:
-            return None
-    except OSError:
-        pass
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # alive, someone else's
-    except OSError:
-        return None
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return True  # no /proc: os.kill said it exists
-    if fields[0] in ("Z", "X"):
-        return False  # exited, not yet reaped by its parent
-    start = owner.get("start")
-    return not (start is not None and len(fields) > 19 and fields[19] != str(start))  # else a reused pid
-
-
-def _read_user_metrics(directory: Path) -> list[tuple[str, int, float]]:
-    """(key, step, value) of the user's metrics from the tracker's own file (a torn last line is skipped)."""
-    try:
-        lines = (directory.joinpath(*_EVENTS) / USER_METRICS_FILE).read_text(encoding="utf-8").splitlines()
-    except OSError:
-        return []
-    out = []
-    for line in lines:
-        try:
-            p = json.loads(line)
-            out.append((str(p["key"]), int(p["step"]), float(p["value"])))
-        except (ValueError, KeyError, TypeError):
-            continue
-    return out
-
-
-def _merge_user_metrics(
-    found: dict[str, tuple[np.ndarray, np.ndarray]], extra: list[tuple[str, int, float]]
-) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """``found`` (from W&B's history) with the points of ``extra`` it lacks (the history may stop
-    short of what the tracker had written: W&B buffers its file); each point counted once."""
-    have = Counter((key, int(s), float(v)) for key, (steps, values) in found.items() for s, v in zip(steps, values))
-    added: dict[str, list[tuple[int, float]]] = {}
-    for key, step, value in extra:
-        if have[(key, step, value)] > 0:
-            have[(key, step, value)] -= 1
-        else:
-            added.setdefault(key, []).append((step, value))
-    out = dict(found)
-    for key, points in added.items():
-        steps, values = out.get(key, (np.array([], dtype=np.int64), np.array([], dtype=float)))
-        merged = sorted(list(zip(steps.tolist(), values.tolist())) + points, key=lambda p: p[0])
-        out[key] = (np.array([s for s, _ in merged], dtype=np.int64), np.array([v for _, v in merged], dtype=float))
-    return out
-
-
-def _row_step(row: dict, key: str) -> int | None:
-    """A row's own step for ``key`` (hdet-track 0.2 rows carry it; older ones used W&B's ``_step``)."""
-    axis = names.SYNC_STEP if key.startswith(_SYNC_PREFIXES) else names.STEP
-    step = row.get(axis, row.get("_step"))
-    return int(step) if isinstance(step, (int, float)) else None
-
-
-def _user_metrics(history: list[dict], skip: tuple[str, ...] = ()) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Key -> (steps, values) of the numeric series that are not HDET's (``hdet/...``) nor W&B's
-    (``_...``), nor in ``skip``; in step order (rows may arrive in any order)."""
-    found: dict[str, list[tuple[int, float]]] = {}
-    for row in history:
-        for key, value in row.items():
-            if key.startswith(("hdet/", "_")) or key in skip:
-                continue
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                step = _row_step(row, key)
-                if step is not None:
-                    found.setdefault(key, []).append((step, float(value)))
-    out = {}
-    for key, points in found.items():
-        points.sort(key=lambda p: p[0])
-        out[key] = (np.array([s for s, _ in points], dtype=np.int64), np.array([v for _, v in points], dtype=float))
-    return out
 
 
 def find_run_dirs(root: str | Path) -> list[Path]:
@@ -189,14 +104,16 @@ class WandbReader:
             raise RunNotFoundError(f"Expected a W&B run {run_id!r} under {self.root}, but found {sorted(dirs)}")
         run = HDETRun(run_id=run_id, source=str(dirs[run_id][-1]), backend=self.backend)
         history: list[dict] = []
-        user_points = [p for d in dirs[run_id] for p in _read_user_metrics(d)]
+        sessions: list[tuple[list[dict], list[tuple[str, int, float]]]] = []  # per directory: history, user metrics
         for directory in dirs[run_id]:
             wandb_file = sorted(directory.glob("run-*.wandb"))[0]
+            sessions.append(([], _read_user_metrics(directory)))
             try:
                 contents = read_wandb_file(wandb_file)
             except WandbFormatError as exc:
                 run.warnings.append(str(exc))
                 continue
+            sessions[-1][0].extend(contents.history)
             if not history:
                 times = [row.get("_timestamp") for row in contents.history[:1] if row.get("_timestamp")]
                 run.start_time = float(times[0]) if times else wandb_file.stat().st_mtime
@@ -215,19 +132,25 @@ class WandbReader:
                     contents.summary.get("hdet/status") or ("FINISHED" if contents.exit_code == 0 else "FAILED")
                 )
         gone = self._owner_gone(dirs[run_id][-1]) if run.status == "RUNNING" else None
-        if gone:
+        if gone:  # what the last session (the killed process's) logged, not an earlier one
             run.status = "KILLED"
-            logged = [s for row in history if isinstance(s := row.get(names.STEP), (int, float))]
-            last = int(max(logged + [s for _, s, _ in user_points], default=0))
-            run.tags["hdet.error"] = f"{gone} after its last logged step {last}"
+            own_history, own_user = sessions[-1]
+            logged = [s for row in own_history if isinstance(s := row.get(names.STEP), (int, float))]
+            logged += [s for _, s, _ in own_user] + [_archived_last_step(dirs[run_id][-1])]
+            last = int(max(logged))
+            run.tags["hdet.error"] = (
+                f"{gone} after its last logged step {last}"
+                if last > 0
+                else f"{gone} before it logged a step the run did not hold yet"
+            )
         if summary_only:
-            loss = [
-                (_row_step(r, names.LOSS), r[names.LOSS])
+            loss = {  # one point per step: the latest session's
+                step: float(r[names.LOSS])
                 for r in history
-                if isinstance(r.get(names.LOSS), (int, float))
-            ]
+                if isinstance(r.get(names.LOSS), (int, float)) and (step := _row_step(r, names.LOSS)) is not None
+            }
             if loss:
-                run.metrics[names.LOSS] = (np.array([s for s, _ in loss]), np.array([v for _, v in loss], dtype=float))
+                run.metrics.update(_series({names.LOSS: list(loss.items())}))
             return run
         chunks = {
             f"{d.name}/{f.name}": f
@@ -243,14 +166,11 @@ class WandbReader:
             read_archive(run, list(chunks), lambda name: chunks[name].read_bytes(), previous, steps, max_rows)
             # the archive holds HDET's own series; the user's metrics (val_loss, diverged_at_step...) are rows
             builtin = (names.LOSS, names.LR) if len(run.steps) or run.aggregates is not None else ()
-            run.metrics.update(_merge_user_metrics(_user_metrics(history, skip=builtin), user_points))
+            run.metrics.update(_session_user_metrics(sessions, skip=builtin))
         else:
             run.warnings.append("no event archive: rebuilt from the run's history")
             self._read_history(run, history)
-            run.metrics.update(_merge_user_metrics(_user_metrics(history), user_points))
-        if gone and len(run.steps):  # the archive may be ahead of W&B's history
-            last = max(last, int(run.steps.step.max()))
-            run.tags["hdet.error"] = f"{gone} after its last logged step {last}"
+            run.metrics.update(_session_user_metrics(sessions))
         return run
 
     @staticmethod

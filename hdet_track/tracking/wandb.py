@@ -7,18 +7,21 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import names
 from ..events import RunEnd, RunStart
+from ..owner import process_identity
 from . import lifecycle
 from ._common import run_params, run_tags
 from .archive import ARTIFACT_DIR, EventArchive
 from .base import Batch, Tracker
+
+if TYPE_CHECKING:
+    from ..wandb_store import StoredSteps
 
 __all__ = ["WandbTracker", "DEFAULT_PROJECT", "DEFAULT_MODE", "SYNC_STEP", "STEP", "wait_until_written"]
 
@@ -48,23 +51,6 @@ FLUSH_WAIT_MARGIN = 5.0  # flush() waits at most the run's flush interval (<= 15
 _INTERVAL_ENV = ("WANDB__TRANSACTION_LOG_FLUSH_INTERVAL", "WANDB_X_TRANSACTION_LOG_FLUSH_INTERVAL")
 USER_METRICS_FILE = names.WANDB_USER_METRICS_FILE
 OWNER_FILE = names.WANDB_OWNER_FILE
-
-
-def process_identity(pid: int | None = None) -> dict[str, Any]:
-    """``host``, ``pid`` and, where ``/proc`` tells, the process's start time (``start``: clock ticks
-    after boot; guards against a reused pid) and pid namespace (``pidns``: pids of another container
-    with the same hostname are not comparable). Read by :func:`hdet_track.readers.wandb.owner_alive`."""
-    pid = os.getpid() if pid is None else pid
-    out: dict[str, Any] = {"host": socket.gethostname(), "pid": pid, "start": None, "pidns": None}
-    try:
-        out["start"] = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        pass
-    try:
-        out["pidns"] = os.readlink("/proc/self/ns/pid")
-    except OSError:
-        pass
-    return out
 
 
 def _written_step(path: str | os.PathLike) -> int | None:
@@ -98,6 +84,21 @@ def wait_until_written(path: str | os.PathLike, timeout: float) -> bool:
         pause = min(pause * 2, 0.5)
 
 
+def _is_user(key: str) -> bool:
+    """A user's metric (val_loss, ...), not one of HDET's series."""
+    return not key.startswith("hdet/") and key not in (names.LOSS, names.LR)
+
+
+def _stored_before(run: Any) -> StoredSteps | None:
+    """What the earlier sessions of ``run`` hold (offline, W&B writes a directory per session of a
+    resumed run, beside this one); None when there are none."""
+    from ..wandb_store import stored_steps
+
+    here = Path(run.dir).parent
+    earlier = sorted(d for d in here.parent.glob(f"*run-*-{run.id}") if d.is_dir() and d != here)
+    return stored_steps(earlier) if earlier else None
+
+
 def _import_wandb():
     try:
         import wandb
@@ -118,7 +119,8 @@ class WandbTracker(Tracker):
     Every row carries its own step (``hdet/step``, or ``hdet/sync/step`` for the per-sync series),
     and every metric is plotted against it, so rows may reach W&B in any order. A resumed job
     continues the run (``resume="allow"``; offline, W&B writes a second directory for the same run
-    id, which the reader merges).
+    id, which the reader merges); what the earlier directories hold (a checkpoint older than the
+    store: steps done again) is not written twice.
     """
 
     name = "wandb"
@@ -149,6 +151,7 @@ class WandbTracker(Tracker):
         self._resume_id: str | None = None
         self._defined: set[str] = set()
         self._user_points: list[dict[str, Any]] = []  # user metrics not yet in user_metrics.jsonl
+        self._stored: StoredSteps | None = None  # a resumed run: what its earlier sessions hold
 
     @property
     def run_id(self) -> str | None:
@@ -176,11 +179,12 @@ class WandbTracker(Tracker):
 
     def _start(self, run_start: RunStart) -> None:
         self._run, self._archive, self._defined, self._user_points = None, None, set(), []
+        self._stored = None
         wandb = _import_wandb()
         tags = run_tags(run_start)
         if self._existing is not None:
             self._existing.config.update(run_params(run_start), allow_val_change=True)
-            self._setup(self._existing, tags)
+            self._setup(self._existing, tags, run_start)
             return
         run = wandb.init(
             project=self.project or os.environ.get("WANDB_PROJECT") or DEFAULT_PROJECT,
@@ -198,7 +202,7 @@ class WandbTracker(Tracker):
         )
         lifecycle.end_runs_first_at_exit()  # before the exit handler wandb.init registered
         self._resume_id = None  # used up: a later run of this object is a new one unless resumed again
-        self._setup(run, tags)
+        self._setup(run, tags, run_start)
 
     @staticmethod
     def _settings(wandb: Any) -> Any:
@@ -216,7 +220,7 @@ class WandbTracker(Tracker):
             return None  # the user's choice
         return wandb.Settings(**{field: TRANSACTION_LOG_FLUSH_INTERVAL})
 
-    def _setup(self, run: Any, tags: dict[str, str]) -> None:
+    def _setup(self, run: Any, tags: dict[str, str], run_start: RunStart) -> None:
         run.define_metric(STEP, hidden=True)
         run.define_metric(SYNC_STEP, hidden=True)
         for prefix in _SYNC_PREFIXES:
@@ -235,16 +239,30 @@ class WandbTracker(Tracker):
             (folder / OWNER_FILE).write_text(json.dumps(process_identity() | {"time": time.time()}))
         except OSError as exc:  # pragma: no cover - an unwritable run directory fails later anyway
             logger.warning("hdet-track: could not record the W&B run's owner: %s", exc)
+        if run_start.start_step > 0:  # a resumed job: what earlier sessions stored is not written twice
+            self._stored = _stored_before(run)
+
+    def _new(self, batch: Batch) -> tuple[list[Any], Batch]:
+        """The points of ``batch`` for W&B's rows and what of it goes to the archive, without what
+        earlier sessions of a resumed run hold (a job resumed from an older checkpoint redoes steps)."""
+        stored = self._stored
+        if stored is None:
+            return batch.points, batch
+        points = [
+            p for p in batch.points if ((p.key, p.step) not in stored.user if _is_user(p.key) else p.step > stored.rows)
+        ]
+        return points, batch.after(stored.archive)
 
     def log(self, batch: Batch) -> None:
         rows: dict[tuple[str, int], dict[str, float]] = defaultdict(dict)
-        for p in batch.points:
+        points, batch = self._new(batch)
+        for p in points:
             axis = SYNC_STEP if p.key.startswith(_SYNC_PREFIXES) else STEP
             builtin = p.key in (names.LOSS, names.LR) or p.key.startswith("hdet/replica_")
             if axis == STEP and not builtin and p.key not in self._defined:
                 self._run.define_metric(p.key, step_metric=STEP)  # a user metric (val_loss, ...)
                 self._defined.add(p.key)
-            if axis == STEP and not builtin and not p.key.startswith("hdet/"):
+            if _is_user(p.key):
                 self._user_points.append({"key": p.key, "step": p.step, "value": p.value})
             rows[(axis, p.step)][p.key] = p.value
         for (axis, step), row in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][0])):

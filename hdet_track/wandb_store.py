@@ -1,0 +1,161 @@
+"""What a W&B run directory holds, read by the reader (:mod:`hdet_track.readers.wandb`) and by the
+tracker (:mod:`hdet_track.tracking.wandb`: a resumed run writes none of what its earlier sessions
+hold): W&B's history rows, hdet-track's own user-metrics file and the event archive's last step."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from . import names
+from .wandb_file import WandbFormatError, read_wandb_file
+
+__all__ = ["StoredSteps", "stored_steps"]
+
+_SYNC_PREFIXES = ("hdet/sync/", "hdet/controller/", "hdet/onecycle/")
+_EVENTS = ("files", "hdet_events")
+USER_METRICS_FILE = names.WANDB_USER_METRICS_FILE  # written by hdet_track.tracking.wandb.WandbTracker
+OWNER_FILE = names.WANDB_OWNER_FILE
+
+
+def _read_user_metrics(directory: Path) -> list[tuple[str, int, float]]:
+    """(key, step, value) of the user's metrics from the tracker's own file (a torn last line is skipped)."""
+    try:
+        lines = (directory.joinpath(*_EVENTS) / USER_METRICS_FILE).read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            p = json.loads(line)
+            out.append((str(p["key"]), int(p["step"]), float(p["value"])))
+        except (ValueError, KeyError, TypeError):
+            continue
+    return out
+
+
+def _merge_user_metrics(
+    found: dict[str, tuple[np.ndarray, np.ndarray]], extra: list[tuple[str, int, float]]
+) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """``found`` (from W&B's history) with the points of ``extra`` it lacks (the history may stop
+    short of what the tracker had written: W&B buffers its file); each point counted once."""
+    have = Counter((key, int(s), float(v)) for key, (steps, values) in found.items() for s, v in zip(steps, values))
+    points = {key: list(zip(steps.tolist(), values.tolist())) for key, (steps, values) in found.items()}
+    for key, step, value in extra:
+        if have[(key, step, value)] > 0:
+            have[(key, step, value)] -= 1
+        else:
+            points.setdefault(key, []).append((step, value))
+    return _series(points)
+
+
+def _series(found: dict[str, list[tuple[int, float]]]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Key -> (steps, values), in step order."""
+    out = {}
+    for key, points in found.items():
+        points = sorted(points, key=lambda p: p[0])
+        out[key] = (np.array([s for s, _ in points], dtype=np.int64), np.array([v for _, v in points], dtype=float))
+    return out
+
+
+def _session_user_metrics(
+    sessions: Iterable[tuple[list[dict], list[tuple[str, int, float]]]], skip: tuple[str, ...] = ()
+) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """The user's metrics of a run's sessions (each: W&B's history, the tracker's file), one point per
+    key and step: the latest session's (a job resumed from an older checkpoint logs some again)."""
+    latest: dict[tuple[str, int], float] = {}
+    for history, extra in sessions:
+        for key, (steps, values) in _merge_user_metrics(_user_metrics(history, skip), extra).items():
+            latest |= dict(zip(((key, s) for s in steps.tolist()), values.tolist()))
+    found: dict[str, list[tuple[int, float]]] = {}
+    for (key, step), value in latest.items():
+        found.setdefault(key, []).append((step, value))
+    return _series(found)
+
+
+def _row_step(row: dict, key: str) -> int | None:
+    """A row's own step for ``key`` (hdet-track 0.2 rows carry it; older ones used W&B's ``_step``)."""
+    axis = names.SYNC_STEP if key.startswith(_SYNC_PREFIXES) else names.STEP
+    step = row.get(axis, row.get("_step"))
+    return int(step) if isinstance(step, (int, float)) else None
+
+
+def _user_metrics(history: list[dict], skip: tuple[str, ...] = ()) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Key -> (steps, values) of the numeric series that are not HDET's (``hdet/...``) nor W&B's
+    (``_...``), nor in ``skip``; in step order (rows may arrive in any order)."""
+    found: dict[str, list[tuple[int, float]]] = {}
+    for row in history:
+        for key, value in row.items():
+            if key.startswith(("hdet/", "_")) or key in skip:
+                continue
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                step = _row_step(row, key)
+                if step is not None:
+                    found.setdefault(key, []).append((step, float(value)))
+    return _series(found)
+
+
+def _history(directory: Path) -> list[dict]:
+    """The history rows of the run file in ``directory`` (none when it is unreadable)."""
+    try:
+        return read_wandb_file(sorted(directory.glob("run-*.wandb"))[0]).history
+    except (IndexError, OSError, WandbFormatError):
+        return []
+
+
+def _archived_last_step(directory: Path) -> int:
+    """The last step in the event archive of the run directory ``directory`` (-1: none), from the
+    chunks' Parquet statistics; a torn chunk (a SIGKILL while writing) is skipped."""
+    import pyarrow.parquet as pq
+
+    last = -1
+    for path in directory.joinpath(*_EVENTS).glob("*.parquet"):
+        try:
+            meta = pq.ParquetFile(path).metadata
+            column = meta.schema.names.index("step")
+            stats = [meta.row_group(g).column(column).statistics for g in range(meta.num_row_groups)]
+            if all(s is not None and s.has_min_max for s in stats):
+                last = max([last] + [int(s.max) for s in stats])
+            else:
+                last = max([last] + pq.read_table(path, columns=["step"]).column("step").to_pylist())
+        except Exception:  # noqa: BLE001 - a torn or foreign file
+            continue
+    return last
+
+
+@dataclass
+class StoredSteps:
+    """What earlier sessions of a W&B run hold (:func:`stored_steps`)."""
+
+    archive: int = -1  # the last step of their event archive
+    rows: int = -1  # the last step of HDET's own rows in their run files
+    user: set[tuple[str, int]] = field(default_factory=set)  # (key, step) of the user's metrics
+
+
+def stored_steps(directories: Iterable[Path]) -> StoredSteps:
+    """What the run directories ``directories`` (a run's earlier sessions) hold, so that a job
+    resumed from an older checkpoint writes none of it again."""
+    out = StoredSteps()
+    sessions = []
+    for directory in directories:
+        history = _history(directory)
+        sessions.append((history, _read_user_metrics(directory)))
+        out.archive = max(out.archive, _archived_last_step(directory))
+        hdet = [
+            step
+            for row in history
+            for key in row
+            if (key.startswith("hdet/") and key not in (names.STEP, names.SYNC_STEP)) or key in (names.LOSS, names.LR)
+            if (step := _row_step(row, key)) is not None
+        ]
+        out.rows = max([out.rows] + hdet)
+    builtin = (names.LOSS, names.LR)
+    out.user = {
+        (key, s) for key, (steps, _) in _session_user_metrics(sessions, builtin).items() for s in steps.tolist()
+    }
+    return out

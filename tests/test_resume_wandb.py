@@ -1,0 +1,139 @@
+"""A W&B run resumed from a checkpoint older than what the store holds (offline: one run directory
+per session), written by real jobs in subprocesses and read back."""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import pyarrow.parquet as pq
+import pytest
+
+from hdet_track.readers.wandb import WandbReader
+from hdet_track.readers.wandb_records import read_wandb_file
+
+# argv: store, checkpoint, phase (first|second), last step, then "kill" (SIGKILL after flush) or "close".
+# The first phase checkpoints after step 17; the second loads that checkpoint and redoes 18 onwards.
+JOB = """
+import os, signal, sys
+import torch
+from hdet_track import HDETScheduler
+from hdet_track.tracking import wandb as tracking_wandb
+
+store, ckpt, phase, stop, end = sys.argv[1:6]
+if os.environ.get("OLD_WRITER"):  # the tracker before it skipped what earlier sessions hold
+    tracking_wandb._stored_before = lambda run: None
+torch.manual_seed(0)
+model = torch.nn.Linear(2, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+tracker = tracking_wandb.WandbTracker(project="resume", dir=store, mode="offline")
+sched = HDETScheduler(opt, 0.1, total_steps=40, spread=0.3, sync_every=6, auto_lr=True, seed=3, track=tracker)
+parts = {"model": model, "opt": opt, "sched": sched}
+if phase == "second":
+    for name, state in torch.load(ckpt, weights_only=True).items():
+        parts[name].load_state_dict(state)
+for k in range(18 if phase == "second" else 1, int(stop) + 1):
+    loss = ((model(torch.full((4, 2), k / 40)) - 1) ** 2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    sched.step(loss)
+    if k in (19, 20, 25):
+        sched.log_metrics({"val_loss": k + (0.5 if phase == "second" else 0.0)}, step=k)
+    if phase == "first" and k == 17:
+        torch.save({name: part.state_dict() for name, part in parts.items()}, ckpt)
+assert sched.flush() is True
+print(os.getpid(), flush=True)
+if end == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)
+sched.close()
+"""
+
+
+def _job(tmp_path, phase, stop, end, old_writer=False):
+    """Run one phase; returns its pid."""
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true")
+    if old_writer:
+        env["OLD_WRITER"] = "1"
+    args = [str(tmp_path / "store"), str(tmp_path / "ckpt.pt"), phase, str(stop), end]
+    proc = subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == (-9 if end == "kill" else 0), proc.stderr[-3000:]
+    return int(proc.stdout.split()[0])
+
+
+def _read(tmp_path):
+    reader = WandbReader(tmp_path / "store")
+    (summary,) = reader.list_runs()
+    return reader, summary.run_id
+
+
+def _session_dirs(tmp_path):
+    dirs = sorted(glob.glob(str(tmp_path / "store" / "wandb" / "offline-run-*")))
+    assert len(dirs) == 2  # one per session, the same run id
+    return dirs
+
+
+def test_a_job_resumed_from_an_older_checkpoint_writes_no_step_twice(tmp_path):
+    """The first session is killed at step 21 (sync 18 and val_loss at 19 and 20 stored), the second
+    resumes from step 17 and redoes 18-21: W&B's run files (what `wandb sync` uploads), the event
+    archive and the user metrics hold each step once, and the reader says so."""
+    _job(tmp_path, "first", 21, "kill")
+    _job(tmp_path, "second", 40, "close")
+    lr, syncs, val, archived, user = Counter(), Counter(), Counter(), Counter(), Counter()
+    for directory in _session_dirs(tmp_path):
+        history = read_wandb_file(glob.glob(os.path.join(directory, "run-*.wandb"))[0]).history
+        lr.update(row["hdet/step"] for row in history if "hdet/replica_00/lr" in row)
+        syncs.update(row["hdet/sync/step"] for row in history if "hdet/sync/step" in row)
+        val.update(row["hdet/step"] for row in history if "val_loss" in row)
+        for chunk in glob.glob(os.path.join(directory, "files", "hdet_events", "steps-*.parquet")):
+            table = pq.read_table(chunk)
+            archived.update(zip(table.column("step").to_pylist(), table.column("replica").to_pylist()))
+        with open(os.path.join(directory, "files", "hdet_events", "user_metrics.jsonl")) as f:
+            user.update(line for line in f)
+    assert sorted(lr) == list(range(1, 41)) and set(lr.values()) == {1}
+    assert {6, 12, 18, 24, 30, 36} <= set(syncs) and set(syncs.values()) == {1}
+    assert val == {19: 1, 20: 1, 25: 1}
+    assert sorted(archived) == [(s, 0) for s in range(1, 41)] and set(archived.values()) == {1}
+    assert len(user) == 3 and set(user.values()) == {1}
+    reader, run_id = _read(tmp_path)
+    run = reader.read(run_id)
+    assert run.status == "FINISHED"
+    assert [c.step for c in run.converge] == sorted(syncs)
+    assert [c.step for c in run.controller] == sorted(syncs)
+    assert run.replica_series("loss", 0)[0].tolist() == list(range(1, 41))
+    steps, values = run.metrics["val_loss"]
+    assert steps.tolist() == [19, 20, 25] and values.tolist() == [19.0, 20.0, 25.5]  # 19 and 20: the first's
+    overview = reader.read(run_id, max_rows=1)
+    assert overview.overview and int(overview.aggregates.rows[overview.aggregates.level == 1000].sum()) == 40
+
+
+def test_a_store_written_before_the_skip_reads_one_point_per_step(tmp_path):
+    """A store whose resumed session wrote steps 13-24 and val_loss again (the tracker before it
+    skipped stored steps): the reader keeps one event per sync, one val_loss per step (the later
+    session's), counts each row once in the overview, and the second process, killed after its step
+    25, is named with its own last step, not the first session's 30."""
+    _job(tmp_path, "first", 32, "kill", old_writer=True)
+    pid = _job(tmp_path, "second", 25, "kill", old_writer=True)
+    reader, run_id = _read(tmp_path)
+    deadline = time.monotonic() + 30
+    while True:  # W&B's service may write for a moment after the process is gone
+        run = reader.read(run_id)
+        if run.status != "RUNNING" or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert [c.step for c in run.converge] == [6, 9, 12, 18, 24, 30]
+    assert [c.step for c in run.controller] == [6, 9, 12, 18, 24, 30]
+    steps, values = run.metrics["val_loss"]
+    assert steps.tolist() == [19, 20, 25] and values.tolist() == pytest.approx([19.5, 20.5, 25.5])
+    assert run.replica_series("loss", 0)[0].tolist() == list(range(1, 31))
+    overview = reader.read(run_id, max_rows=1)
+    assert int(overview.aggregates.rows[overview.aggregates.level == 1000].sum()) == 30
+    assert run.status == "KILLED"
+    error = run.tags["hdet.error"]
+    assert f"pid {pid} " in error and error.endswith("after its last logged step 25"), error
