@@ -213,6 +213,28 @@ def test_a_write_that_dies_half_way_leaves_no_torn_chunk(tmp_path, monkeypatch):
     assert not run.warnings and run.last_step == int(first.step.max())
 
 
+def test_a_chunk_read_while_torn_is_read_again_by_the_next_live_read(tmp_path):
+    """A live reader that met a half-written chunk (a store that copies files in place) reads it
+    again once it is whole: its events and rows are not lost for the rest of the session."""
+    archive = EventArchive(tmp_path / ARTIFACT_DIR, chunk_rows=3_000, levels=LEVELS, rollup_every=3)
+    archive.add([Converge(step=100, window_losses=[1.0] * 4, divergence=[0.0] * 4)])
+    archive.add_steps(list(blocks())[0])
+    archive.write()
+    root = tmp_path / ARTIFACT_DIR
+    want = read(root, max_rows=10**9)
+    chunks = sorted(root.glob("*.parquet"))
+    whole = {p: p.read_bytes() for p in chunks}
+    for p in chunks:
+        p.write_bytes(whole[p][: len(whole[p]) // 2])
+    torn = read(root, max_rows=10**9)
+    assert torn.warnings and not torn.converge
+    for p in chunks:
+        p.write_bytes(whole[p])
+    again = read(root, previous=torn, max_rows=10**9)
+    assert [c.step for c in again.converge] == [c.step for c in want.converge] == [100]
+    np.testing.assert_array_equal(again.steps.step, want.steps.step)
+
+
 # ---------------------------------------------------------------------- the dashboard on a huge run
 APP = str(Path(__file__).resolve().parents[1] / "dashboard" / "app.py")
 PAGES = ["fanout", "converge", "controller", "compare", "export"]

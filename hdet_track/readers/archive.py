@@ -19,9 +19,11 @@ from .base import HDETRun, StepTable
 __all__ = ["parse_chunks", "apply_events", "read_archive"]
 
 
-def parse_chunks(chunks: Iterable[tuple[str, bytes]], run: HDETRun) -> tuple[list[StepTable], list[Any]]:
+def parse_chunks(
+    chunks: Iterable[tuple[str, bytes]], run: HDETRun, bad: list[str] | None = None
+) -> tuple[list[StepTable], list[Any]]:
     """Parse archive chunks (name, Parquet bytes) into step tables and events; bad chunks become
-    warnings on ``run``, never exceptions."""
+    warnings on ``run`` (and their names go to ``bad``), never exceptions."""
     import pyarrow.parquet as pq
 
     tables: list[StepTable] = []
@@ -31,6 +33,8 @@ def parse_chunks(chunks: Iterable[tuple[str, bytes]], run: HDETRun) -> tuple[lis
             table = pq.read_table(io.BytesIO(data))
         except Exception as exc:  # noqa: BLE001 - truncated or corrupt chunk
             run.warnings.append(f"skipped unreadable archive chunk {name}: {type(exc).__name__}: {exc}")
+            if bad is not None:
+                bad.append(name)
             continue
         cols = table.column_names
         if name.startswith("steps-") and {"step", "replica", "loss"} <= set(cols):
@@ -135,13 +139,18 @@ def read_archive(
     consumed = set(known)
 
     def parse(chosen: list[str]) -> tuple[list[StepTable], list[Any], list[str]]:
-        chunks, fetched = [], []
+        """The chunks' tables and events, and the names read whole: one that could not be read (torn
+        while a live run wrote it) is not counted as read, so the next live read fetches it again."""
+        tables, events, fetched = [], [], []
         for name in chosen:
             data = fetch(name)
-            if data is not None:
-                chunks.append((name.rsplit("/", 1)[-1], data))
+            if data is None:
+                continue
+            bad: list[str] = []
+            t, e = parse_chunks([(name.rsplit("/", 1)[-1], data)], run, bad)
+            tables, events = tables + t, events + e
+            if not bad:
                 fetched.append(name)
-        tables, events = parse_chunks(chunks, run)
         return tables, events, fetched
 
     def rows_of(chosen: list[str]) -> dict[str, StepTable]:
