@@ -360,9 +360,13 @@ def test_a_run_killed_is_read_from_the_archive_when_wandb_lost_its_file(tmp_path
             break
         cut -= 512
     open(wandb_file, "wb").write(data[:cut])
-    run = WandbReader(tmp_path / "copy").read(os.path.basename(wandb_file)[len("run-") : -len(".wandb")])
+    reader = WandbReader(tmp_path / "copy")
+    run = reader.read(os.path.basename(wandb_file)[len("run-") : -len(".wandb")])
     assert run.replica_series("loss", 0)[0].tolist() == list(range(1, 31))
     assert run.metrics["val_loss"][1].tolist() == [0.5]
+    # the run list (the dashboard's Runs page) says the same final loss, not W&B's last row's
+    (summary,) = reader.list_runs()
+    assert summary.final_loss == pytest.approx(run.final_loss()) == pytest.approx(1 / 30)
 
 
 def read_wandb_file_bytes(data, tmp_path):

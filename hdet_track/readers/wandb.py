@@ -151,7 +151,13 @@ class WandbReader:
             }
             if loss:
                 run.metrics.update(_series({names.LOSS: list(loss.items())}))
-            return run
+            behind = run.status != "FINISHED" and _archived_last_step(dirs[run_id][-1]) > max(loss, default=-1)
+            if not behind:
+                return run
+            # W&B's file stops short of the archive (a killed or live run: W&B writes its file every
+            # second): the final loss from the archive's summaries, as a full read gives it
+            run.metrics.pop(names.LOSS, None)
+            steps, max_rows = None, 0
         chunks = {
             f"{d.name}/{f.name}": f
             for d in dirs[run_id]
