@@ -427,3 +427,20 @@ def test_run_file_interval_is_one_second_unless_the_user_chose_one(tmp_path, cho
     assert out.returncode == 0, out.stderr[-3000:]
     (line,) = [x for x in out.stdout.splitlines() if x.startswith("INTERVAL")]
     assert float(line.split()[1]) == (1.0 if chosen == "none" else 7.0)
+
+
+def test_a_torn_steps_chunk_falls_back_to_the_run_files_loss(tmp_path):
+    """The archive's steps chunk is unreadable (torn): the mean loss and LR still come from W&B's own
+    rows, with a warning, instead of reading as missing."""
+    from hdet_track.readers.wandb import WandbReader
+
+    proc = _start_job(tmp_path, "close")
+    assert proc.wait(timeout=300) == 0
+    (chunk,) = (tmp_path / "store").rglob("hdet_events/steps-*.parquet")
+    chunk.write_bytes(chunk.read_bytes()[: chunk.stat().st_size // 2])
+    reader = WandbReader(tmp_path / "store")
+    (summary,) = reader.list_runs()
+    run = reader.read(summary.run_id)
+    assert any("steps-" in w for w in run.warnings) and not len(run.steps)
+    assert run.final_loss() == pytest.approx(1 / 30)
+    assert run.metrics["lr"][0].tolist()[-1] == 30

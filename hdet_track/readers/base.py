@@ -158,6 +158,13 @@ class HDETRun:
         return self.status == "RUNNING"
 
     @property
+    def has_step_series(self) -> bool:
+        """Whether the archive gave the per-replica step rows, or the run is read as an overview of
+        their summaries: then the store's own ``loss``/``lr`` histories are not needed (a torn chunk
+        that gave no rows leaves them in use)."""
+        return len(self.steps) > 0 or (self.overview and self.aggregates is not None)
+
+    @property
     def has_events(self) -> bool:
         return self.start is not None or len(self.steps) > 0
 

@@ -171,7 +171,7 @@ class WandbReader:
         if chunks:
             read_archive(run, list(chunks), lambda name: chunks[name].read_bytes(), previous, steps, max_rows)
             # the archive holds HDET's own series; the user's metrics (val_loss, diverged_at_step...) are rows
-            builtin = (names.LOSS, names.LR) if len(run.steps) or run.aggregates is not None else ()
+            builtin = (names.LOSS, names.LR) if run.has_step_series else ()
             run.metrics.update(_session_user_metrics(sessions, skip=builtin))
         else:
             run.warnings.append("no event archive: rebuilt from the run's history")
