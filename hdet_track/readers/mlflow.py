@@ -212,11 +212,16 @@ class MLflowReader:
 
     # ------------------------------------------------------------------ metric histories
     def _history(self, run_id: str, key: str) -> tuple[np.ndarray, np.ndarray]:
+        """``key``'s points by step, one per step: the last logged (a job resumed by an older
+        version could log a step twice)."""
         hist = self.client.get_metric_history(run_id, key)
         steps = np.array([m.step for m in hist], dtype=np.int64)
         values = np.array([m.value for m in hist], dtype=float)
-        order = np.argsort(steps, kind="stable")
-        return steps[order], values[order]
+        order = np.lexsort((np.array([m.timestamp for m in hist], dtype=np.int64), steps))
+        steps, values = steps[order], values[order]
+        last = np.ones(len(steps), dtype=bool)
+        last[:-1] = steps[1:] != steps[:-1]
+        return steps[last], values[last]
 
     def _read_histories(self, run: HDETRun, latest: dict[str, float]) -> None:
         per_replica: dict[int, dict[str, tuple[np.ndarray, np.ndarray]]] = defaultdict(dict)

@@ -49,9 +49,7 @@ def _serve(conn_in: Connection, conn_out: Connection) -> None:
         try:
             method, args = conn_in.recv()
         except (EOFError, OSError):
-            if started:  # the training process is gone and never ended its run
-                text = f"the training process vanished after step {last_step} without ending its run"
-                inner.finish(RunEnd(status="KILLED", step=last_step, error=text, time=time.time()))
+            _vanished(inner, started, last_step)
             return
         try:
             if method == "log":
@@ -59,13 +57,23 @@ def _serve(conn_in: Connection, conn_out: Connection) -> None:
                 last_step = max([last_step] + [p.step for p in args[0].points])
             started = started or method == "start"
             result = getattr(inner, method)(*args)
-            if method == "start":
-                result = inner.run_id
-            conn_out.send((True, result))
+            reply = (True, inner.run_id if method == "start" else result)
         except Exception as exc:  # noqa: BLE001 - sent back and raised in the parent
-            conn_out.send((False, f"{type(exc).__name__}: {exc}"))
+            reply = (False, f"{type(exc).__name__}: {exc}")
+        try:
+            conn_out.send(reply)
+        except OSError:  # the training process died while this call ran
+            _vanished(inner, started and method != "finish", last_step)
+            return
         if method == "finish":
             return
+
+
+def _vanished(inner: Tracker, started: bool, last_step: int) -> None:
+    """The training process is gone: end the run it never ended KILLED (writing what ``inner`` holds)."""
+    if started:
+        text = f"the training process vanished after step {last_step} without ending its run"
+        inner.finish(RunEnd(status="KILLED", step=last_step, error=text, time=time.time()))
 
 
 class IsolatedTracker(Tracker):

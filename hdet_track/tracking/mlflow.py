@@ -14,7 +14,7 @@ from .. import names
 from ..events import RunEnd, RunStart
 from ._common import run_params, run_tags
 from .archive import ARTIFACT_DIR, EventArchive, artifact_dir
-from .base import Batch, Tracker
+from .base import Batch, Point, Tracker
 
 __all__ = ["MLflowTracker", "DEFAULT_EXPERIMENT"]
 
@@ -22,12 +22,19 @@ logger = logging.getLogger(__name__)
 DEFAULT_EXPERIMENT = "hdet"
 _MAX_METRICS = 1000
 _MAX_PARAMS = 100
+# The last step whose HDET metric points are all in the store (set with each log_batch): where a
+# resumed job's points begin (the thinned series cannot say, and the event archive may lag it).
+LOGGED_THROUGH_TAG = "hdet.logged_through"
 
 
 def _chunk_index(path: str) -> int:
     stem = path.rsplit("/", 1)[-1].split(".")[0]
     tail = stem.rsplit("-", 1)[-1]
     return int(tail) if tail.isdigit() else 0
+
+
+def _is_hdet_key(key: str) -> bool:
+    return key.startswith("hdet/") or key in (names.LOSS, names.LR)
 
 
 def _import_mlflow():
@@ -81,7 +88,9 @@ class MLflowTracker(Tracker):
         self._run_id: str | None = None
         self._attached = False
         self._resume_id: str | None = None
-        self._skip_until = -1  # a resumed run: steps up to here are in the store already
+        self._skip_until = -1  # HDET's metric points up to this step are in the store already
+        self._archived = (-1, -1)  # a resumed run: the archive's step rows, and its events, up to these steps
+        self._user_steps: dict[str, set[int]] | None = None  # a resumed run: user key -> steps in the store
         self._archive: EventArchive | None = None
         self._pending: list[Path] = []
 
@@ -107,7 +116,8 @@ class MLflowTracker(Tracker):
         # What IsolatedTracker sends its child: the settings (and a resume request), never the
         # state of a run this object logged before: each child, i.e. each scheduler, starts its run.
         state = self.__dict__.copy()
-        state.update(_run_id=None, _client=None, _archive=None, _pending=[], _attached=False, _skip_until=-1)
+        state.update(_run_id=None, _client=None, _archive=None, _pending=[], _attached=False)
+        state.update(_skip_until=-1, _archived=(-1, -1), _user_steps=None)
         state.pop("_run_owner", None)
         return state
 
@@ -133,7 +143,8 @@ class MLflowTracker(Tracker):
         self._start_claimed(lambda: self._start(run_start))
 
     def _start(self, run_start: RunStart) -> None:
-        self._client, self._run_id, self._attached, self._skip_until = None, None, False, -1
+        self._client, self._run_id, self._attached = None, None, False
+        self._skip_until, self._archived, self._user_steps = -1, (-1, -1), None
         self._archive, self._pending = None, []
         mlflow, MlflowClient = _import_mlflow()
         from mlflow.entities import Param, RunTag
@@ -158,9 +169,10 @@ class MLflowTracker(Tracker):
             existing = dict(run.data.params)
             chunks = [f.path for f in client.list_artifacts(run_id, ARTIFACT_DIR)]
             start_index = max((_chunk_index(p) for p in chunks), default=0)  # continue the archive's numbering
-            if run_start.start_step > 0:  # a resumed job: what the store has up to here is not written twice
-                history = client.get_metric_history(run_id, names.SYNC_LEFT_OUT)
-                self._skip_until = max((m.step for m in history), default=-1)
+            if run_start.start_step > 0:  # a resumed job: what the run has already is not written twice
+                self._skip_until = _logged_through(client, run)
+                self._archived = _archived_through(client, run_id, chunks)
+                self._user_steps = {}
             if resumed:
                 client.update_run(run_id, status="RUNNING")
                 if "hdet.error" in run.data.tags:  # the interrupted part's error; the run goes on
@@ -184,20 +196,49 @@ class MLflowTracker(Tracker):
         )
 
     def log(self, batch: Batch) -> None:
-        from mlflow.entities import Metric
-
-        if self._skip_until >= 0:
-            batch = batch.after(self._skip_until)
-        metrics = [Metric(p.key, p.value, p.timestamp_ms, p.step) for p in batch.points]
-        for i in range(0, len(metrics), _MAX_METRICS):
-            self._client.log_batch(self._run_id, metrics=metrics[i : i + _MAX_METRICS], synchronous=True)
+        # The store and the archive each get only the steps they lack (a resumed job repeats some).
+        self._log_user([p for p in batch.points if not _is_hdet_key(p.key)])
+        points = sorted((p for p in batch.points if _is_hdet_key(p.key) and p.step > self._skip_until), key=_step)
+        through = max([p.step for p in points] + [int(b.step.max()) for b in batch.steps if len(b)], default=-1)
+        if through > self._skip_until:
+            self._log_metrics(points, through)
         assert self._archive is not None
-        self._archive.add(batch.events)
-        for block in batch.steps:
+        steps_through, events_through = self._archived
+        self._archive.add(batch.after(events_through).events)
+        for block in batch.after(steps_through).steps:
             self._archive.add_steps(block)
         if self._archive.due():
             self._pending += self._archive.write()
         self._upload(strict=False)
+
+    def _log_user(self, points: list[Point]) -> None:
+        """The user's metrics; after a resume, only a (key, step) the store does not hold yet."""
+        if self._user_steps is None:
+            self._log_metrics(points)
+            return
+        for key in {p.key for p in points} - set(self._user_steps):
+            self._user_steps[key] = {m.step for m in self._client.get_metric_history(self._run_id, key)}
+        points = list({(p.key, p.step): p for p in points if p.step not in self._user_steps[p.key]}.values())
+        self._log_metrics(points)
+        for p in points:
+            self._user_steps[p.key].add(p.step)
+
+    def _log_metrics(self, points: list[Point], through: int | None = None) -> None:
+        """``points`` in log_batch calls. With ``through`` (HDET's points, in step order, up to step
+        ``through``) each call also sets LOGGED_THROUGH_TAG to the last step it completes."""
+        from mlflow.entities import Metric, RunTag
+
+        size = _MAX_METRICS - (through is not None)  # a tag counts against log_batch's 1000 entities
+        bounds = list(_step_slices(points, size)) or ([(0, 0)] if through is not None else [])
+        for i, j in bounds:
+            tags = []
+            if through is not None:
+                done = points[j].step - 1 if j < len(points) else through
+                tags = [RunTag(LOGGED_THROUGH_TAG, str(done))]
+            metrics = [Metric(p.key, p.value, p.timestamp_ms, p.step) for p in points[i:j]]
+            self._client.log_batch(self._run_id, metrics=metrics, tags=tags, synchronous=True)
+            if through is not None:
+                self._skip_until = max(self._skip_until, done)
 
     def flush(self) -> None:
         if self._archive is not None:
@@ -230,3 +271,50 @@ class MLflowTracker(Tracker):
         # Ended (run_id still names it): the next start(), a later scheduler's, makes a new run.
         self.run_name = self._given_run_name
         self._end_run()
+
+
+def _step(point: Point) -> int:
+    return point.step
+
+
+def _step_slices(points: list[Point], size: int):  # noqa: ANN202
+    """(start, stop) of slices of at most ``size`` points, cut between two steps wherever a step
+    fits: a process killed between two log_batch calls leaves no step half-written."""
+    i = 0
+    while i < len(points):
+        j = min(i + size, len(points))
+        if j < len(points):
+            j = next((k for k in range(j, i, -1) if points[k].step != points[k - 1].step), j)
+        yield i, j
+        i = j
+
+
+def _logged_through(client: Any, run: Any) -> int:
+    """The last step whose HDET points are all in ``run``'s store; for a run logged before
+    LOGGED_THROUGH_TAG, the last step of its ``loss`` and sync series (thinned: a lower bound)."""
+    tag = run.data.tags.get(LOGGED_THROUGH_TAG, "")
+    if tag.lstrip("-").isdigit():
+        return int(tag)
+    history = [m for key in (names.LOSS, names.SYNC_LEFT_OUT) for m in client.get_metric_history(run.info.run_id, key)]
+    return max((m.step for m in history), default=-1)
+
+
+def _archived_through(client: Any, run_id: str, chunks: list[str]) -> tuple[int, int]:
+    """The last step of the event archive's step rows and of its sync events (its latest chunk of
+    each kind that has any; not the run's start and end)."""
+    import pyarrow.parquet as pq
+
+    through = []
+    for kind in ("steps", "events"):
+        last = -1
+        named = [p for p in chunks if p.rsplit("/", 1)[-1].startswith(f"{kind}-")]
+        for path in sorted(named, key=_chunk_index, reverse=True):
+            with tempfile.TemporaryDirectory() as tmp:
+                local = client.download_artifacts(run_id, path, tmp)
+                table = pq.read_table(local, columns=["kind", "step"] if kind == "events" else ["step"]).to_pydict()
+            rows = zip(table.get("kind", [kind] * len(table["step"])), table["step"])
+            last = max((step for k, step in rows if k not in ("run_start", "run_end")), default=-1)
+            if last >= 0:
+                break
+        through.append(last)
+    return through[0], through[1]

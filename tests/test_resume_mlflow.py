@@ -1,0 +1,177 @@
+"""A tracked job SIGKILLed and resumed from a checkpoint into the same MLflow run (real sqlite store,
+real processes): the run ends KILLED, and the resumed run holds every step once, in the metric store
+and in the event archive, whatever each of them had when the job died."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from collections import Counter
+
+import numpy as np
+import pytest
+from mlflow.tracking import MlflowClient
+
+from hdet_track.events import RunStart
+from hdet_track.readers.mlflow import MLflowReader
+from hdet_track.tracking.archive import StepBlock
+from hdet_track.tracking.base import Batch, Point
+from hdet_track.tracking.isolated import IsolatedTracker
+from hdet_track.tracking.mlflow import MLflowTracker
+
+JOB = textwrap.dedent(
+    """
+    import os, signal, sys, time, torch
+    from hdet_track import HDETScheduler
+    from hdet_track.tracking.mlflow import MLflowTracker
+    from mlflow.tracking import MlflowClient
+
+    uri, ckpt, phase = sys.argv[1:4]
+    total, sync, ckpt_at, flush_at, kill_at = map(int, sys.argv[4:9])
+    val_at = {int(s) for s in sys.argv[9].split(",") if s}
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    tracker = MLflowTracker(tracking_uri=uri, experiment="resume", chunk_seconds=3600)
+    tracker.isolate = False  # the tracker dies with the job, as when a container is OOM-killed
+    sched = HDETScheduler(opt, max_lr=0.05, total_steps=total, sync_every=sync, model=model, track=tracker)
+    start = 0
+    if phase == "second":
+        state = torch.load(ckpt, weights_only=True)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        sched.load_state_dict(state["sched"])
+        start = ckpt_at
+    for step in range(start + 1, (kill_at if phase == "first" else total) + 1):
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
+        loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step(loss)
+        if step in val_at:
+            sched.log_metrics({"val_loss": 1.0 / step}, step=step)
+        if phase == "first" and step == ckpt_at:
+            sched.flush()
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()}, ckpt)
+        if phase == "first" and step == flush_at:
+            sched.flush()  # the store and the event archive hold every step so far
+    if phase == "first":  # the store gets the last sync; the archive holds it in memory
+        sched.gather_pending()  # the last sync's record, without waiting for the next step
+        run_id = sched.run_ids["mlflow"]
+        while kill_at not in {m.step for m in MlflowClient(uri).get_metric_history(run_id, "loss")}:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGKILL)
+    sched.close()
+    """
+)
+
+
+def run_job(tmp_path, uri, phase, total, sync, ckpt_at, flush_at, kill_at, val_at):
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    args = [str(a) for a in (uri, tmp_path / "ckpt.pt", phase, total, sync, ckpt_at, flush_at, kill_at, val_at)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "HDET_"))}
+    env["XDG_CACHE_HOME"] = str(tmp_path / "cache")  # spills, if any, stay in the test's folder
+    proc = subprocess.run(
+        [sys.executable, str(script), *args], cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env
+    )
+    assert proc.returncode == (-9 if phase == "first" else 0), proc.stderr[-3000:]
+
+
+def only_run(uri):
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("resume").experiment_id])
+    return client, run
+
+
+def doubled(steps):
+    return sorted(s for s, n in Counter(int(s) for s in steps).items() if n > 1)
+
+
+def test_job_dying_while_its_tracker_process_is_mid_call_leaves_a_killed_run_with_that_call(tmp_path):
+    """The job dies (SIGKILL, out of memory) while its MLflow process handles a log call, so the answer
+    finds nobody to read it (injected: the job's ends of the pipes are closed around the call): the
+    call's data is still written, and the run ends KILLED with the event archive that process held."""
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    start = RunStart(
+        config={}, world_size=1, schedule="hdet", param_groups=["pg0"], explored=[], versions={}, hostnames=[]
+    )
+
+    def steps(first, last):
+        step = np.arange(first, last + 1)
+        block = StepBlock(step, np.zeros(len(step), dtype=np.int32), 1.0 / step)
+        return Batch(points=[Point("loss", 1.0 / s, int(s), 0) for s in step], steps=[block])
+
+    tracker = IsolatedTracker(MLflowTracker(tracking_uri=uri, experiment="resume"))
+    tracker.start(start)
+    tracker.log(steps(1, 20))
+    tracker._recv.close()  # the job is gone: nobody reads the answer to the next call
+    tracker._send.send(("log", (steps(21, 30),)))
+    tracker._send.close()
+    client = MlflowClient(uri)
+    run = client.get_run(tracker.run_id)
+    deadline = time.monotonic() + 20
+    while run.info.status == "RUNNING" and time.monotonic() < deadline:
+        time.sleep(0.2)
+        run = client.get_run(tracker.run_id)
+    assert run.info.status == "KILLED"
+    assert "vanished after step 30" in run.data.tags["hdet.error"]
+    assert sorted(m.step for m in client.get_metric_history(tracker.run_id, "loss")) == list(range(1, 31))
+    archived, _ = MLflowReader(uri).read(tracker.run_id).replica_series("loss", 0)
+    assert list(archived) == list(range(1, 31))
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """Job and tracker die at once after step 104 (a container OOM-killed): the store holds steps up to
+    104 (val_loss at 101 and 102), the event archive up to 80 (its last chunk), the sync series
+    thinned by the default point budget. Resumed from the checkpoint at step 60 (it logs val_loss
+    at 101 and 102 again) and run to step 400."""
+    tmp_path = tmp_path_factory.mktemp("resumed")
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    shape = {"total": 400, "sync": 2, "ckpt_at": 60, "flush_at": 80, "kill_at": 104, "val_at": "101,102"}
+    for phase in ("first", "second"):
+        run_job(tmp_path, uri, phase, **shape)
+    client, run = only_run(uri)
+    assert run.info.status == "FINISHED"
+    return client, run
+
+
+def test_resume_after_the_archive_lagged_the_store_archives_every_step_once(resumed):
+    client, run = resumed
+    read = MLflowReader(client.tracking_uri).read(run.info.run_id)
+    steps, _ = read.replica_series("lr", 0)
+    assert list(steps) == list(range(1, 401))
+    assert [e.step for e in read.converge] == list(range(2, 401, 2))
+
+
+def test_resume_with_thinned_sync_series_writes_no_metric_point_twice(resumed):
+    client, run = resumed
+    left_out = client.get_metric_history(run.info.run_id, "hdet/sync/left_out")
+    assert len(left_out) < 200  # thinned: its last point is not where the store ends
+    assert doubled(m.step for m in left_out) == []
+    assert doubled(m.step for m in client.get_metric_history(run.info.run_id, "hdet/replica_00/lr")) == []
+    loss = client.get_metric_history(run.info.run_id, "loss")  # at every step (the budget's minimum)
+    assert sorted(m.step for m in loss) == list(range(1, 401))
+
+
+def test_resumed_job_logs_a_user_metric_once_per_step(resumed):
+    client, run = resumed
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "val_loss")) == [101, 102]
+
+
+def test_reader_keeps_the_last_point_of_a_user_metric_logged_twice_at_a_step(tmp_path):
+    """A store written by an older version, whose resumed job logged val_loss again at a step."""
+    from mlflow.entities import Metric
+
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("old")).info.run_id
+    points = [(5, 0.9, 1000), (6, 0.8, 2000), (5, 0.7, 3000)]  # step, value, time (ms)
+    client.log_batch(run_id, metrics=[Metric("val_loss", v, t, s) for s, v, t in points])
+    steps, values = MLflowReader(uri).read(run_id).metrics["val_loss"]
+    assert list(steps) == [5, 6] and list(values) == [0.7, 0.8]
