@@ -479,3 +479,26 @@ def test_dashboard_on_an_address_of_no_machine_names_host(capsys):
     assert main(["dashboard", "--host", "999.1.1.1", "--port", str(_free_port())]) == 2
     err = capsys.readouterr().err
     assert "999.1.1.1" in err and "--host" in err and "--port" not in err
+
+
+@pytest.mark.parametrize("content", ["empty", "foreign"])
+def test_compare_and_dashboard_leave_a_sqlite_file_that_is_not_a_store_alone(tmp_path, capsys, content):
+    """An empty file or another application's sqlite database named as the store: a one-line error,
+    and the file unchanged (MLflow's client would have written its ~60 tables into it)."""
+    import sqlite3
+
+    db = tmp_path / "other.db"
+    if content == "foreign":
+        with sqlite3.connect(db) as con:
+            con.execute("CREATE TABLE users (id INTEGER)")
+    else:
+        db.touch()
+    before = db.read_bytes()
+    uri = f"sqlite:///{db}"
+    assert main(["compare", "--tracking-uri", uri]) == 2
+    err = capsys.readouterr().err
+    assert uri in err and ("empty" if content == "empty" else "another sqlite database") in err, err
+    assert main(["compare", "--tracking-uri", str(db)]) == 2
+    assert main(["dashboard", uri, "--port", str(_free_port())]) == 2
+    assert uri in capsys.readouterr().err
+    assert db.read_bytes() == before

@@ -491,3 +491,26 @@ def test_one_tracker_object_for_two_open_runs_at_once_is_an_error(sqlite_uri):
     second = one_run(tracker, "after", 0.1)  # once the first run ended, the object is free again
     assert second != first and client.get_run(second).info.status == "FINISHED"
     assert client.get_run(first).info.status == "KILLED"
+
+
+def test_run_list_and_read_agree_when_the_last_loss_is_nan_or_the_steps_chunk_is_torn(sqlite_uri, tmp_path):
+    """The run list's final loss is the last finite one, as a full read's (MLflow's latest value may
+    be NaN: a blow-up's step); and a torn steps chunk leaves the store's own loss and LR in use."""
+    opt = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)
+    track = MLflowTracker(tracking_uri=sqlite_uri, experiment="nan")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with HDETScheduler(opt, 0.1, total_steps=12, spread=0.0, sync_every=4, track=track) as s:
+            for k in range(1, 13):
+                opt.step()
+                s.step(1.0 / k)
+    reader = MLflowReader(sqlite_uri)
+    (summary,) = reader.list_runs("nan")
+    MlflowClient(sqlite_uri).log_metric(summary.run_id, "loss", math.nan, step=13)  # a blow-up logged last
+    (summary,) = reader.list_runs("nan")
+    assert summary.final_loss == pytest.approx(reader.read(summary.run_id).final_loss()) == pytest.approx(1 / 12)
+    (chunk,) = tmp_path.rglob("hdet_events/steps-*.parquet")
+    chunk.write_bytes(chunk.read_bytes()[: chunk.stat().st_size // 2])
+    run = reader.read(summary.run_id)
+    assert any("steps-" in w for w in run.warnings) and not len(run.steps)
+    assert run.final_loss() == pytest.approx(1 / 12) and run.metrics["lr"][0].tolist()[-1] == 12

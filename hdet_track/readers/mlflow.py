@@ -8,9 +8,12 @@ tools, an OneCycle baseline logged by hand) are rebuilt from metric histories.
 from __future__ import annotations
 
 import logging
+import math
 import os
+import sqlite3
 import tempfile
 from collections import defaultdict
+from contextlib import closing
 from pathlib import Path
 
 import numpy as np
@@ -75,10 +78,26 @@ def check_store_exists(uri: str) -> None:
         >>> check_store_exists("sqlite:///mlflow.db")  # doctest: +SKIP
     """
     db = sqlite_file(uri)
-    if db is not None and not db.exists():
+    if db is None:
+        return
+    if not db.exists():
         raise ReaderError(
             f"Expected an MLflow store at {uri}, but {db.absolute()} does not exist "
             "(reading never creates one: log a run to it first, or name another tracking URI)"
+        )
+    # MLflow's client would also add its tables to any other sqlite file (an empty one included)
+    try:
+        with closing(sqlite3.connect(f"file:{db.absolute()}?mode=ro", uri=True)) as con:
+            tables = {row[0] for row in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    except sqlite3.Error as exc:
+        raise ReaderError(
+            f"Expected an MLflow store at {uri}, but {db.absolute()} is not a sqlite database ({exc})"
+        ) from None
+    if not {"experiments", "runs", "metrics"} <= tables:
+        raise ReaderError(
+            f"Expected an MLflow store at {uri}, but {db.absolute()} is "
+            + ("empty" if not tables else f"another sqlite database (tables {sorted(tables)[:5]})")
+            + " (reading never changes it: name the mlflow.db your jobs log to)"
         )
 
 
@@ -138,12 +157,20 @@ class MLflowReader:
                     schedule=tags.get("hdet.schedule", ""),
                     world_size=int(ws) if ws.isdigit() else 1,
                     compare_group=tags.get("hdet.compare_group"),
-                    final_loss=float(r.data.metrics.get("loss", np.nan)),
+                    final_loss=self._final_loss(r.info.run_id, r.data.metrics.get("loss", math.nan)),
                     start_time=(r.info.start_time or 0) / 1000.0,
                     experiment=names.get(r.info.experiment_id, ""),
                 )
             )
         return out
+
+    def _final_loss(self, run_id: str, latest: float) -> float:
+        """The last finite ``loss`` (as :meth:`HDETRun.final_loss`): MLflow's latest value may be NaN."""
+        if math.isfinite(latest):
+            return float(latest)
+        values = self._history(run_id, names.LOSS)[1]
+        finite = values[np.isfinite(values)]
+        return float(finite[-1]) if len(finite) else math.nan
 
     def read(
         self,
@@ -318,6 +345,6 @@ class MLflowReader:
         for key in latest:
             if key.startswith("hdet/"):
                 continue
-            if key in ("loss", "lr") and (len(run.steps) or run.aggregates is not None):
+            if key in ("loss", "lr") and run.has_step_series:
                 continue
             run.metrics[key] = self._history(run.run_id, key)
