@@ -57,6 +57,9 @@ DIVERGED_AT_STEP = "diverged_at_step"
 # {"key", "step", "value"} lines, and the process that owns the run (host, pid, start, pidns).
 WANDB_USER_METRICS_FILE = "user_metrics.jsonl"
 WANDB_OWNER_FILE = "owner.json"
+# The MLflow tag with the run's owner: the training process and, when the tracker runs in a process
+# of its own, that writer (``hdet_track.owner.process_identity`` records, as JSON).
+MLFLOW_OWNER_TAG = "hdet.owner"
 # Step axes in W&B rows (every row carries its own step, so rows may arrive in any order).
 STEP = "hdet/step"
 SYNC_STEP = "hdet/sync/step"

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import time
 import warnings
 
 import pyarrow.parquet as pq
@@ -514,3 +516,54 @@ def test_run_list_and_read_agree_when_the_last_loss_is_nan_or_the_steps_chunk_is
     run = reader.read(summary.run_id)
     assert any("steps-" in w for w in run.warnings) and not len(run.steps)
     assert run.final_loss() == pytest.approx(1 / 12) and run.metrics["lr"][0].tolist()[-1] == 12
+
+
+KILL_BOTH_JOB = """
+import sys, time, torch
+from hdet_track import HDETScheduler
+from hdet_track.tracking.mlflow import MLflowTracker
+opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+sched = HDETScheduler(opt, 0.1, total_steps=30, spread=0.0, sync_every=5,
+                      track=MLflowTracker(tracking_uri=sys.argv[1], experiment="both"))
+for k in range(1, 11):
+    opt.step()
+    sched.step(1.0 / k)
+assert sched.flush() is True
+print("READY", flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_run_whose_job_and_tracking_process_were_both_killed_reads_killed(sqlite_uri, tmp_path):
+    """SIGKILL to the job and its tracking process (a container stopped): nobody ends the run, which
+    MLflow keeps RUNNING; the readers report it KILLED once both are gone (RUNNING while alive)."""
+    script = tmp_path / "job.py"
+    script.write_text(KILL_BOTH_JOB)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), sqlite_uri], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        assert proc.stdout.readline().strip() == "READY"
+        reader = MLflowReader(sqlite_uri)
+        (summary,) = reader.list_runs("both")
+        assert summary.status == "RUNNING" and summary.live
+        writer = json.loads(MlflowClient(sqlite_uri).get_run(summary.run_id).data.tags["hdet.owner"])["writer"]
+        os.kill(writer["pid"], signal.SIGKILL)  # the tracking process runs in a session of its own
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    deadline = time.monotonic() + 30
+    while True:  # the tracking process is reaped by init a moment later
+        (summary,) = reader.list_runs("both")
+        if summary.status != "RUNNING" or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert summary.status == "KILLED" and not summary.live
+    assert MlflowClient(sqlite_uri).get_run(summary.run_id).info.status == "RUNNING"  # the store is left as it is
+    run = reader.read(summary.run_id)
+    assert run.status == "KILLED" and f"pid {proc.pid}" in run.tags["hdet.error"], run.tags.get("hdet.error")
+    assert "and its tracking process ended without ending the run" in run.tags["hdet.error"]
+    assert [c.step for c in run.converge] == [5, 10]

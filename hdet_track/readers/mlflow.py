@@ -7,6 +7,7 @@ tools, an OneCycle baseline logged by hand) are rebuilt from metric histories.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -20,6 +21,7 @@ import numpy as np
 
 from .. import names
 from ..events import ControllerDecision
+from ..owner import owner_alive
 from ..summaries import SUMMARY_DIR
 from ..tracking.archive import ARTIFACT_DIR
 from .archive import read_archive
@@ -148,12 +150,15 @@ class MLflowReader:
         for r in runs:
             tags = r.data.tags
             ws = tags.get("hdet.world_size", "")
+            status = r.info.status
+            if status == "RUNNING" and self._vanished(r.info.run_id, tags):
+                status = "KILLED"
             out.append(
                 RunSummary(
                     run_id=r.info.run_id,
                     name=r.info.run_name or r.info.run_id[:8],
-                    status=r.info.status,
-                    live=r.info.status == "RUNNING",
+                    status=status,
+                    live=status == "RUNNING",
                     schedule=tags.get("hdet.schedule", ""),
                     world_size=int(ws) if ws.isdigit() else 1,
                     compare_group=tags.get("hdet.compare_group"),
@@ -163,6 +168,29 @@ class MLflowReader:
                 )
             )
         return out
+
+    def _vanished(self, run_id: str, tags: dict[str, str]) -> str | None:
+        """For a RUNNING run: the error text when its training process and its tracking process (on
+        this host) are both gone without ending it (a container stopped, SIGKILL to the process
+        group), so that it reads KILLED and not live for ever. None while either lives (the tracking
+        process ends the run itself when the training process dies), for another host's runs (this
+        host cannot tell), and for runs that ended meanwhile (read again once both are gone)."""
+        try:
+            owner = json.loads(tags.get(names.MLFLOW_OWNER_TAG, ""))
+        except ValueError:
+            return None
+        if not isinstance(owner, dict) or owner_alive(owner) is not False:
+            return None
+        writer = owner.get("writer")
+        if isinstance(writer, dict) and owner_alive(writer) is not False:
+            return None
+        if self.client.get_run(run_id).info.status != "RUNNING":  # ended just before they exited
+            return None
+        return (
+            f"the training process (pid {owner.get('pid')} on {owner.get('host')})"
+            + (" and its tracking process" if isinstance(writer, dict) else "")
+            + " ended without ending the run"
+        )
 
     def _final_loss(self, run_id: str, latest: float) -> float:
         """The last finite ``loss`` (as :meth:`HDETRun.final_loss`): MLflow's latest value may be NaN."""
@@ -197,6 +225,8 @@ class MLflowReader:
             tags=dict(info.data.tags),
             start_time=(info.info.start_time or 0) / 1000.0,
         )
+        if run.status == "RUNNING" and (gone := self._vanished(run_id, run.tags)):
+            run.status, run.tags["hdet.error"] = "KILLED", gone
         try:
             listed = self.client.list_artifacts(run_id, ARTIFACT_DIR)
             files = [f.path for f in listed if not f.is_dir]

@@ -26,6 +26,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from ..events import RunEnd, RunStart
+from ..owner import process_identity
 from .base import Batch, Tracker
 from .expand import materialize
 
@@ -44,6 +45,8 @@ def _serve(conn_in: Connection, conn_out: Connection) -> None:
         inner = conn_in.recv()
     except (EOFError, OSError):
         return
+    # the run's owner is the training process; this one writes for it (a reader checks both)
+    inner.owner = process_identity(os.getppid()) | {"writer": process_identity()}
     started, last_step = False, 0
     while True:
         try:

@@ -3,6 +3,7 @@ as artifacts under ``hdet_events/``."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import tempfile
@@ -12,9 +13,12 @@ from typing import Any
 
 from .. import names
 from ..events import RunEnd, RunStart
+from ..owner import process_identity
 from ._common import run_params, run_tags
 from .archive import ARTIFACT_DIR, EventArchive, artifact_dir
 from .base import Batch, Point, Tracker
+
+OWNER_TAG = names.MLFLOW_OWNER_TAG
 
 __all__ = ["MLflowTracker", "DEFAULT_EXPERIMENT"]
 
@@ -156,6 +160,9 @@ class MLflowTracker(Tracker):
         exp_id = exp.experiment_id if exp is not None else client.create_experiment(name)
         tags = run_tags(run_start)
         tags.update(self.extra_tags)
+        # who owns the run: a reader on this host tells a live run from one whose processes were all
+        # killed (a container stopped) before they could end it; MLflow's RUNNING says neither
+        tags[OWNER_TAG] = json.dumps(getattr(self, "owner", None) or process_identity())
         if self.parent_run_id:
             tags["mlflow.parentRunId"] = self.parent_run_id
         attach = self._attach_id or os.environ.get("MLFLOW_RUN_ID")
