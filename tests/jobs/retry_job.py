@@ -14,6 +14,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
+from trackers import tracker_factory
 
 
 def attempt(factory, checkpoint: io.BytesIO):  # noqa: ANN001
@@ -48,16 +49,7 @@ def attempt(factory, checkpoint: io.BytesIO):  # noqa: ANN001
 
 def main() -> None:
     backend, uri = sys.argv[1:3]
-    if backend == "wandb":
-        from hdet_track.tracking.wandb import WandbTracker
-
-        def factory():  # noqa: ANN202
-            return WandbTracker(project="retry", dir=uri, mode="offline")
-    else:
-        from hdet_track.tracking.mlflow import MLflowTracker
-
-        def factory():  # noqa: ANN202
-            return MLflowTracker(tracking_uri=uri, experiment="retry")
+    factory = tracker_factory(backend, uri, "retry")
 
     checkpoint = io.BytesIO()
     for _ in range(2):

@@ -16,6 +16,7 @@ import weakref
 
 import torch
 import torch.nn.functional as F
+from trackers import tracker_factory
 
 
 def run(name: str, track_factory, fail_at: int | None = None):  # noqa: ANN001, ANN201
@@ -40,16 +41,7 @@ def run(name: str, track_factory, fail_at: int | None = None):  # noqa: ANN001, 
 
 def main() -> None:
     backend, uri, case = sys.argv[1:4]
-    if backend == "wandb":
-        from hdet_track.tracking.wandb import WandbTracker
-
-        def factory():  # noqa: ANN202
-            return WandbTracker(project="sweep", dir=uri, mode="offline")
-    else:
-        from hdet_track.tracking.mlflow import MLflowTracker
-
-        def factory():  # noqa: ANN202
-            return MLflowTracker(tracking_uri=uri, experiment="sweep")
+    factory = tracker_factory(backend, uri, "sweep")
 
     model, sched = run("first", factory)
     sched.log_metrics({"val_loss": 0.25})
