@@ -44,6 +44,7 @@ __all__ = [
     "parse_weight_metric",
     "onecycle_metric",
     "CONTROLLER_FIELDS",
+    "is_hdet_series",
 ]
 
 # Means over replicas, at every (logged) step: what MLflow's compare view plots.
@@ -53,6 +54,13 @@ LR = "lr"
 VAL_LOSS = "val_loss"
 VAL_ACCURACY = "val_accuracy"
 DIVERGED_AT_STEP = "diverged_at_step"
+
+
+def is_hdet_series(key: str) -> bool:
+    """Whether ``key`` is one of HDET's own series (``loss``, ``lr``, ``hdet/...``), not a user's metric."""
+    return key.startswith("hdet/") or key in (LOSS, LR)
+
+
 # Files a W&B run keeps beside its event archive (files/hdet_events/): the user's metrics as
 # {"key", "step", "value"} lines, and the process that owns the run (host, pid, start, pidns).
 WANDB_USER_METRICS_FILE = "user_metrics.jsonl"

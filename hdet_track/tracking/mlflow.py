@@ -37,10 +37,6 @@ def _chunk_index(path: str) -> int:
     return int(tail) if tail.isdigit() else 0
 
 
-def _is_hdet_key(key: str) -> bool:
-    return key.startswith("hdet/") or key in (names.LOSS, names.LR)
-
-
 def _import_mlflow():
     try:
         import mlflow
@@ -204,8 +200,10 @@ class MLflowTracker(Tracker):
 
     def log(self, batch: Batch) -> None:
         # The store and the archive each get only the steps they lack (a resumed job repeats some).
-        self._log_user([p for p in batch.points if not _is_hdet_key(p.key)])
-        points = sorted((p for p in batch.points if _is_hdet_key(p.key) and p.step > self._skip_until), key=_step)
+        self._log_user([p for p in batch.points if not names.is_hdet_series(p.key)])
+        points = sorted(
+            (p for p in batch.points if names.is_hdet_series(p.key) and p.step > self._skip_until), key=_step
+        )
         through = max([p.step for p in points] + [int(b.step.max()) for b in batch.steps if len(b)], default=-1)
         if through > self._skip_until:
             self._log_metrics(points, through)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from .. import names
 from ..events import RunEnd, RunStart
 from ..owner import process_identity
+from ..wandb_store import _SYNC_PREFIXES, OWNER_FILE, USER_METRICS_FILE
 from . import lifecycle
 from ._common import run_params, run_tags
 from .archive import ARTIFACT_DIR, EventArchive
@@ -31,7 +32,6 @@ DEFAULT_PROJECT = "hdet"
 DEFAULT_MODE = "offline"  # the embedded default, as MLflow's is its sqlite store
 STEP = names.STEP
 SYNC_STEP = names.SYNC_STEP
-_SYNC_PREFIXES = ("hdet/sync/", "hdet/controller/", "hdet/onecycle/")
 _STEP_GLOBS = (names.LOSS, names.LR, "hdet/replica_*")
 FINISH_WAIT_SECONDS = 15.0  # for W&B's service to close the run file after finish()
 # wandb-core buffers the run file (``.wandb``) and writes it every ``x_transaction_log_flush_interval``
@@ -49,8 +49,6 @@ FINISH_WAIT_SECONDS = 15.0  # for W&B's service to close the run file after fini
 TRANSACTION_LOG_FLUSH_INTERVAL = 1.0
 FLUSH_WAIT_MARGIN = 5.0  # flush() waits at most the run's flush interval (<= 15 s) plus this
 _INTERVAL_ENV = ("WANDB__TRANSACTION_LOG_FLUSH_INTERVAL", "WANDB_X_TRANSACTION_LOG_FLUSH_INTERVAL")
-USER_METRICS_FILE = names.WANDB_USER_METRICS_FILE
-OWNER_FILE = names.WANDB_OWNER_FILE
 
 
 def _written_step(path: str | os.PathLike) -> int | None:
@@ -82,11 +80,6 @@ def wait_until_written(path: str | os.PathLike, timeout: float) -> bool:
             return False
         time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
         pause = min(pause * 2, 0.5)
-
-
-def _is_user(key: str) -> bool:
-    """A user's metric (val_loss, ...), not one of HDET's series."""
-    return not key.startswith("hdet/") and key not in (names.LOSS, names.LR)
 
 
 def _stored_before(run: Any) -> StoredSteps | None:
@@ -249,7 +242,9 @@ class WandbTracker(Tracker):
         if stored is None:
             return batch.points, batch
         points = [
-            p for p in batch.points if ((p.key, p.step) not in stored.user if _is_user(p.key) else p.step > stored.rows)
+            p
+            for p in batch.points
+            if (p.step > stored.rows if names.is_hdet_series(p.key) else (p.key, p.step) not in stored.user)
         ]
         return points, batch.after(stored.archive)
 
@@ -262,7 +257,7 @@ class WandbTracker(Tracker):
             if axis == STEP and not builtin and p.key not in self._defined:
                 self._run.define_metric(p.key, step_metric=STEP)  # a user metric (val_loss, ...)
                 self._defined.add(p.key)
-            if _is_user(p.key):
+            if not names.is_hdet_series(p.key):
                 self._user_points.append({"key": p.key, "step": p.step, "value": p.value})
             rows[(axis, p.step)][p.key] = p.value
         for (axis, step), row in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][0])):
