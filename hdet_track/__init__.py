@@ -9,16 +9,58 @@ Example:
 
 from __future__ import annotations
 
-from . import explore
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from ._version import __version__
-from .collectives import average_parameters
-from .controller import Controller, DriftController, PaperController, controller_update, softmax_weights
 from .errors import CheckpointMismatchError, HDETError, NonFiniteReplicasError
-from .integrations.wrap import wrap
-from .noise import warm_noisy_init
-from .record import ControllerUpdate, SchedulerCallback, SyncRecord
-from .schedule import decay_gamma, multipliers
-from .scheduler import HDETScheduler, SyncReport
+
+# Where each public name lives. They are imported on first use (PEP 562), so that a process that
+# only reads or writes runs (`hdet-track compare`, the dashboard, the MLflow writer process) does
+# not pay for importing torch; `from hdet_track import HDETScheduler` works as before.
+_HOME = {
+    "HDETScheduler": ".scheduler",
+    "SyncReport": ".scheduler",
+    "SyncRecord": ".record",
+    "SchedulerCallback": ".record",
+    "ControllerUpdate": ".record",
+    "Controller": ".controller",
+    "DriftController": ".controller",
+    "PaperController": ".controller",
+    "controller_update": ".controller",
+    "softmax_weights": ".controller",
+    "wrap": ".integrations.wrap",
+    "explore": ".explore",
+    "warm_noisy_init": ".noise",
+    "average_parameters": ".collectives",
+    "multipliers": ".schedule",
+    "decay_gamma": ".schedule",
+}
+
+if TYPE_CHECKING:  # what type checkers and IDEs see
+    from . import explore
+    from .collectives import average_parameters
+    from .controller import Controller, DriftController, PaperController, controller_update, softmax_weights
+    from .integrations.wrap import wrap
+    from .noise import warm_noisy_init
+    from .record import ControllerUpdate, SchedulerCallback, SyncRecord
+    from .schedule import decay_gamma, multipliers
+    from .scheduler import HDETScheduler, SyncReport
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module 'hdet_track' has no attribute {name!r}")
+    module = importlib.import_module(home, __name__)
+    value = module if name == home.lstrip(".") else getattr(module, name)
+    globals()[name] = value  # later look-ups are plain attribute reads
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
 
 __all__ = [
     "HDETScheduler",

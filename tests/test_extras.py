@@ -44,7 +44,19 @@ sched.close()
 closed = time.monotonic()
 """
 PROMISES = {
-    "": TRAIN.replace("TRACK", "False") + "import hdet_track.compare, hdet_track.readers\n",
+    "": TRAIN.replace("TRACK", "False")
+    + "import hdet_track.compare, hdet_track.readers\n"
+    + textwrap.dedent(
+        """
+        from hdet_track.tracking.mlflow import MLflowTracker
+        try:  # no MLflow here: a clear error when the tracker is made, not at the first step
+            MLflowTracker()
+        except ImportError as exc:
+            assert "pip install 'hdet-track[mlflow]'" in str(exc), exc
+        else:
+            raise AssertionError("MLflowTracker() without MLflow must raise ImportError")
+        """
+    ),
     "mlflow": TRAIN.replace("TRACK", "'mlflow'")
     + textwrap.dedent(
         """

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 from .modgraph import cycles, edges, modules
 
 
 def test_the_package_has_no_import_cycle():
     graph = edges()
-    assert "hdet_track.scheduler" in graph["hdet_track"]  # the graph is read at all
+    assert "hdet_track.scheduler" in graph["hdet_track.integrations.wrap"]  # the graph is read at all
     assert "hdet_track.compare" in graph["hdet_track.dashboard.app_pages.compare"]
     assert cycles(graph) == [], "import cycles (python -m tests.modgraph lists them)"
 
@@ -101,3 +105,58 @@ def test_the_layers_keep_the_data_flowing_one_way():
         "tracking.hub imports streamlit",
         "viz.compare -> tracking.base",
     ]
+
+
+def _imported(code: str, cwd) -> list[str]:
+    """Which of torch and mlflow a fresh interpreter has imported after running ``code``."""
+    probe = code + "\nimport sys\nprint(sorted(m for m in ('torch', 'mlflow') if m in sys.modules))"
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, cwd=cwd)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return eval(proc.stdout.strip().splitlines()[-1])  # noqa: S307 - our own probe's list of names
+
+
+def test_reading_runs_does_not_import_torch_and_the_public_names_resolve(tmp_path):
+    """compare, the readers and the MLflow writer process never use torch: importing them must not
+    cost torch's import (seconds); the package's public names are resolved on first use."""
+    readers = "import hdet_track, hdet_track.cli, hdet_track.compare, hdet_track.readers.mlflow"
+    readers += ", hdet_track.readers.wandb, hdet_track.tracking.isolated, hdet_track.tracking.mlflow"
+    assert "torch" not in _imported(readers, tmp_path)
+    import hdet_track
+    import hdet_track.scheduler
+
+    assert hdet_track.HDETScheduler is hdet_track.scheduler.HDETScheduler
+    assert set(hdet_track.__all__) <= set(dir(hdet_track))
+    assert all(getattr(hdet_track, name) is not None for name in hdet_track.__all__)
+    try:
+        hdet_track.HDETSchedular  # noqa: B018
+    except AttributeError as exc:
+        assert "'HDETSchedular'" in str(exc)
+    else:
+        raise AssertionError("an unknown name must raise AttributeError")
+
+
+def test_a_training_process_tracked_to_mlflow_never_imports_mlflow(tmp_path):
+    """MLflow's work happens in the writer process: the training process does not import MLflow
+    (about 2 s and 100 MB per rank), and the run is in the store all the same."""
+    from hdet_track.readers.mlflow import MLflowReader
+
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    job = textwrap.dedent(f"""
+        import torch
+        from hdet_track import HDETScheduler
+        from hdet_track.tracking.mlflow import MLflowTracker
+
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        sched = HDETScheduler(opt, 0.1, total_steps=12, sync_every=4, model=model,
+                              track=MLflowTracker(tracking_uri={uri!r}, experiment="lean"))
+        for _ in range(12):
+            loss = model(torch.randn(8, 4)).pow(2).mean()
+            opt.zero_grad(); loss.backward(); opt.step(); sched.step(loss)
+        sched.close()
+    """)
+    assert _imported(job, tmp_path) == ["torch"]
+    reader = MLflowReader(uri)
+    (summary,) = reader.list_runs("lean")
+    run = reader.read(summary.run_id)
+    assert run.status == "FINISHED" and list(run.replica_series("lr", 0)[0]) == list(range(1, 13))

@@ -105,7 +105,7 @@ class Recorder(SchedulerCallback):
             explored=info.explored,
             versions={
                 "hdet_track": _version.__version__,
-                "torch": torch.__version__,
+                "torch": str(torch.__version__),  # a plain str: the writer process need not import torch
                 "python": platform.python_version(),
             },
             hostnames=info.hostnames,
