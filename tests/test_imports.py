@@ -137,7 +137,7 @@ def test_reading_runs_does_not_import_torch_and_the_public_names_resolve(tmp_pat
 
 def test_a_training_process_tracked_to_mlflow_never_imports_mlflow(tmp_path):
     """MLflow's work happens in the writer process: the training process does not import MLflow
-    (about 2 s and 100 MB per rank), and the run is in the store all the same."""
+    (1-2 s of CPU and about 120 MB per rank), and the run is in the store all the same."""
     from hdet_track.readers.mlflow import MLflowReader
 
     uri = f"sqlite:///{tmp_path / 'store.db'}"
