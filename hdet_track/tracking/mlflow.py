@@ -43,7 +43,7 @@ _NEEDS_MLFLOW = "track='mlflow' needs MLflow: pip install 'hdet-track[mlflow]'"
 
 def _require_mlflow() -> None:
     """Fail at construction when MLflow is not installed, without importing it: the training
-    processes never do (about 2 s and 100 MB each); the writer process does, at the run's start."""
+    processes never do (1-2 s of CPU and about 120 MB each); the writer process does, at the run's start."""
     if importlib.util.find_spec("mlflow") is None:
         raise ImportError(_NEEDS_MLFLOW)
 
