@@ -4,13 +4,11 @@ callback needs are in), the run's start, extra metrics, flushing and the end of 
 :class:`Reporting` is the half of :class:`~hdet_track.scheduler.HDETScheduler` that faces tracking;
 the other half (the schedule, the fan-out, the sync, checkpoints) never calls a tracker. It expects
 the scheduler's ``_callbacks`` (a :class:`~hdet_track.callbacks.CallbackList`), ``_converger``,
-``last_sync``, ``last_epoch``, ``_rank``, ``_world_size``, ``_config``, ``_started``, :meth:`run_info`
-and :meth:`sync_now`.
+``last_sync``, ``last_epoch``, ``_rank``, ``_config``, ``_started`` and :meth:`run_info`.
 """
 
 from __future__ import annotations
 
-import logging
 import traceback
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -25,8 +23,6 @@ _R = TypeVar("_R", bound="Reporting")
 
 __all__ = ["Reporting"]
 
-logger = logging.getLogger(__name__)
-
 
 class Reporting:
     """Callbacks and tracking for :class:`~hdet_track.scheduler.HDETScheduler` (a mixin)."""
@@ -35,12 +31,10 @@ class Reporting:
     _converger: Converger
     _config: dict[str, Any]
     _rank: int
-    _world_size: int
     _started: bool
     last_sync: SyncRecord | None
     last_epoch: int
     run_info: Callable[..., RunInfo]  # the scheduler's: configuration, replicas, explored hyperparameters
-    sync_now: Callable[[], SyncRecord | None]  # the scheduler's: converge now (a collective)
 
     def add_callback(self, callback: SchedulerCallback) -> None:
         """Receive :meth:`~hdet_track.record.SchedulerCallback.on_sync` etc. (add on every rank,
@@ -115,25 +109,11 @@ class Reporting:
         return self._callbacks.flush(timeout)
 
     def close(self, status: str = "FINISHED", error: str | None = None) -> None:
-        """End the job: the tracked run ends with ``status`` (FINISHED, FAILED or KILLED); idempotent.
-
-        A job of one process closed FINISHED between two syncs (an early stop) converges first, so
-        that the run keeps every step; with several processes that would be a collective, which
-        ``close`` never is: call :meth:`sync_now` on every rank first."""
+        """End the job: the tracked run ends with ``status`` (FINISHED, FAILED or KILLED); idempotent."""
         if status not in ("FINISHED", "FAILED", "KILLED"):
             raise ValueError(f"Expected status in ('FINISHED', 'FAILED', 'KILLED'), but got {status!r}")
-        if status == "FINISHED" and self._world_size == 1 and self.tracking and self._converger.losses:
-            self._keep_last_window()
         self._deliver(force=True)
         self._callbacks.on_close(status, error, max(self.last_epoch, 0))
-
-    def _keep_last_window(self) -> None:
-        """One replica: the steps since the last sync are all in this process; a sync (no collective
-        at world size 1) hands them to tracking. If it fails, only those steps' rows are lost."""
-        try:
-            self.sync_now()
-        except Exception as exc:  # noqa: BLE001 - closing must not raise for rows it could not keep
-            logger.warning("hdet-track: the steps after the last sync are not logged (%s: %s)", type(exc).__name__, exc)
 
     def __enter__(self: _R) -> _R:
         return self

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -429,43 +428,6 @@ def test_close_at_end_true_ends_the_run_at_the_last_step_and_says_what_it_drops(
         sched.log_metrics({"val_loss": 0.25})
     assert "dropping late metrics ['val_loss'] at step 10" in caplog.text
     assert history(client, tracker.run_id, "val_loss") == {}
-
-
-@pytest.mark.parametrize("how", ["close", "with-block", "failed", "untracked"])
-def test_a_one_process_job_stopped_between_syncs_keeps_every_step(sqlite_uri, how):
-    """An early stop at step 13 of 40 (syncs every 5): a one-process job needs no collective to
-    converge, so close() keeps steps 11-13 in the run (they used to be dropped: the rows reach
-    tracking with each sync). A failed job does not converge on its way out, nor an untracked one."""
-    tracker = MLflowTracker(tracking_uri=sqlite_uri, experiment="early") if how != "untracked" else False
-    model = nn.Linear(2, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    sched = HDETScheduler(opt, 0.1, total_steps=40, sync_every=5, model=model, track=tracker)
-
-    def train():
-        for k in range(1, 14):
-            opt.step()
-            sched.step(1.0 / k)
-        if how == "failed":
-            raise RuntimeError("stopped at step 13")
-
-    if how == "close":
-        train()
-        sched.close()
-    else:
-        with pytest.raises(RuntimeError) if how == "failed" else contextlib.nullcontext(), sched:
-            train()
-    assert sched.last_sync.step == (13 if how in ("close", "with-block") else 10)
-    if how == "untracked":
-        return
-    reader = MLflowReader(sqlite_uri)
-    (summary,) = reader.list_runs("early")
-    run = reader.read(summary.run_id)
-    last = 13 if how != "failed" else 10
-    assert run.status == ("FAILED" if how == "failed" else "FINISHED")
-    steps, losses = run.replica_series("loss", 0)
-    assert list(steps) == list(range(1, last + 1))
-    assert losses[-1] == pytest.approx(1.0 / last)
-    assert [e.step for e in run.converge] == [5, 10, 13][: 2 + (last == 13)]
 
 
 def one_run(tracker, name, val_loss, steps=10):
