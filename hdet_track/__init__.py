@@ -10,6 +10,7 @@ Example:
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
@@ -50,8 +51,10 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
 
 def __getattr__(name: str) -> Any:
     home = _HOME.get(name)
-    if home is None:
-        raise AttributeError(f"module 'hdet_track' has no attribute {name!r}")
+    if home is None:  # a submodule (`hdet_track.controller.DriftController` after `import hdet_track`)
+        if name.startswith("_") or importlib.util.find_spec(f"{__name__}.{name}") is None:
+            raise AttributeError(f"module 'hdet_track' has no attribute {name!r}")
+        home = f".{name}"
     module = importlib.import_module(home, __name__)
     value = module if name == home.lstrip(".") else getattr(module, name)
     globals()[name] = value  # later look-ups are plain attribute reads

@@ -125,6 +125,8 @@ def test_reading_runs_does_not_import_torch_and_the_public_names_resolve(tmp_pat
     import hdet_track.scheduler
 
     assert hdet_track.HDETScheduler is hdet_track.scheduler.HDETScheduler
+    script = "import hdet_track\nassert hdet_track.controller.DriftController is hdet_track.DriftController"
+    assert "torch" in _imported(script, tmp_path)  # a submodule is an attribute, as before: loaded on use
     assert set(hdet_track.__all__) <= set(dir(hdet_track))
     assert all(getattr(hdet_track, name) is not None for name in hdet_track.__all__)
     try:

@@ -57,11 +57,17 @@ def finished(out_dir: str | os.PathLike, world_size: int) -> bool:
 
 
 def run_ranks(
-    fn: Callable, world_size: int = 4, *args: Any, timeout: float = 240, allow_kill: bool = False
+    fn: Callable,
+    world_size: int = 4,
+    *args: Any,
+    timeout: float = 240,
+    allow_kill: bool = False,
+    start_method: str = "forkserver",
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes (gloo, 127.0.0.1).
 
     Returns each rank's return value (``None`` for a rank that died and ``allow_kill`` is set).
+    ``start_method="spawn"``: fresh interpreters (CUDA ranks: nothing touched a GPU before them).
     """
     multiprocessing.set_forkserver_preload(_PRELOAD)  # used when the fork server starts (the first call)
     with tempfile.TemporaryDirectory() as out_dir:
@@ -70,7 +76,7 @@ def run_ranks(
             args=(fn, world_size, free_port(), out_dir, args, dict(os.environ), os.getcwd()),
             nprocs=world_size,
             join=False,
-            start_method="forkserver",
+            start_method=start_method,
         )
         try:
             deadline = time.monotonic() + timeout

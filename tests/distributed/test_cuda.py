@@ -19,7 +19,7 @@ WORLD = 4
 
 @pytest.mark.parametrize("ddp", [True, False], ids=["shared", "independent"])
 def test_guard_averaging_and_exact_resume_with_cuda_state(ddp):
-    res = run_ranks(workers_cuda.guard_and_resume, WORLD, ddp, timeout=300)
+    res = run_ranks(workers_cuda.guard_and_resume, WORLD, ddp, timeout=300, start_method="spawn")
     assert all(r["on_gpu"] for r in res)  # nothing HDET did moved parameters or moments off the GPU
     if ddp:  # the NaN reaches every rank through DDP: the collective guard rolls all back at once
         assert [r["scope"] for r in res] == ["all"] * WORLD
@@ -36,7 +36,7 @@ def test_guard_averaging_and_exact_resume_with_cuda_state(ddp):
 
 
 def test_fused_adamw_with_a_tensor_lr_trains_with_each_replicas_values():
-    res = run_ranks(workers_cuda.fused_adamw_tensor_lr, WORLD, timeout=300)
+    res = run_ranks(workers_cuda.fused_adamw_tensor_lr, WORLD, timeout=300, start_method="spawn")
     for r in res:
         for lr, want_lr, wd, want_wd, is_tensor in r["seen"]:
             assert is_tensor and math.isclose(lr, want_lr, rel_tol=1e-6)
