@@ -322,6 +322,26 @@ class Converger:
             record = dataclasses.replace(record, divergences=[r[0] for r in gathering.wait()])
         return record
 
+    def window_record(self, step: int, perms: dict[str, list[int]], references: dict[str, list[float]]) -> SyncRecord:
+        """The window so far as a ``partial`` record of this process's replica alone (no collective,
+        nothing changes): for a one-process job closed between two syncs."""
+        row = self._window_row()
+        stats = WindowStats(
+            step=step,
+            losses=np.array([row[2:]], dtype=np.float64).reshape(1, len(self.losses)),
+            counts=[int(row[1])],
+            sums=[row[0]],
+            finite=[True],
+            tripped=[self.tripped],
+            perms={k: list(v) for k, v in perms.items()},
+            values={},
+            references=references,
+            peaks={},
+        )
+        healthy = Health([True], [""], False)
+        record = self._record(stats, self._window_tables(perms, references), healthy, [math.nan], Decision(), perms)
+        return dataclasses.replace(record, partial=True)
+
     def _window_row(self) -> list[float]:
         """``[loss sum (float64), losses given, every step's loss (nan where none)]``: one device sync."""
         given = [x for x in self.losses if x is not None]

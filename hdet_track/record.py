@@ -148,6 +148,8 @@ class SyncRecord:
             all-gather per step; every replica rolls back together), ``"local"`` (each replica checks
             its own loss and resets itself) or ``""`` (no step guard). With ``step_guard_scope="auto"``
             it is what the gradients decided (``"all"`` until they have: the collective check runs).
+        partial: the steps after the last sync of a one-process job closed before its next sync,
+            handed to tracking only: no sync ran, nothing changed, and only the step rows are logged.
     """
 
     step: int
@@ -170,6 +172,7 @@ class SyncRecord:
     rank: int
     time: float = math.nan  # wall time (s since the epoch) of the sync, whenever callbacks get it
     step_guard: str = ""
+    partial: bool = False
 
     @property
     def divergence(self) -> float:

@@ -4,11 +4,13 @@ callback needs are in), the run's start, extra metrics, flushing and the end of 
 :class:`Reporting` is the half of :class:`~hdet_track.scheduler.HDETScheduler` that faces tracking;
 the other half (the schedule, the fan-out, the sync, checkpoints) never calls a tracker. It expects
 the scheduler's ``_callbacks`` (a :class:`~hdet_track.callbacks.CallbackList`), ``_converger``,
-``last_sync``, ``last_epoch``, ``_rank``, ``_config``, ``_started`` and :meth:`run_info`.
+``last_sync``, ``last_epoch``, ``_rank``, ``_world_size``, ``_config``, ``_started``, :meth:`run_info`
+and :meth:`_window_record`.
 """
 
 from __future__ import annotations
 
+import logging
 import traceback
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -23,6 +25,8 @@ _R = TypeVar("_R", bound="Reporting")
 
 __all__ = ["Reporting"]
 
+logger = logging.getLogger(__name__)
+
 
 class Reporting:
     """Callbacks and tracking for :class:`~hdet_track.scheduler.HDETScheduler` (a mixin)."""
@@ -31,10 +35,12 @@ class Reporting:
     _converger: Converger
     _config: dict[str, Any]
     _rank: int
+    _world_size: int
     _started: bool
     last_sync: SyncRecord | None
     last_epoch: int
     run_info: Callable[..., RunInfo]  # the scheduler's: configuration, replicas, explored hyperparameters
+    _window_record: Callable[[], SyncRecord]  # the scheduler's: the steps since the last sync, as rows
 
     def add_callback(self, callback: SchedulerCallback) -> None:
         """Receive :meth:`~hdet_track.record.SchedulerCallback.on_sync` etc. (add on every rank,
@@ -109,11 +115,28 @@ class Reporting:
         return self._callbacks.flush(timeout)
 
     def close(self, status: str = "FINISHED", error: str | None = None) -> None:
-        """End the job: the tracked run ends with ``status`` (FINISHED, FAILED or KILLED); idempotent."""
+        """End the job: the tracked run ends with ``status`` (FINISHED, FAILED or KILLED); idempotent.
+
+        A job of one process closed between two syncs (an early stop, a failure) keeps its steps
+        since the last sync in the run, as rows only: nothing converges and nothing changes. With
+        several processes the other replicas' losses reach rank 0 only at a sync, and ``close``
+        never runs a collective: call :meth:`sync_now` on every rank first."""
         if status not in ("FINISHED", "FAILED", "KILLED"):
             raise ValueError(f"Expected status in ('FINISHED', 'FAILED', 'KILLED'), but got {status!r}")
         self._deliver(force=True)
+        self._keep_window()
         self._callbacks.on_close(status, error, max(self.last_epoch, 0))
+
+    def _keep_window(self) -> None:
+        recorder = self._callbacks.recorder
+        if recorder is None or self._world_size != 1 or not self._converger.losses:
+            return
+        try:
+            record = self._window_record()
+        except Exception as exc:  # noqa: BLE001 - close() also runs on error paths: it must not raise
+            logger.warning("hdet-track: the steps after the last sync are not logged (%s: %s)", type(exc).__name__, exc)
+            return
+        recorder.keep_rows(record)
 
     def __enter__(self: _R) -> _R:
         return self

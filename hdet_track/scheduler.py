@@ -404,7 +404,7 @@ class HDETScheduler(Reporting, OneCycleLR):
             step,
             perms=self._fanout.perm,
             values={name: self.replica_values(name) for name in self._fanout.names},
-            references={"lr": list(self._onecycle)} | {k: list(v) for k, v in self._fanout.references.items()},
+            references=self._references(),
             peaks={"lr": self._onecycle_peaks()} | {k: list(v) for k, v in self._fanout.references.items()},
             measure=self.measure_divergence,
             blown=blown,
@@ -412,6 +412,13 @@ class HDETScheduler(Reporting, OneCycleLR):
         )
         self._fanout.perm = {k: list(v) for k, v in record.next_permutations.items()}
         return record
+
+    def _references(self) -> dict[str, list[float]]:
+        return {"lr": list(self._onecycle)} | {k: list(v) for k, v in self._fanout.references.items()}
+
+    def _window_record(self) -> SyncRecord:
+        """The steps since the last sync as a ``partial`` record (this process's replica; nothing changes)."""
+        return self._converger.window_record(self.last_epoch, self._fanout.perm, self._references())
 
     def _onecycle_peaks(self) -> list[float]:
         """OneCycle's highest LR per group from the current step to the end: max_lr until the peak."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -428,6 +429,88 @@ def test_close_at_end_true_ends_the_run_at_the_last_step_and_says_what_it_drops(
         sched.log_metrics({"val_loss": 0.25})
     assert "dropping late metrics ['val_loss'] at step 10" in caplog.text
     assert history(client, tracker.run_id, "val_loss") == {}
+
+
+@pytest.mark.parametrize("how", ["close", "with-block", "failed", "untracked"])
+def test_a_one_process_job_stopped_between_syncs_keeps_every_step_and_changes_nothing(sqlite_uri, caplog, how):
+    """An early stop (or a failure) at step 13 of 40, syncs every 5: a one-process job has every
+    step's loss in hand, so close() puts steps 11-13 in the run (they used to be dropped: the rows
+    reach tracking with each sync), as rows only: no sync, so nothing changes. The losses jump in
+    that window, which a sync would have answered with a rollback of the model; a second close()
+    adds nothing; an untracked job is untouched."""
+    tracker = MLflowTracker(tracking_uri=sqlite_uri, experiment="early") if how != "untracked" else False
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = HDETScheduler(opt, 0.1, total_steps=40, sync_every=5, model=model, auto_lr=True, track=tracker)
+    losses = [1.0] * 10 + [1.0, 3.0, 5.0]
+    before = []
+
+    def train():
+        for loss in losses:
+            opt.step()
+            sched.step(loss)
+        before.extend(p.detach().clone() for p in model.parameters())
+        if how == "failed":
+            raise RuntimeError("stopped at step 13")
+
+    if how == "close":
+        train()
+        sched.close()
+    else:
+        with pytest.raises(RuntimeError) if how == "failed" else contextlib.nullcontext():
+            with sched:
+                train()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # no rollback, no average
+    assert sched.last_sync.step == 10 and sched.state_dict()["window"]["losses"] == losses[10:]
+    with caplog.at_level("WARNING", logger="hdet_track"):
+        sched.close()  # idempotent: nothing more to log
+    assert "dropping" not in caplog.text and "not logged" not in caplog.text
+    if how == "untracked":
+        return
+    reader = MLflowReader(sqlite_uri)
+    (summary,) = reader.list_runs("early")
+    run = reader.read(summary.run_id)
+    assert run.status == ("FAILED" if how == "failed" else "FINISHED")
+    steps, logged = run.replica_series("loss", 0)
+    assert list(steps) == list(range(1, 14)) and list(logged) == losses
+    assert list(run.replica_series("lr", 0)[0]) == list(range(1, 14))
+    assert [e.step for e in run.converge] == [5, 10]  # the rows are not a sync
+    client = MlflowClient(sqlite_uri)
+    assert sorted(history(client, summary.run_id, "loss")) == list(range(1, 14))
+
+
+def test_a_job_resumed_from_a_checkpoint_taken_after_those_rows_logs_each_step_once(sqlite_uri):
+    """Stopped at step 13 (syncs every 5) with a checkpoint, closed (rows 11-13 logged), resumed from
+    the checkpoint to step 20: every step once, and the syncs the resumed job made (15, 20)."""
+
+    def job(state=None):
+        torch.manual_seed(0)
+        model = nn.Linear(2, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        sched = HDETScheduler(opt, 0.1, total_steps=20, sync_every=5, model=model, track=MLflowTracker(sqlite_uri))
+        if state is not None:
+            sched.load_state_dict(state)
+        return opt, sched
+
+    opt, sched = job()
+    for k in range(1, 14):
+        opt.step()
+        sched.step(1.0 / k)
+    state = sched.state_dict()
+    sched.close()
+    opt, sched = job(state)
+    for k in range(14, 21):
+        opt.step()
+        sched.step(1.0 / k)
+    sched.close()
+    reader = MLflowReader(sqlite_uri)
+    (summary,) = reader.list_runs()
+    run = reader.read(summary.run_id)
+    steps, losses = run.replica_series("loss", 0)
+    assert list(steps) == list(range(1, 21)) and list(losses) == pytest.approx([1.0 / k for k in range(1, 21)])
+    assert [e.step for e in run.converge] == [5, 10, 15, 20] and run.status == "FINISHED"
+    client = MlflowClient(sqlite_uri)
+    assert sorted(m.step for m in client.get_metric_history(summary.run_id, "loss")) == list(range(1, 21))
 
 
 def one_run(tracker, name, val_loss, steps=10):

@@ -214,6 +214,8 @@ def sync_point_count(rec: SyncRecord) -> int:
 def expand(item: RecordItem) -> Batch:
     """Everything a backend writes for one record."""
     rec = item.record
+    if rec.partial:  # steps after the last sync, no sync: their rows only
+        return Batch(points=_step_points(item), steps=[_steps_block(rec)])
     sync = _sync_points(rec, int(item.end_time * 1000)) if item.sync_points else []
     return Batch(
         points=_step_points(item) + sync,

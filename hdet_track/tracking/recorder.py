@@ -137,6 +137,12 @@ class Recorder(SchedulerCallback):
         if self.hub is not None:  # stamped with the sync's own time, however late it is handed over
             self.hub.record(record, record.time if math.isfinite(record.time) else None)
 
+    def keep_rows(self, record: SyncRecord) -> None:
+        """The step rows of a ``partial`` record (a one-process job closed between two syncs),
+        into the run while it is open; a closed or never started run has no use for them."""
+        if self.hub is not None and self.started and not self.hub.ended:
+            self.hub.record(record, record.time)
+
     def on_step(self, step: int) -> None:
         self.last_step = step
         if self.hub is not None:
