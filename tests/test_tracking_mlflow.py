@@ -363,6 +363,36 @@ def test_backend_that_never_works_does_not_stop_training(caplog):
     assert "still unavailable at shutdown" in caplog.text
 
 
+def test_an_mlflow_that_cannot_be_imported_is_named_with_its_reason_and_nothing_is_lost(sqlite_uri, tmp_path):
+    """A broken MLflow install (fault injected: a package named mlflow whose import raises, first on
+    the path) is found by the writer process, which imports MLflow: the warning names the backend
+    and the import's own error, training goes on, and the run's data waits in the spill file."""
+    (tmp_path / "broken" / "mlflow").mkdir(parents=True)
+    (tmp_path / "broken" / "mlflow" / "__init__.py").write_text('raise ImportError("protobuf mismatch (injected)")\n')
+    job = textwrap.dedent(f"""
+        import torch
+        from hdet_track import HDETScheduler
+        from hdet_track.tracking.mlflow import MLflowTracker
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        sched = HDETScheduler(opt, 0.1, total_steps=10, sync_every=5, track=MLflowTracker(tracking_uri={sqlite_uri!r}))
+        for _ in range(10):
+            loss = model(torch.randn(8, 4)).pow(2).mean()
+            opt.zero_grad(); loss.backward(); opt.step(); sched.step(loss)
+        sched.close()
+        print("trained", sched.last_epoch)
+    """)
+    env = dict(os.environ, PYTHONPATH=str(tmp_path / "broken"), HDET_TRACK_SHUTDOWN_TIMEOUT="1")
+    proc = subprocess.run(
+        [sys.executable, "-c", job], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path
+    )
+    assert proc.returncode == 0 and "trained 10" in proc.stdout, proc.stderr[-3000:]
+    assert "MLflowTracker is unavailable" in proc.stderr  # the backend, not the process wrapper around it
+    assert "MLflow is installed but importing it failed (ImportError: protobuf mismatch (injected))" in proc.stderr
+    (spill,) = (tmp_path / ".hdet-spill").glob("spill-mlflow-*.jsonl")
+    assert '"hdet/replica_00/lr"' in spill.read_text()
+
+
 def test_archive_chunks_appear_while_the_run_is_live(sqlite_uri, tmp_path):
     tracker = MLflowTracker(tracking_uri=sqlite_uri, chunk_seconds=0.0)
     model = nn.Linear(2, 1)

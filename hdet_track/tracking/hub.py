@@ -35,6 +35,11 @@ __all__ = ["TrackingHub"]
 logger = logging.getLogger(__name__)
 
 
+def _label(tracker: Tracker) -> str:
+    """The backend's class for messages (MLflowTracker, not the IsolatedTracker around it)."""
+    return type(getattr(tracker, "inner", tracker)).__name__
+
+
 class _Sink:
     """One tracker, with its spill file and retry state."""
 
@@ -88,7 +93,7 @@ class _Sink:
             self.down_since = time.monotonic()
             logger.warning(
                 "hdet-track: %s is unavailable (%s: %s); buffering to %s and retrying",
-                type(self.tracker).__name__,
+                _label(self.tracker),
                 type(exc).__name__,
                 exc,
                 self.spill.path,
@@ -307,7 +312,7 @@ class TrackingHub:
                     if sink.down_since is not None:
                         logger.warning(
                             "hdet-track: %s still unavailable at shutdown; its unsent data stays in %s",
-                            type(sink.tracker).__name__,
+                            _label(sink.tracker),
                             sink.spill_path,
                         )
                 return

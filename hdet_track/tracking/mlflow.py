@@ -52,8 +52,11 @@ def _import_mlflow():
     try:
         import mlflow
         from mlflow.tracking import MlflowClient
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError(_NEEDS_MLFLOW) from exc
+    except ImportError as exc:
+        if importlib.util.find_spec("mlflow") is None:  # pragma: no cover - depends on the environment
+            raise ImportError(_NEEDS_MLFLOW) from exc
+        # installed but broken (e.g. a protobuf or SQLAlchemy that does not fit it): say why
+        raise ImportError(f"MLflow is installed but importing it failed ({type(exc).__name__}: {exc})") from exc
     return mlflow, MlflowClient
 
 
