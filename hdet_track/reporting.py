@@ -117,14 +117,17 @@ class Reporting:
     def close(self, status: str = "FINISHED", error: str | None = None) -> None:
         """End the job: the tracked run ends with ``status`` (FINISHED, FAILED or KILLED); idempotent.
 
-        A job of one process closed between two syncs (an early stop, a failure) keeps its steps
-        since the last sync in the run, as rows only: nothing converges and nothing changes. With
-        several processes the other replicas' losses reach rank 0 only at a sync, and ``close``
-        never runs a collective: call :meth:`sync_now` on every rank first."""
+        A job of one process closed FINISHED between two syncs (an early stop) keeps its steps
+        since the last sync in the run, as rows only: nothing converges and nothing changes. A
+        failed job keeps its rows up to its last sync (a resume from a checkpoint redoes the steps
+        after it, and a sync's rows all come from one attempt). With several processes the other
+        replicas' losses reach rank 0 only at a sync, and ``close`` never runs a collective: call
+        :meth:`sync_now` on every rank first."""
         if status not in ("FINISHED", "FAILED", "KILLED"):
             raise ValueError(f"Expected status in ('FINISHED', 'FAILED', 'KILLED'), but got {status!r}")
         self._deliver(force=True)
-        self._keep_window()
+        if status == "FINISHED":
+            self._keep_window()
         self._callbacks.on_close(status, error, max(self.last_epoch, 0))
 
     def _keep_window(self) -> None:

@@ -463,11 +463,12 @@ def test_close_at_end_true_ends_the_run_at_the_last_step_and_says_what_it_drops(
 
 @pytest.mark.parametrize("how", ["close", "with-block", "failed", "untracked"])
 def test_a_one_process_job_stopped_between_syncs_keeps_every_step_and_changes_nothing(sqlite_uri, caplog, how):
-    """An early stop (or a failure) at step 13 of 40, syncs every 5: a one-process job has every
-    step's loss in hand, so close() puts steps 11-13 in the run (they used to be dropped: the rows
-    reach tracking with each sync), as rows only: no sync, so nothing changes. The losses jump in
-    that window, which a sync would have answered with a rollback of the model; a second close()
-    adds nothing; an untracked job is untouched."""
+    """An early stop at step 13 of 40, syncs every 5: a one-process job has every step's loss in
+    hand, so close() puts steps 11-13 in the run (they used to be dropped: the rows reach tracking
+    with each sync), as rows only: no sync, so nothing changes. The losses jump in that window, which
+    a sync would have answered with a rollback of the model; a second close() adds nothing; a failed
+    job keeps its rows up to its last sync (a resume redoes the steps after it: a sync's rows come
+    from one attempt); an untracked job is untouched."""
     tracker = MLflowTracker(tracking_uri=sqlite_uri, experiment="early") if how != "untracked" else False
     model = nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -500,13 +501,34 @@ def test_a_one_process_job_stopped_between_syncs_keeps_every_step_and_changes_no
     reader = MLflowReader(sqlite_uri)
     (summary,) = reader.list_runs("early")
     run = reader.read(summary.run_id)
+    last = 10 if how == "failed" else 13
     assert run.status == ("FAILED" if how == "failed" else "FINISHED")
     steps, logged = run.replica_series("loss", 0)
-    assert list(steps) == list(range(1, 14)) and list(logged) == losses
-    assert list(run.replica_series("lr", 0)[0]) == list(range(1, 14))
+    assert list(steps) == list(range(1, last + 1)) and list(logged) == losses[:last]
+    assert list(run.replica_series("lr", 0)[0]) == list(range(1, last + 1))
     assert [e.step for e in run.converge] == [5, 10]  # the rows are not a sync
     client = MlflowClient(sqlite_uri)
-    assert sorted(history(client, summary.run_id, "loss")) == list(range(1, 14))
+    assert sorted(history(client, summary.run_id, "loss")) == list(range(1, last + 1))
+
+
+def test_closing_after_a_sync_that_raised_logs_no_step_twice(sqlite_uri):
+    """Every loss non-finite from step 8: the sync at step 10 raises (no healthy replica) after
+    handing its record over, before the step counts. A caller that catches it and closes FINISHED
+    must not get that window again (it came back one step off: steps 5-9 twice)."""
+    from hdet_track import NonFiniteReplicasError
+
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = HDETScheduler(opt, 0.1, total_steps=40, sync_every=5, model=model, track=MLflowTracker(sqlite_uri))
+    with pytest.raises(NonFiniteReplicasError):
+        for k in range(1, 41):
+            opt.step()
+            sched.step(1.0 if k < 8 else math.nan)
+    sched.close()
+    reader = MLflowReader(sqlite_uri)
+    (summary,) = reader.list_runs()
+    steps, _ = reader.read(summary.run_id).replica_series("loss", 0)
+    assert list(steps) == list(range(1, 11))
 
 
 def test_a_job_resumed_from_a_checkpoint_taken_after_those_rows_logs_each_step_once(sqlite_uri):

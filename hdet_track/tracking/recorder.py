@@ -56,6 +56,7 @@ class Recorder(SchedulerCallback):
         self.last_step = 0
         self.hub: Any = None
         self.started = False
+        self._synced_through = 0  # the last step of the syncs handed over
         self._info: Callable[[], RunInfo] | None = None
         self._pending: Callable[[], SyncRecord | None] | None = None
         if self.trackers:
@@ -134,13 +135,15 @@ class Recorder(SchedulerCallback):
             )
 
     def on_sync(self, record: SyncRecord) -> None:
+        self._synced_through = max(self._synced_through, record.step)
         if self.hub is not None:  # stamped with the sync's own time, however late it is handed over
             self.hub.record(record, record.time if math.isfinite(record.time) else None)
 
     def keep_rows(self, record: SyncRecord) -> None:
         """The step rows of a ``partial`` record (a one-process job closed between two syncs),
-        into the run while it is open; a closed or never started run has no use for them."""
-        if self.hub is not None and self.started and not self.hub.ended:
+        into the run while it is open; a closed or never started run has no use for them, and a
+        window that overlaps the last sync's (a step that raised before it counted) is not one."""
+        if self.hub is not None and self.started and not self.hub.ended and record.steps[0] > self._synced_through:
             self.hub.record(record, record.time)
 
     def on_step(self, step: int) -> None:
