@@ -31,7 +31,6 @@ _HOME = {
     "controller_update": ".controller",
     "softmax_weights": ".controller",
     "wrap": ".integrations.wrap",
-    "explore": ".explore",
     "warm_noisy_init": ".noise",
     "average_parameters": ".collectives",
     "multipliers": ".schedule",
@@ -51,12 +50,12 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
 
 def __getattr__(name: str) -> Any:
     home = _HOME.get(name)
-    if home is None:  # a submodule (`hdet_track.controller.DriftController` after `import hdet_track`)
-        if name.startswith("_") or importlib.util.find_spec(f"{__name__}.{name}") is None:
-            raise AttributeError(f"module 'hdet_track' has no attribute {name!r}")
-        home = f".{name}"
-    module = importlib.import_module(home, __name__)
-    value = module if name == home.lstrip(".") else getattr(module, name)
+    if home is not None:
+        value = getattr(importlib.import_module(home, __name__), name)
+    elif not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        value = importlib.import_module(f".{name}", __name__)  # a submodule: `hdet_track.explore`
+    else:
+        raise AttributeError(f"module 'hdet_track' has no attribute {name!r}")
     globals()[name] = value  # later look-ups are plain attribute reads
     return value
 
@@ -65,6 +64,8 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
 
 
+# Spelled out (not derived from _HOME) so that linters and IDEs see it; tests/test_imports.py
+# checks that every name resolves.
 __all__ = [
     "HDETScheduler",
     "SyncReport",

@@ -376,7 +376,7 @@ def run_dashboard(source: str | None, host: str, port: int) -> int:
     import socket
     from pathlib import Path
 
-    from .readers import ReaderError, default_source, resolve_source
+    from .readers import ReaderError, resolve_source
     from .readers.mlflow import check_store_exists, pending_store
 
     with socket.socket() as s:
@@ -392,12 +392,8 @@ def run_dashboard(source: str | None, host: str, port: int) -> int:
                 file=sys.stderr,
             )
             return 2
-    source = source or default_source()
-    if "://" not in source and not Path(source).exists():
-        print(f"hdet-track dashboard: {source} is neither a tracking URI nor an existing directory", file=sys.stderr)
-        return 2
-    try:
-        source = resolve_source(source)  # a directory holding mlflow.db, or a sqlite file: its sqlite:/// URI
+    try:  # a directory holding mlflow.db, or a sqlite file: its sqlite:/// URI; a missing path: an error
+        source = resolve_source(source)
     except ReaderError as exc:
         print(f"hdet-track dashboard: {exc}", file=sys.stderr)
         return 2

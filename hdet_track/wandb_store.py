@@ -15,18 +15,31 @@ import numpy as np
 from . import names
 from .wandb_file import WandbFormatError, read_wandb_file
 
-__all__ = ["StoredSteps", "stored_steps"]
+__all__ = [
+    "StoredSteps",
+    "stored_steps",
+    "archived_last_step",
+    "read_user_metrics",
+    "session_user_metrics",
+    "user_metrics",
+    "row_step",
+    "series",
+    "SYNC_PREFIXES",
+    "EVENTS_DIR",
+    "USER_METRICS_FILE",
+    "OWNER_FILE",
+]
 
-_SYNC_PREFIXES = ("hdet/sync/", "hdet/controller/", "hdet/onecycle/")
-_EVENTS = ("files", "hdet_events")
+SYNC_PREFIXES = ("hdet/sync/", "hdet/controller/", "hdet/onecycle/")
+EVENTS_DIR = ("files", "hdet_events")
 USER_METRICS_FILE = names.WANDB_USER_METRICS_FILE  # written by hdet_track.tracking.wandb.WandbTracker
 OWNER_FILE = names.WANDB_OWNER_FILE
 
 
-def _read_user_metrics(directory: Path) -> list[tuple[str, int, float]]:
+def read_user_metrics(directory: Path) -> list[tuple[str, int, float]]:
     """(key, step, value) of the user's metrics from the tracker's own file (a torn last line is skipped)."""
     try:
-        lines = (directory.joinpath(*_EVENTS) / USER_METRICS_FILE).read_text(encoding="utf-8").splitlines()
+        lines = (directory.joinpath(*EVENTS_DIR) / USER_METRICS_FILE).read_text(encoding="utf-8").splitlines()
     except OSError:
         return []
     out = []
@@ -51,10 +64,10 @@ def _merge_user_metrics(
             have[(key, step, value)] -= 1
         else:
             points.setdefault(key, []).append((step, value))
-    return _series(points)
+    return series(points)
 
 
-def _series(found: dict[str, list[tuple[int, float]]]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def series(found: dict[str, list[tuple[int, float]]]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Key -> (steps, values), in step order."""
     out = {}
     for key, points in found.items():
@@ -63,29 +76,29 @@ def _series(found: dict[str, list[tuple[int, float]]]) -> dict[str, tuple[np.nda
     return out
 
 
-def _session_user_metrics(
+def session_user_metrics(
     sessions: Iterable[tuple[list[dict], list[tuple[str, int, float]]]], skip: tuple[str, ...] = ()
 ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """The user's metrics of a run's sessions (each: W&B's history, the tracker's file), one point per
     key and step: the latest session's (a job resumed from an older checkpoint logs some again)."""
     latest: dict[tuple[str, int], float] = {}
     for history, extra in sessions:
-        for key, (steps, values) in _merge_user_metrics(_user_metrics(history, skip), extra).items():
+        for key, (steps, values) in _merge_user_metrics(user_metrics(history, skip), extra).items():
             latest |= dict(zip(((key, s) for s in steps.tolist()), values.tolist()))
     found: dict[str, list[tuple[int, float]]] = {}
     for (key, step), value in latest.items():
         found.setdefault(key, []).append((step, value))
-    return _series(found)
+    return series(found)
 
 
-def _row_step(row: dict, key: str) -> int | None:
+def row_step(row: dict, key: str) -> int | None:
     """A row's own step for ``key`` (hdet-track 0.2 rows carry it; older ones used W&B's ``_step``)."""
-    axis = names.SYNC_STEP if key.startswith(_SYNC_PREFIXES) else names.STEP
+    axis = names.SYNC_STEP if key.startswith(SYNC_PREFIXES) else names.STEP
     step = row.get(axis, row.get("_step"))
     return int(step) if isinstance(step, (int, float)) else None
 
 
-def _user_metrics(history: list[dict], skip: tuple[str, ...] = ()) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def user_metrics(history: list[dict], skip: tuple[str, ...] = ()) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Key -> (steps, values) of the numeric series that are not HDET's (``hdet/...``) nor W&B's
     (``_...``), nor in ``skip``; in step order (rows may arrive in any order)."""
     found: dict[str, list[tuple[int, float]]] = {}
@@ -94,10 +107,10 @@ def _user_metrics(history: list[dict], skip: tuple[str, ...] = ()) -> dict[str, 
             if key.startswith(("hdet/", "_")) or key in skip:
                 continue
             if isinstance(value, (int, float)) and not isinstance(value, bool):
-                step = _row_step(row, key)
+                step = row_step(row, key)
                 if step is not None:
                     found.setdefault(key, []).append((step, float(value)))
-    return _series(found)
+    return series(found)
 
 
 def _history(directory: Path) -> list[dict]:
@@ -108,13 +121,13 @@ def _history(directory: Path) -> list[dict]:
         return []
 
 
-def _archived_last_step(directory: Path) -> int:
+def archived_last_step(directory: Path) -> int:
     """The last step in the event archive of the run directory ``directory`` (-1: none), from the
     chunks' Parquet statistics; a torn chunk (a SIGKILL while writing) is skipped."""
     import pyarrow.parquet as pq
 
     last = -1
-    for path in directory.joinpath(*_EVENTS).glob("*.parquet"):
+    for path in directory.joinpath(*EVENTS_DIR).glob("*.parquet"):
         try:
             meta = pq.ParquetFile(path).metadata
             column = meta.schema.names.index("step")
@@ -144,18 +157,16 @@ def stored_steps(directories: Iterable[Path]) -> StoredSteps:
     sessions = []
     for directory in directories:
         history = _history(directory)
-        sessions.append((history, _read_user_metrics(directory)))
-        out.archive = max(out.archive, _archived_last_step(directory))
+        sessions.append((history, read_user_metrics(directory)))
+        out.archive = max(out.archive, archived_last_step(directory))
         hdet = [
             step
             for row in history
             for key in row
-            if (key.startswith("hdet/") and key not in (names.STEP, names.SYNC_STEP)) or key in (names.LOSS, names.LR)
-            if (step := _row_step(row, key)) is not None
+            if names.is_hdet_series(key) and key not in (names.STEP, names.SYNC_STEP)
+            if (step := row_step(row, key)) is not None
         ]
         out.rows = max([out.rows] + hdet)
     builtin = (names.LOSS, names.LR)
-    out.user = {
-        (key, s) for key, (steps, _) in _session_user_metrics(sessions, builtin).items() for s in steps.tolist()
-    }
+    out.user = {(key, s) for key, (steps, _) in session_user_metrics(sessions, builtin).items() for s in steps.tolist()}
     return out

@@ -18,21 +18,19 @@ from ..owner import owner_alive
 from ..summaries import SUMMARY_DIR
 from ..wandb_file import WandbFormatError, read_wandb_file
 from ..wandb_store import (
-    _EVENTS,
+    EVENTS_DIR,
     OWNER_FILE,
-    StoredSteps,
-    _archived_last_step,
-    _read_user_metrics,
-    _row_step,
-    _series,
-    _session_user_metrics,
-    _user_metrics,
-    stored_steps,
+    archived_last_step,
+    read_user_metrics,
+    row_step,
+    series,
+    session_user_metrics,
+    user_metrics,
 )
 from .archive import read_archive
 from .base import HDETRun, RunNotFoundError, RunSummary, StepTable, converge_from_series
 
-__all__ = ["WandbReader", "find_run_dirs", "owner_alive", "StoredSteps", "stored_steps"]
+__all__ = ["WandbReader", "find_run_dirs"]
 
 # W&B's service is a process of its own: it may still be writing the end of a run whose training
 # process has just exited. A run is read KILLED once its owner is gone AND this long has passed
@@ -107,7 +105,7 @@ class WandbReader:
         sessions: list[tuple[list[dict], list[tuple[str, int, float]]]] = []  # per directory: history, user metrics
         for directory in dirs[run_id]:
             wandb_file = sorted(directory.glob("run-*.wandb"))[0]
-            sessions.append(([], _read_user_metrics(directory)))
+            sessions.append(([], read_user_metrics(directory)))
             try:
                 contents = read_wandb_file(wandb_file)
             except WandbFormatError as exc:
@@ -136,7 +134,7 @@ class WandbReader:
             run.status = "KILLED"
             own_history, own_user = sessions[-1]
             logged = [s for row in own_history if isinstance(s := row.get(names.STEP), (int, float))]
-            logged += [s for _, s, _ in own_user] + [_archived_last_step(dirs[run_id][-1])]
+            logged += [s for _, s, _ in own_user] + [archived_last_step(dirs[run_id][-1])]
             last = int(max(logged))
             run.tags["hdet.error"] = (
                 f"{gone} after its last logged step {last}"
@@ -147,11 +145,11 @@ class WandbReader:
             loss = {  # one point per step: the latest session's
                 step: float(r[names.LOSS])
                 for r in history
-                if isinstance(r.get(names.LOSS), (int, float)) and (step := _row_step(r, names.LOSS)) is not None
+                if isinstance(r.get(names.LOSS), (int, float)) and (step := row_step(r, names.LOSS)) is not None
             }
             if loss:
-                run.metrics.update(_series({names.LOSS: list(loss.items())}))
-            behind = run.status != "FINISHED" and _archived_last_step(dirs[run_id][-1]) > max(loss, default=-1)
+                run.metrics.update(series({names.LOSS: list(loss.items())}))
+            behind = run.status != "FINISHED" and archived_last_step(dirs[run_id][-1]) > max(loss, default=-1)
             if not behind:
                 return run
             # W&B's file stops short of the archive (a killed or live run: W&B writes its file every
@@ -172,11 +170,11 @@ class WandbReader:
             read_archive(run, list(chunks), lambda name: chunks[name].read_bytes(), previous, steps, max_rows)
             # the archive holds HDET's own series; the user's metrics (val_loss, diverged_at_step...) are rows
             builtin = (names.LOSS, names.LR) if run.has_step_series else ()
-            run.metrics.update(_session_user_metrics(sessions, skip=builtin))
+            run.metrics.update(session_user_metrics(sessions, skip=builtin))
         else:
             run.warnings.append("no event archive: rebuilt from the run's history")
             self._read_history(run, history)
-            run.metrics.update(_session_user_metrics(sessions))
+            run.metrics.update(session_user_metrics(sessions))
         return run
 
     @staticmethod
@@ -186,7 +184,7 @@ class WandbReader:
         KILLED and not live for ever. None for a live owner, for runs hdet-track did not start and
         for runs owned by another host (this reader cannot tell)."""
         try:
-            owner = json.loads((directory.joinpath(*_EVENTS) / OWNER_FILE).read_text(encoding="utf-8"))
+            owner = json.loads((directory.joinpath(*EVENTS_DIR) / OWNER_FILE).read_text(encoding="utf-8"))
         except (OSError, ValueError):
             return None
         if not isinstance(owner, dict) or owner_alive(owner) is not False:
@@ -217,11 +215,11 @@ class WandbReader:
                 run.converge.append(converge_from_series(step, losses, left, scope, marked))
         for row in history:
             for key, value in row.items():
-                step = _row_step(row, key)
+                step = row_step(row, key)
                 parsed = names.parse_replica_metric(key)
                 if parsed and isinstance(value, (int, float)) and step is not None:
                     rows.setdefault(parsed[0], {}).setdefault(step, {})[parsed[1]] = float(value)
-        run.metrics.update(_user_metrics(history))
+        run.metrics.update(user_metrics(history))
         tables = []
         for r, by_step in sorted(rows.items()):
             steps = np.array(sorted(by_step), dtype=np.int64)

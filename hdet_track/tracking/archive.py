@@ -197,7 +197,6 @@ class EventArchive:
         return written
 
     def _write_summaries(self, table, name: str) -> list[Path]:  # noqa: ANN001 - the chunk's pyarrow.Table
-
         step = table.column("step").to_numpy()
         columns = {
             c: table.column(c).to_numpy(zero_copy_only=False)

@@ -35,16 +35,12 @@ __all__ = ["TrackingHub"]
 logger = logging.getLogger(__name__)
 
 
-def _label(tracker: Tracker) -> str:
-    """The backend's class for messages (MLflowTracker, not the IsolatedTracker around it)."""
-    return type(getattr(tracker, "inner", tracker)).__name__
-
-
 class _Sink:
     """One tracker, with its spill file and retry state."""
 
     def __init__(self, tracker: Tracker, spill_dir: Path | None, retry_seconds: float) -> None:
-        self.tracker = tracker
+        self.label = type(tracker).__name__  # for messages: the backend, not a process wrapper around it
+        tracker = self.tracker = maybe_isolated(tracker)
         directory = spill_dir if spill_dir is not None else tracker.spill_dir()
         name = f"spill-{tracker.name or type(tracker).__name__}-{os.getpid()}-{id(tracker)}.jsonl"
         self.spill = SpillFile(directory / name, {})
@@ -93,7 +89,7 @@ class _Sink:
             self.down_since = time.monotonic()
             logger.warning(
                 "hdet-track: %s is unavailable (%s: %s); buffering to %s and retrying",
-                _label(self.tracker),
+                self.label,
                 type(exc).__name__,
                 exc,
                 self.spill.path,
@@ -196,7 +192,7 @@ class TrackingHub:
         self.flush_seconds = flush_seconds
         self.shutdown_timeout = default_shutdown_timeout() if shutdown_timeout is None else shutdown_timeout
         directory = Path(spill_dir) if spill_dir is not None else None
-        self._sinks = [_Sink(maybe_isolated(t), directory, retry_seconds) for t in self.trackers]
+        self._sinks = [_Sink(t, directory, retry_seconds) for t in self.trackers]
         self._queue: deque[tuple[str, Any]] = deque()
         self._wake = threading.Event()
         self._budget: PointBudget | None = None
@@ -312,7 +308,7 @@ class TrackingHub:
                     if sink.down_since is not None:
                         logger.warning(
                             "hdet-track: %s still unavailable at shutdown; its unsent data stays in %s",
-                            _label(sink.tracker),
+                            sink.label,
                             sink.spill_path,
                         )
                 return

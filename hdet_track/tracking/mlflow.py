@@ -19,8 +19,6 @@ from ._common import run_params, run_tags
 from .archive import ARTIFACT_DIR, EventArchive, artifact_dir
 from .base import Batch, Point, Tracker
 
-OWNER_TAG = names.MLFLOW_OWNER_TAG
-
 __all__ = ["MLflowTracker", "DEFAULT_EXPERIMENT"]
 
 logger = logging.getLogger(__name__)
@@ -172,7 +170,7 @@ class MLflowTracker(Tracker):
         tags.update(self.extra_tags)
         # who owns the run: a reader on this host tells a live run from one whose processes were all
         # killed (a container stopped) before they could end it; MLflow's RUNNING says neither
-        tags[OWNER_TAG] = json.dumps(getattr(self, "owner", None) or process_identity())
+        tags[names.MLFLOW_OWNER_TAG] = json.dumps(getattr(self, "owner", None) or process_identity())
         if self.parent_run_id:
             tags["mlflow.parentRunId"] = self.parent_run_id
         attach = self._attach_id or os.environ.get("MLFLOW_RUN_ID")

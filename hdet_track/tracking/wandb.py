@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from .. import names
 from ..events import RunEnd, RunStart
 from ..owner import process_identity
-from ..wandb_store import _SYNC_PREFIXES, OWNER_FILE, USER_METRICS_FILE
+from ..wandb_store import OWNER_FILE, SYNC_PREFIXES, USER_METRICS_FILE
 from . import lifecycle
 from ._common import run_params, run_tags
 from .archive import ARTIFACT_DIR, EventArchive
@@ -216,7 +216,7 @@ class WandbTracker(Tracker):
     def _setup(self, run: Any, tags: dict[str, str], run_start: RunStart) -> None:
         run.define_metric(STEP, hidden=True)
         run.define_metric(SYNC_STEP, hidden=True)
-        for prefix in _SYNC_PREFIXES:
+        for prefix in SYNC_PREFIXES:
             run.define_metric(f"{prefix}*", step_metric=SYNC_STEP)
         for glob in _STEP_GLOBS:
             run.define_metric(glob, step_metric=STEP)
@@ -252,7 +252,7 @@ class WandbTracker(Tracker):
         rows: dict[tuple[str, int], dict[str, float]] = defaultdict(dict)
         points, batch = self._new(batch)
         for p in points:
-            axis = SYNC_STEP if p.key.startswith(_SYNC_PREFIXES) else STEP
+            axis = SYNC_STEP if p.key.startswith(SYNC_PREFIXES) else STEP
             builtin = p.key in (names.LOSS, names.LR) or p.key.startswith("hdet/replica_")
             if axis == STEP and not builtin and p.key not in self._defined:
                 self._run.define_metric(p.key, step_metric=STEP)  # a user metric (val_loss, ...)
