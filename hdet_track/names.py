@@ -68,6 +68,9 @@ WANDB_OWNER_FILE = "owner.json"
 # The MLflow tag with the run's owner: the training process and, when the tracker runs in a process
 # of its own, that writer (``hdet_track.owner.process_identity`` records, as JSON).
 MLFLOW_OWNER_TAG = "hdet.owner"
+# The MLflow tag with the run's last heartbeat (``hdet_track.owner.heartbeat``, as JSON; a W&B run
+# keeps it in its owner file as ``alive``): how a reader tells a run whose host it cannot check is gone.
+MLFLOW_ALIVE_TAG = "hdet.alive"
 # Step axes in W&B rows (every row carries its own step, so rows may arrive in any order).
 STEP = "hdet/step"
 SYNC_STEP = "hdet/sync/step"

@@ -1,16 +1,32 @@
 """Which process owns a run, and whether it is still alive: how a reader tells a live run from one
 whose process was killed outright (SIGKILL, the OOM killer, a container stopped) before it could end
 the run, when the store itself only says RUNNING. Pure standard library: the trackers write an
-owner record, the readers check it; neither imports the other."""
+owner record, the readers check it; neither imports the other.
+
+A process on another host (or in another pid namespace: another container) cannot be checked from
+here. For those the tracking writer sends a *heartbeat* (:func:`heartbeat`) every
+``$HDET_TRACK_HEARTBEAT_SECONDS`` (default 30) while the run is open, and a reader takes a run
+whose heartbeat is more than :data:`MISSED_BEATS` beats overdue (:func:`silence`) as ended without
+ending it (a node lost, a container stopped), the way W&B's server marks a run crashed. The store
+is left as it is: a run that beats again reads live again."""
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["process_identity", "owner_alive"]
+__all__ = ["process_identity", "owner_alive", "heartbeat_seconds", "heartbeat", "silence", "MISSED_BEATS"]
+
+HEARTBEAT_ENV = "HDET_TRACK_HEARTBEAT_SECONDS"
+DEFAULT_HEARTBEAT_SECONDS = 30.0
+# A heartbeat this many intervals overdue means the run's processes are gone (at the default
+# interval, 5 minutes: well past a busy backend's stall and the clock skew of NTP-synced hosts).
+MISSED_BEATS = 10
 
 
 def process_identity(pid: int | None = None) -> dict[str, Any]:
@@ -57,3 +73,48 @@ def owner_alive(owner: dict) -> bool | None:
         return False  # exited, not yet reaped by its parent
     start = owner.get("start")
     return not (start is not None and len(fields) > 19 and fields[19] != str(start))  # else a reused pid
+
+
+def heartbeat_seconds() -> float | None:
+    """The heartbeat interval: ``$HDET_TRACK_HEARTBEAT_SECONDS`` (default 30; ``0``: no heartbeat)."""
+    text = os.environ.get(HEARTBEAT_ENV, "").strip()
+    if not text:
+        return DEFAULT_HEARTBEAT_SECONDS
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not (value >= 0 and math.isfinite(value)):
+        raise ValueError(f"Expected {HEARTBEAT_ENV} to be a number of seconds >= 0 (0: no heartbeat), but got {text!r}")
+    return value or None
+
+
+def heartbeat(every: float, now: float | None = None) -> dict[str, Any]:
+    """The heartbeat record a tracker stores: when (``time``, Unix seconds), the interval, and the
+    process that sent it (``host``, ``pid``: the run's owner)."""
+    now = time.time() if now is None else now
+    return {"time": now, "every": float(every), "host": socket.gethostname(), "pid": os.getpid()}
+
+
+def silence(beat: Any, owner: dict | None = None, now: float | None = None) -> str | None:
+    """Why a run whose owner this host cannot check reads as ended: its last heartbeat (a
+    :func:`heartbeat` record, or its JSON) is more than :data:`MISSED_BEATS` intervals old. None while
+    it is not, for no or an unreadable record (a run written before heartbeats: cannot tell), and
+    for one sent by another process than ``owner`` (an earlier attempt of a resumed run)."""
+    if isinstance(beat, str):
+        try:
+            beat = json.loads(beat)
+        except ValueError:
+            return None
+    if not isinstance(beat, dict):
+        return None
+    if owner is not None and (beat.get("host"), beat.get("pid")) != (owner.get("host"), owner.get("pid")):
+        return None
+    last, every = beat.get("time"), beat.get("every")
+    if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in (last, every)) or every <= 0:
+        return None
+    silent = (time.time() if now is None else now) - last
+    if silent <= MISSED_BEATS * every:
+        return None
+    when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(last))
+    return f"sent no heartbeat for {silent:.0f} s (one was due every {every:g} s; the last at {when})"

@@ -21,7 +21,7 @@ import numpy as np
 
 from .. import names
 from ..events import ControllerDecision
-from ..owner import owner_alive
+from ..owner import owner_alive, silence
 from ..summaries import SUMMARY_DIR
 from ..tracking.archive import ARTIFACT_DIR
 from .archive import read_archive
@@ -172,25 +172,34 @@ class MLflowReader:
     def _vanished(self, run_id: str, tags: dict[str, str]) -> str | None:
         """For a RUNNING run: the error text when its training process and its tracking process (on
         this host) are both gone without ending it (a container stopped, SIGKILL to the process
-        group), so that it reads KILLED and not live for ever. None while either lives (the tracking
-        process ends the run itself when the training process dies), for another host's runs (this
-        host cannot tell), and for runs that ended meanwhile (read again once both are gone)."""
+        group), or, for processes this host cannot check (another host or container), when their
+        heartbeat is long overdue (:func:`~hdet_track.owner.silence`), so that it reads KILLED and
+        not live for ever. None while either lives (the tracking process ends the run itself when
+        the training process dies), while the heartbeat is on time, and for runs that ended
+        meanwhile (read again once both are gone)."""
         try:
             owner = json.loads(tags.get(names.MLFLOW_OWNER_TAG, ""))
         except ValueError:
             return None
-        if not isinstance(owner, dict) or owner_alive(owner) is not False:
+        if not isinstance(owner, dict):
             return None
+        who = f"the training process (pid {owner.get('pid')} on {owner.get('host')})"
+        alive = owner_alive(owner)
         writer = owner.get("writer")
-        if isinstance(writer, dict) and owner_alive(writer) is not False:
+        if alive is None or (isinstance(writer, dict) and owner_alive(writer) is None):
+            silent = silence(tags.get(names.MLFLOW_ALIVE_TAG), owner)
+            reason = None if silent is None else f"{who} {silent}: presumed ended without ending the run"
+        elif alive or (isinstance(writer, dict) and owner_alive(writer)):
+            reason = None
+        else:
+            reason = (
+                who
+                + (" and its tracking process" if isinstance(writer, dict) else "")
+                + " ended without ending the run"
+            )
+        if reason is None or self.client.get_run(run_id).info.status != "RUNNING":  # ended just before they exited
             return None
-        if self.client.get_run(run_id).info.status != "RUNNING":  # ended just before they exited
-            return None
-        return (
-            f"the training process (pid {owner.get('pid')} on {owner.get('host')})"
-            + (" and its tracking process" if isinstance(writer, dict) else "")
-            + " ended without ending the run"
-        )
+        return reason
 
     def _final_loss(self, run_id: str, latest: float) -> float:
         """The last finite ``loss`` (as :meth:`HDETRun.final_loss`): MLflow's latest value may be NaN."""

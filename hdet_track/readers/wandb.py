@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import names
-from ..owner import owner_alive
+from ..owner import owner_alive, silence
 from ..summaries import SUMMARY_DIR
 from ..wandb_file import WandbFormatError, read_wandb_file
 from ..wandb_store import (
@@ -181,13 +181,21 @@ class WandbReader:
     def _owner_gone(directory: Path) -> str | None:
         """For a run with no exit record: the error text when its owning process (on this host) is
         gone, killed before it could end the run (SIGKILL, the OOM killer), so that the run reads
-        KILLED and not live for ever. None for a live owner, for runs hdet-track did not start and
-        for runs owned by another host (this reader cannot tell)."""
+        KILLED and not live for ever; for an owner this host cannot check (another host or
+        container), when its heartbeat is long overdue (:func:`~hdet_track.owner.silence`). None for
+        a live owner, for an owner on time and for runs hdet-track did not start."""
         try:
             owner = json.loads((directory.joinpath(*EVENTS_DIR) / OWNER_FILE).read_text(encoding="utf-8"))
         except (OSError, ValueError):
             return None
-        if not isinstance(owner, dict) or owner_alive(owner) is not False:
+        if not isinstance(owner, dict):
+            return None
+        who = f"the training process (pid {owner.get('pid')} on {owner.get('host')})"
+        alive = owner_alive(owner)
+        if alive is None:  # another host or container: its heartbeat tells
+            silent = silence(owner.get("alive"), owner)
+            return None if silent is None else f"{who} {silent}: presumed ended without ending the run,"
+        if alive:
             return None
         try:
             changed = max(f.stat().st_mtime for f in directory.glob("run-*.wandb"))
@@ -195,7 +203,7 @@ class WandbReader:
             changed = 0.0
         if time.time() - changed < OWNER_GONE_GRACE_SECONDS:
             return None  # W&B's service may still be writing the run's end
-        return f"the training process (pid {owner.get('pid')} on {owner.get('host')}) ended without ending the run,"
+        return f"{who} ended without ending the run,"
 
     def _read_history(self, run: HDETRun, history: list[dict]) -> None:
         rows: dict[int, dict[int, dict[str, float]]] = {}

@@ -114,6 +114,11 @@ class Tracker:
         """Flush what is archived and end the run with ``run_end.status``."""
         raise NotImplementedError
 
+    def heartbeat(self, beat: dict[str, float]) -> None:
+        """Record that the run's processes are alive (``beat``: :func:`hdet_track.owner.heartbeat`),
+        for readers that cannot check them (another host); the hub calls it every few seconds while
+        the run is open. Optional: the default records nothing."""
+
     @property
     def run_id(self) -> str | None:
         """The backend's id of the run, once started."""

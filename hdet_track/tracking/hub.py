@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .. import owner
 from ..events import RunEnd, RunStart
 from ..record import SyncRecord
 from . import lifecycle
@@ -169,7 +170,11 @@ class TrackingHub:
     The writer hands what is queued to the trackers every ``flush_seconds`` (default 3, the event
     archive's chunk interval: the dashboard's live view is no fresher than that) and at once for a
     run's start and end and for :meth:`flush`; each hand-over costs the backend a few ms whatever
-    its size (MLflow: about 4 ms per ``log_batch`` plus 0.1 ms per point).
+    its size (MLflow: about 4 ms per ``log_batch`` plus 0.1 ms per point). While the run is open it
+    also sends each working tracker a heartbeat every ``heartbeat_seconds`` (default
+    ``$HDET_TRACK_HEARTBEAT_SECONDS``, 30; None: none), whatever the training loop is doing: a
+    reader on another host tells a live run from one whose processes are gone by it
+    (:mod:`hdet_track.owner`).
     """
 
     def __init__(
@@ -182,6 +187,7 @@ class TrackingHub:
         retry_seconds: float = 2.0,
         shutdown_timeout: float | None = None,
         points_per_second: float | None | str = "env",
+        heartbeat_seconds: float | None | str = "env",
     ) -> None:
         if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1:
             raise ValueError(f"Expected log_every to be an integer >= 1, but got {log_every!r}")
@@ -190,6 +196,10 @@ class TrackingHub:
         self.points_per_second = default_points_per_second() if points_per_second == "env" else points_per_second
         self._syncs = 0
         self.flush_seconds = flush_seconds
+        self.heartbeat_seconds = owner.heartbeat_seconds() if heartbeat_seconds == "env" else heartbeat_seconds
+        if self.heartbeat_seconds is not None and not self.heartbeat_seconds > 0:
+            raise ValueError(f"Expected heartbeat_seconds to be > 0 or None, but got {self.heartbeat_seconds!r}")
+        self._next_beat = math.inf  # monotonic time of the next heartbeat: the first follows the run's start
         self.shutdown_timeout = default_shutdown_timeout() if shutdown_timeout is None else shutdown_timeout
         directory = Path(spill_dir) if spill_dir is not None else None
         self._sinks = [_Sink(t, directory, retry_seconds) for t in self.trackers]
@@ -292,14 +302,21 @@ class TrackingHub:
 
     # ------------------------------------------------------------------ writer thread
     def _run(self) -> None:
+        next_drain = time.monotonic() + self.flush_seconds
         while True:
-            self._wake.wait(self.flush_seconds)
-            self._wake.clear()
-            try:
-                finished = self._drain()
-            except Exception:  # noqa: BLE001 - the writer must never take training down
-                logger.warning("hdet-track: the tracking writer failed:\n%s", traceback.format_exc())
-                finished = self._ended and not self._queue
+            due = next_drain if self.heartbeat_seconds is None else min(next_drain, self._next_beat)
+            woken = self._wake.wait(max(0.0, due - time.monotonic()))
+            finished = False
+            if woken or time.monotonic() >= next_drain:
+                self._wake.clear()
+                next_drain = time.monotonic() + self.flush_seconds
+                try:
+                    finished = self._drain()
+                except Exception:  # noqa: BLE001 - the writer must never take training down
+                    logger.warning("hdet-track: the tracking writer failed:\n%s", traceback.format_exc())
+                    finished = self._ended and not self._queue
+            if not finished and self.heartbeat_seconds is not None and time.monotonic() >= self._next_beat:
+                self._beat()
             if finished:
                 self.started.set()
                 deadline = time.monotonic() + self.shutdown_timeout
@@ -312,6 +329,21 @@ class TrackingHub:
                             sink.spill_path,
                         )
                 return
+
+    def _beat(self) -> None:
+        """A heartbeat to each tracker whose run is open and whose backend answers (a backend that is
+        down gets none: it has the spill to catch up on; a heartbeat is never spilled)."""
+        assert self.heartbeat_seconds is not None
+        self._next_beat = time.monotonic() + self.heartbeat_seconds
+        if self._ended:
+            return
+        beat = owner.heartbeat(self.heartbeat_seconds)
+        for sink in self._sinks:
+            if sink.down_since is None and sink.tracker.run_id is not None:
+                try:
+                    sink.tracker.heartbeat(beat)
+                except Exception:  # noqa: BLE001 - the next batch finds out whether the backend is down
+                    logger.debug("hdet-track: %s heartbeat failed", sink.label, exc_info=True)
 
     def _make_budget(self, total_steps: int, start: RunStart | None = None) -> PointBudget:
         sync_every = int((start.config if start is not None else {}).get("sync_every", 1) or 1)
@@ -359,6 +391,8 @@ class TrackingHub:
         if batch:
             for sink in self._sinks:
                 sink.deliver(batch)
+            if self.heartbeat_seconds is not None and any(isinstance(e, RunStart) for e in batch.events):
+                self._beat()  # the first, with the run's start (before a flush() waiting on it returns)
         if not self.started.is_set() and self._sinks and all(s.tracker.run_id or s.down_since for s in self._sinks):
             self.started.set()
         if end is not None:

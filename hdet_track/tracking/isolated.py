@@ -152,6 +152,9 @@ class IsolatedTracker(Tracker):
     def flush(self) -> None:
         self._call("flush")
 
+    def heartbeat(self, beat: dict[str, float]) -> None:
+        self._call("heartbeat", beat)
+
     def finish(self, run_end: RunEnd) -> None:
         self._call("finish", run_end)
         self._dead = True

@@ -257,6 +257,10 @@ class MLflowTracker(Tracker):
             if through is not None:
                 self._skip_until = max(self._skip_until, done)
 
+    def heartbeat(self, beat: dict[str, float]) -> None:
+        if self._run_id is not None and self._run_open:
+            self._client.set_tag(self._run_id, names.MLFLOW_ALIVE_TAG, json.dumps(beat))
+
     def flush(self) -> None:
         if self._archive is not None:
             self._pending += self._archive.write()

@@ -145,6 +145,7 @@ class WandbTracker(Tracker):
         self._defined: set[str] = set()
         self._user_points: list[dict[str, Any]] = []  # user metrics not yet in user_metrics.jsonl
         self._stored: StoredSteps | None = None  # a resumed run: what its earlier sessions hold
+        self._owner: dict[str, Any] = {}  # the owner file's record (process_identity, heartbeat)
 
     @property
     def run_id(self) -> str | None:
@@ -226,14 +227,26 @@ class WandbTracker(Tracker):
         self._archive = EventArchive(Path(run.dir) / ARTIFACT_DIR, chunk_seconds=self.chunk_seconds)
         # Who owns the run: a reader on this host tells a live run from one whose process was killed
         # (SIGKILL, the OOM killer) before it could end the run; W&B's file says neither.
+        self._owner = process_identity() | {"time": time.time()}
         try:
-            folder = Path(run.dir) / ARTIFACT_DIR
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / OWNER_FILE).write_text(json.dumps(process_identity() | {"time": time.time()}))
+            self._write_owner()
         except OSError as exc:  # pragma: no cover - an unwritable run directory fails later anyway
             logger.warning("hdet-track: could not record the W&B run's owner: %s", exc)
         if run_start.start_step > 0:  # a resumed job: what earlier sessions stored is not written twice
             self._stored = _stored_before(run)
+
+    def _write_owner(self) -> None:
+        """The owner file, replaced whole (a reader never sees half of it)."""
+        folder = Path(self._run.dir) / ARTIFACT_DIR
+        folder.mkdir(parents=True, exist_ok=True)
+        temporary = folder / f".{OWNER_FILE}.tmp"
+        temporary.write_text(json.dumps(self._owner), encoding="utf-8")
+        os.replace(temporary, folder / OWNER_FILE)
+
+    def heartbeat(self, beat: dict[str, float]) -> None:
+        if self._run is not None and self._run_open:
+            self._owner["alive"] = beat
+            self._write_owner()
 
     def _new(self, batch: Batch) -> tuple[list[Any], Batch]:
         """The points of ``batch`` for W&B's rows and what of it goes to the archive, without what
