@@ -11,10 +11,12 @@ and :meth:`_window_record`.
 from __future__ import annotations
 
 import logging
+import numbers
 import traceback
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from . import names
 from .record import RunInfo, SchedulerCallback, SyncRecord
 
 if TYPE_CHECKING:
@@ -23,7 +25,7 @@ if TYPE_CHECKING:
 
 _R = TypeVar("_R", bound="Reporting")
 
-__all__ = ["Reporting"]
+__all__ = ["Reporting", "checked_metrics"]
 
 logger = logging.getLogger(__name__)
 
@@ -104,9 +106,18 @@ class Reporting:
         return self._callbacks.run_ids()
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-        """Log extra metrics (validation loss, accuracy, ...) into the run, on rank 0; a no-op elsewhere."""
+        """Log extra metrics (validation loss, accuracy, ...) into the run, on rank 0; a no-op elsewhere.
+
+        ``metrics`` maps names other than HDET's own series (``loss``, ``lr``, ``hdet/...``) to real
+        numbers (one-element tensors and arrays too); ``step`` defaults to the scheduler's. Checked
+        on every rank, here: a bad name or value raises at this call and never reaches the run."""
+        values = checked_metrics(metrics, convert=self._rank == 0)
+        if step is not None:
+            if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+                raise ValueError(f"Expected step to be an integer >= 0 (or None: the scheduler's), but got {step!r}")
+            step = int(step)
         self._deliver()
-        self._callbacks.log_metrics(metrics, max(self.last_epoch, 0) if step is None else step)
+        self._callbacks.log_metrics(values, max(self.last_epoch, 0) if step is None else step)
 
     def flush(self, timeout: float | None = 60.0) -> bool:
         """Block until what was logged so far reached the trackers (rank 0). True when it did (the
@@ -150,3 +161,38 @@ class Reporting:
         else:
             text = "".join(traceback.format_exception(exc_type, exc, tb))[-4000:]
             self.close("KILLED" if issubclass(exc_type, KeyboardInterrupt) else "FAILED", text)
+
+
+def checked_metrics(metrics: Any, convert: bool = True) -> dict[str, Any]:
+    """``metrics`` as ``{name: float}`` (``convert``; else checked and left as they are): a mapping
+    of non-empty names, none of them HDET's own series, to real numbers or one-element tensors or
+    arrays. Raises ``TypeError``/``ValueError`` naming the metric and its value."""
+    if not isinstance(metrics, Mapping):
+        raise TypeError(
+            f"Expected metrics to be a mapping of names to numbers (e.g. {{'val_loss': 0.31}}), but got "
+            f"{type(metrics).__name__}"
+        )
+    out: dict[str, Any] = {}
+    for key, value in metrics.items():
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"Expected metric names to be non-empty strings, but got {key!r}")
+        if names.is_hdet_series(key):
+            raise ValueError(
+                f"Expected metric names other than HDET's own series ('loss', 'lr' and 'hdet/...'), but got "
+                f"{key!r}: the run logs these itself; log yours under another name (e.g. 'train_loss')"
+            )
+        size = getattr(value, "numel", None) or getattr(value, "size", None)
+        size = size() if callable(size) else size
+        if isinstance(value, numbers.Real):
+            out[key] = float(value) if convert else value
+        elif size == 1 and hasattr(value, "item") and not convert:
+            out[key] = value  # not read here: .item() would wait for the device on every rank
+        elif size == 1 and hasattr(value, "item") and isinstance(item := value.item(), numbers.Real):
+            out[key] = float(item)
+        else:
+            shape = getattr(value, "shape", None)
+            got = f"a {type(value).__name__} of shape {tuple(shape)}" if shape is not None else repr(value)[:80]
+            raise TypeError(
+                f"Expected metric {key!r} to be a real number (or a one-element tensor or array), but got {got}"
+            )
+    return out

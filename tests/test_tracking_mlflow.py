@@ -450,6 +450,45 @@ def test_by_default_the_run_stays_open_after_the_last_step_for_final_metrics(sql
     assert history(client, tracker.run_id, "val_loss") == {10: 0.25}
 
 
+def test_a_bad_user_metric_raises_at_the_call_and_costs_the_run_nothing(sqlite_uri):
+    """A metric that is not a number, or named as one of HDET's own series, used to reach the
+    writer thread, where it took the syncs and steps queued with it down (steps 1-10 and the syncs
+    at 5 and 10 were lost), or went into HDET's ``loss`` series. Now it raises at the call, naming
+    it; tensors and numpy scalars are numbers."""
+    import numpy as np
+
+    tracker = MLflowTracker(tracking_uri=sqlite_uri, experiment="bad-metric")
+    opt = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)
+    bad = [
+        ({"note": "abc"}, TypeError, r"metric 'note' to be a real number .* but got 'abc'"),
+        ({"grid": torch.ones(3)}, TypeError, r"metric 'grid' .* but got a Tensor of shape \(3,\)"),
+        ({"loss": 0.5}, ValueError, r"other than HDET's own series .* but got 'loss'"),
+        ({"hdet/x": 0.5}, ValueError, r"but got 'hdet/x'"),
+        ({"": 0.5}, ValueError, r"non-empty strings, but got ''"),
+        ([("val_loss", 0.5)], TypeError, r"mapping of names to numbers .* but got list"),
+    ]
+    with HDETScheduler(opt, 0.1, total_steps=20, spread=0.0, sync_every=5, track=tracker) as sched:
+        for k in range(1, 21):
+            opt.step()
+            sched.step(1.0 / k)
+            if k == 10:
+                for metrics, error, match in bad:
+                    with pytest.raises(error, match=match):
+                        sched.log_metrics(metrics)
+                with pytest.raises(ValueError, match=r"step to be an integer >= 0 .* but got -1"):
+                    sched.log_metrics({"val_loss": 0.5}, step=-1)
+                sched.log_metrics({"val_loss": torch.tensor(0.25), "val_accuracy": np.float32(0.5)})
+                sched.log_metrics({"val_loss": np.array([0.125])}, step=np.int64(11))
+    client = MlflowClient(sqlite_uri)
+    assert history(client, tracker.run_id, "val_loss") == {10: 0.25, 11: 0.125}
+    assert history(client, tracker.run_id, "val_accuracy") == {10: 0.5}
+    assert sorted(history(client, tracker.run_id, "loss")) == list(range(1, 21))  # HDET's own, untouched
+    assert sorted(history(client, tracker.run_id, "hdet/sync/divergence")) == [5, 10, 15, 20]
+    run = MLflowReader(sqlite_uri).read(tracker.run_id)
+    assert [c.step for c in run.converge] == [5, 10, 15, 20]
+    assert run.replica_series("loss", 0)[0].tolist() == list(range(1, 21))
+
+
 def test_close_at_end_true_ends_the_run_at_the_last_step_and_says_what_it_drops(sqlite_uri, caplog):
     tracker = MLflowTracker(tracking_uri=sqlite_uri)
     sched = ten_steps(tracker, close_at_end=True)

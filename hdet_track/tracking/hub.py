@@ -225,8 +225,10 @@ class TrackingHub:
         self._put("record", (record, time.time() if when is None else when))
 
     def metrics(self, values: dict[str, float], step: int) -> None:
-        """User metrics (e.g. validation loss) into the same run."""
-        self._put("metrics", (dict(values), int(step), time.time()))
+        """User metrics (e.g. validation loss) into the same run: numbers, made floats here (a value
+        that is not one raises in the caller's thread, never in the writer's, where it would cost
+        the batch it arrived with)."""
+        self._put("metrics", ({str(k): float(v) for k, v in values.items()}, int(step), time.time()))
 
     def note_step(self, step: int) -> None:
         self._last_step = step
