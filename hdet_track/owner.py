@@ -27,6 +27,7 @@ DEFAULT_HEARTBEAT_SECONDS = 30.0
 # A heartbeat this many intervals overdue means the run's processes are gone (at the default
 # interval, 5 minutes: well past a busy backend's stall and the clock skew of NTP-synced hosts).
 MISSED_BEATS = 10
+_IDENTITY = ("host", "pid", "start", "pidns")  # what a heartbeat shares with its owner's record
 
 
 def process_identity(pid: int | None = None) -> dict[str, Any]:
@@ -89,18 +90,19 @@ def heartbeat_seconds() -> float | None:
     return value or None
 
 
-def heartbeat(every: float, now: float | None = None) -> dict[str, Any]:
+def heartbeat(every: float, now: float | None = None, identity: dict[str, Any] | None = None) -> dict[str, Any]:
     """The heartbeat record a tracker stores: when (``time``, Unix seconds), the interval, and the
-    process that sent it (``host``, ``pid``: the run's owner)."""
+    process that sent it (the run's owner: its :func:`process_identity`, default this process's)."""
     now = time.time() if now is None else now
-    return {"time": now, "every": float(every), "host": socket.gethostname(), "pid": os.getpid()}
+    return (identity or process_identity()) | {"time": now, "every": float(every)}
 
 
 def silence(beat: Any, owner: dict | None = None, now: float | None = None) -> str | None:
     """Why a run whose owner this host cannot check reads as ended: its last heartbeat (a
     :func:`heartbeat` record, or its JSON) is more than :data:`MISSED_BEATS` intervals old. None while
     it is not, for no or an unreadable record (a run written before heartbeats: cannot tell), and
-    for one sent by another process than ``owner`` (an earlier attempt of a resumed run)."""
+    for one sent by another process than ``owner`` (an earlier attempt of a resumed run, even one
+    with the same host name and pid: a restarted container)."""
     if isinstance(beat, str):
         try:
             beat = json.loads(beat)
@@ -108,7 +110,7 @@ def silence(beat: Any, owner: dict | None = None, now: float | None = None) -> s
             return None
     if not isinstance(beat, dict):
         return None
-    if owner is not None and (beat.get("host"), beat.get("pid")) != (owner.get("host"), owner.get("pid")):
+    if owner is not None and any(beat.get(k) != owner.get(k) for k in _IDENTITY if owner.get(k) is not None):
         return None
     last, every = beat.get("time"), beat.get("every")
     if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in (last, every)) or every <= 0:

@@ -118,7 +118,7 @@ class _Sink:
         self.spill.path.unlink()
         logger.warning(
             "hdet-track: %s is back after %.1f s; replayed %d buffered batches",
-            type(self.tracker).__name__,
+            self.label,
             time.monotonic() - (self.down_since or time.monotonic()),
             len(batches),
         )
@@ -145,6 +145,14 @@ def default_shutdown_timeout() -> float:
     if not value >= 0:
         raise ValueError(f"Expected HDET_TRACK_SHUTDOWN_TIMEOUT to be a number of seconds >= 0, but got {text!r}")
     return value
+
+
+def check_environment() -> None:
+    """The hub's settings from the environment, on every rank (only rank 0 runs a hub, and a bad
+    value must not leave the other ranks waiting for it at their first collective)."""
+    default_shutdown_timeout()
+    default_points_per_second()
+    owner.heartbeat_seconds()
 
 
 def default_points_per_second() -> float | None:
@@ -200,6 +208,7 @@ class TrackingHub:
         if self.heartbeat_seconds is not None and not self.heartbeat_seconds > 0:
             raise ValueError(f"Expected heartbeat_seconds to be > 0 or None, but got {self.heartbeat_seconds!r}")
         self._next_beat = math.inf  # monotonic time of the next heartbeat: the first follows the run's start
+        self._identity = owner.process_identity()  # the sender of every heartbeat: this (training) process
         self.shutdown_timeout = default_shutdown_timeout() if shutdown_timeout is None else shutdown_timeout
         directory = Path(spill_dir) if spill_dir is not None else None
         self._sinks = [_Sink(t, directory, retry_seconds) for t in self.trackers]
@@ -311,12 +320,12 @@ class TrackingHub:
             finished = False
             if woken or time.monotonic() >= next_drain:
                 self._wake.clear()
-                next_drain = time.monotonic() + self.flush_seconds
                 try:
                     finished = self._drain()
                 except Exception:  # noqa: BLE001 - the writer must never take training down
                     logger.warning("hdet-track: the tracking writer failed:\n%s", traceback.format_exc())
                     finished = self._ended and not self._queue
+                next_drain = time.monotonic() + self.flush_seconds
             if not finished and self.heartbeat_seconds is not None and time.monotonic() >= self._next_beat:
                 self._beat()
             if finished:
@@ -333,19 +342,22 @@ class TrackingHub:
                 return
 
     def _beat(self) -> None:
-        """A heartbeat to each tracker whose run is open and whose backend answers (a backend that is
-        down gets none: it has the spill to catch up on; a heartbeat is never spilled)."""
+        """A heartbeat to each tracker whose run is open and whose backend answers. A backend that
+        is down is retried first when its retry is due (its spill replayed: a quiet run need not
+        wait for its next batch) and gets none until it answers (a heartbeat is never spilled); one
+        whose heartbeat fails is down, as for any batch."""
         assert self.heartbeat_seconds is not None
+        if not self._ended:
+            beat = owner.heartbeat(self.heartbeat_seconds, identity=self._identity)
+            for sink in self._sinks:
+                if sink.down_since is not None and (time.monotonic() < sink.next_retry or not sink._replay()):
+                    continue
+                if sink.tracker.run_id is not None:
+                    try:
+                        sink.tracker.heartbeat(beat)
+                    except Exception as exc:  # noqa: BLE001 - any backend failure means "down"
+                        sink._went_down(exc)
         self._next_beat = time.monotonic() + self.heartbeat_seconds
-        if self._ended:
-            return
-        beat = owner.heartbeat(self.heartbeat_seconds)
-        for sink in self._sinks:
-            if sink.down_since is None and sink.tracker.run_id is not None:
-                try:
-                    sink.tracker.heartbeat(beat)
-                except Exception:  # noqa: BLE001 - the next batch finds out whether the backend is down
-                    logger.debug("hdet-track: %s heartbeat failed", sink.label, exc_info=True)
 
     def _make_budget(self, total_steps: int, start: RunStart | None = None) -> PointBudget:
         sync_every = int((start.config if start is not None else {}).get("sync_every", 1) or 1)

@@ -189,7 +189,6 @@ class MLflowTracker(Tracker):
                 self._archived = _archived_through(client, run_id, chunks)
                 self._user_steps = {}
             if resumed:
-                client.update_run(run_id, status="RUNNING")
                 if "hdet.error" in run.data.tags:  # the interrupted part's error; the run goes on
                     client.set_tag(run_id, "hdet.resumed_after", run.data.tags["hdet.error"][-4900:])
                     client.delete_tag(run_id, "hdet.error")
@@ -201,6 +200,8 @@ class MLflowTracker(Tracker):
         run_tags_list = [RunTag(k, v) for k, v in tags.items()]
         for i in range(0, max(len(params), 1), _MAX_PARAMS):
             client.log_batch(run_id, params=params[i : i + _MAX_PARAMS], tags=run_tags_list if i == 0 else [])
+        if resumed:  # RUNNING again once the tags name its new owner (not the earlier attempt's, with its heartbeat)
+            client.update_run(run_id, status="RUNNING")
         self._client = client
         self._run_id = run_id
         self._resume_id = None  # used up: a later run of this object is a new one unless resumed again
@@ -289,6 +290,9 @@ class MLflowTracker(Tracker):
         if not (self._attached and run_end.status == "FINISHED"):  # else its owner (a Lightning logger...) ends it
             end_ms = int((run_end.time or time.time()) * 1000)
             self._client.set_terminated(self._run_id, status=run_end.status, end_time=end_ms)
+        elif names.MLFLOW_ALIVE_TAG in self._client.get_run(self._run_id).data.tags:
+            # left open for its owner, whose process this tracker's heartbeat does not speak for
+            self._client.delete_tag(self._run_id, names.MLFLOW_ALIVE_TAG)
         # Ended (run_id still names it): the next start(), a later scheduler's, makes a new run.
         self.run_name = self._given_run_name
         self._end_run()

@@ -60,6 +60,9 @@ class Recorder(SchedulerCallback):
         self._info: Callable[[], RunInfo] | None = None
         self._pending: Callable[[], SyncRecord | None] | None = None
         if self.trackers:
+            from .hub import check_environment
+
+            check_environment()  # on every rank: a bad setting fails all of them alike
             lifecycle.install(rank)  # how the run ends when the process does; other ranks leave failure notes
         if rank == 0 and self.trackers:
             from .hub import TrackingHub

@@ -341,6 +341,8 @@ class WandbTracker(Tracker):
         self._run.summary["hdet/status"] = run_end.status
         if run_end.error:
             self._run.summary["hdet/error"] = run_end.error[-4000:]
+        if self._existing is not None and self._owner.pop("alive", None) is not None:
+            self._write_owner()  # left open for its owner, whose process this tracker's heartbeat does not speak for
         if self._existing is None:
             path = self._run.settings.sync_file
             self._run.finish(exit_code=0 if run_end.status == "FINISHED" else 1)
