@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import socket
+import sys
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
@@ -164,6 +165,8 @@ class HDETScheduler(Reporting, OneCycleLR):
         self._lr_bounds_given = lr_bounds is not None
         self._group = process_group
         self._rank, self._world_size = collectives.world(process_group)
+        if self._world_size > 1:
+            _check_whole_replicas(optimizer, model)
         self._model = model
         self.average_buffers = bool(average_buffers)
         self.spread = float(spread)
@@ -586,6 +589,37 @@ def _check_arguments(optimizer: Any, model: Any, total_steps: int | None, **args
         raise ValueError(
             f"Expected auto_lr_warmup to be an integer in [0, total_steps={total_steps}], but got {warmup!r}"
         )
+
+
+def _check_whole_replicas(optimizer: torch.optim.Optimizer, model: nn.Module | None) -> None:
+    """Every rank must hold a whole replica: HDET averages each rank's tensors with the others', and
+    a shard (FSDP, FSDP2's ``fully_shard``, tensor parallel) averaged with other ranks' shards is
+    another tensor's slice, not the same tensor trained differently."""
+    # loaded already wherever such a module or tensor exists: nothing to import here
+    fsdp = getattr(sys.modules.get("torch.distributed.fsdp"), "FullyShardedDataParallel", None)
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    if model is not None and fsdp is not None and any(isinstance(m, fsdp) for m in model.modules()):
+        raise ValueError(_sharded_message("model", "is wrapped in FullyShardedDataParallel (FSDP)"))
+    tensors = [
+        ("optimizer", g, i, p) for g, group in enumerate(optimizer.param_groups) for i, p in enumerate(group["params"])
+    ]
+    if model is not None:
+        tensors += [("model", None, name, t) for name, t in [*model.named_parameters(), *model.named_buffers()]]
+    for source, g, i, t in tensors:
+        where = f"parameter {i} of param group {g}" if source == "optimizer" else f"{i!r}"
+        if getattr(t, "_is_flat_param", False):
+            raise ValueError(_sharded_message(f"{source} {where}", "is an FSDP flat parameter (a shard)"))
+        if dtensor is not None and isinstance(t, dtensor):
+            placed = f"is a DTensor placed {tuple(t.placements)} over a device mesh (fully_shard, tensor parallel)"
+            raise ValueError(_sharded_message(f"{source} {where}", placed))
+
+
+def _sharded_message(what: str, why: str) -> str:
+    return (
+        f"Expected every rank to hold a whole replica (plain tensors: single-device modules or DDP), but "
+        f"the {what} {why}: HDET averages each rank's whole replica with the others', and a shard "
+        f"averaged with other ranks' shards is not that. Train with DDP or plain replicas."
+    )
 
 
 _PAPER_DEFAULTS = PaperController().settings()

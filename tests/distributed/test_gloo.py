@@ -352,3 +352,15 @@ def test_the_harness_tolerates_an_abort_at_exit_only_after_a_clean_teardown():
     assert run_ranks(workers.abort_at_exit, WORLD, "exit") == list(range(WORLD))
     with pytest.raises(torch.multiprocessing.ProcessExitedException, match="SIGABRT"):
         run_ranks(workers.abort_at_exit, WORLD, "job")
+
+
+def test_sharded_replicas_are_refused_when_the_scheduler_is_built():
+    """Averaging FSDP2 shards across ranks would mix slices of different tensors; it used to fail
+    only at the first sync, with DTensor's 'c10d.allreduce_.default does not have a sharding strategy'."""
+    res = run_ranks(workers.sharded_replicas_refused, 2)
+    for rank in range(2):
+        errors = res[rank]
+        assert set(errors) == {"optimizer", "model"}, (rank, errors)
+        assert "Expected every rank to hold a whole replica" in errors["optimizer"]
+        assert "optimizer parameter 0 of param group 0 is a DTensor placed (Shard(dim=0),)" in errors["optimizer"]
+        assert "Train with DDP or plain replicas" in errors["model"]

@@ -647,3 +647,22 @@ def abort_at_exit(rank: int, world: int, when: str) -> int:
     if rank == 1 and when == "job":
         os.abort()
     return rank
+
+
+def sharded_replicas_refused(rank: int, world: int) -> dict:
+    """FSDP2 (``fully_shard``) leaves each rank a shard: the scheduler refuses it when built, on every
+    rank, with or without ``model=``; plain replicas of the same model are accepted."""
+    from torch.distributed.fsdp import fully_shard
+
+    errors = {}
+    for given in ("optimizer", "model"):
+        model = make_model()
+        fully_shard(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        try:
+            HDETScheduler(opt, 0.1, total_steps=10, spread=0.3, sync_every=2, model=model if given == "model" else None)
+        except ValueError as exc:
+            errors[given] = str(exc)
+    plain = make_model()
+    HDETScheduler(torch.optim.SGD(plain.parameters(), lr=0.1), 0.1, total_steps=10, spread=0.3, model=plain)
+    return errors
