@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import struct
+import threading
 import zlib
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["iter_records", "read_wandb_file", "WandbFileContents", "WandbFormatError"]
+__all__ = ["iter_records", "read_wandb_file", "WandbFileCache", "WandbFileContents", "WandbFormatError"]
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +28,7 @@ _HEADER_LEN = 7
 _BLOCK = 32 * 1024
 _REC_HEADER = 7
 _FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
+_HEAD = 4096  # bytes compared to tell a file grown from one rewritten in place
 
 
 class WandbFormatError(ValueError):
@@ -38,49 +42,69 @@ def _masked_crc_ok(crc: int, rtype: int, payload: bytes) -> bool:
 
 def iter_payloads(data: bytes) -> Iterator[bytes]:
     """Yield each complete record payload; stop quietly at a truncated tail (a file being written)."""
+    _check_header(data)
+    scan = _Scan()
+    yield from scan.payloads(data, 0)
+
+
+def _check_header(data: bytes) -> None:
     if len(data) < _HEADER_LEN and b":W&B".startswith(data[:4]):
         return  # created but not yet written
     if data[:4] != b":W&B":
         raise WandbFormatError("Expected a .wandb file starting with ':W&B', but got something else")
-    pos = _HEADER_LEN
-    pending: list[bytes] = []
-    while pos + _REC_HEADER <= len(data):
-        left_in_block = _BLOCK - (pos % _BLOCK)
-        if left_in_block < _REC_HEADER:
-            pos += left_in_block
-            continue
-        crc, length, rtype = struct.unpack_from("<IHB", data, pos)
-        start = pos + _REC_HEADER
-        end = start + length
-        if end > len(data):
-            return  # truncated: still being written
-        payload = data[start:end]
-        pos = end
-        if rtype == 0 and length == 0:  # zero padding at the end of a block
-            pos += _BLOCK - (pos % _BLOCK) if pos % _BLOCK else 0
-            continue
-        if not _masked_crc_ok(crc, rtype, payload):
-            logger.warning("hdet-track: skipping a .wandb record with a bad checksum at byte %d", start)
-            pending = []
-            continue
-        if rtype == _FULL:
-            yield payload
-        elif rtype == _FIRST:
-            pending = [payload]
-        elif rtype == _MIDDLE:
-            pending.append(payload)
-        elif rtype == _LAST:
-            pending.append(payload)
-            yield b"".join(pending)
-            pending = []
+
+
+class _Scan:
+    """Where a scan of the records stopped: ``pos``, the first byte not consumed (a record's header
+    or a block's padding; a file being written is cut anywhere after it), and the fragments of a
+    record split over blocks that came before it. A later scan of the bytes from ``pos`` on goes on
+    from there."""
+
+    def __init__(self) -> None:
+        self.pos = _HEADER_LEN
+        self.pending: list[bytes] = []
+
+    def payloads(self, data: bytes, base: int) -> Iterator[bytes]:
+        """The complete payloads in ``data`` (the file's bytes from offset ``base`` <= ``pos``)."""
+        pos, end_of_data = self.pos, base + len(data)
+        while pos + _REC_HEADER <= end_of_data:
+            left_in_block = _BLOCK - (pos % _BLOCK)
+            if left_in_block < _REC_HEADER:
+                pos += left_in_block
+                continue
+            crc, length, rtype = struct.unpack_from("<IHB", data, pos - base)
+            start = pos + _REC_HEADER
+            end = start + length
+            if end > end_of_data:
+                break  # truncated: still being written
+            payload = data[start - base : end - base]
+            pos = self.pos = end
+            if rtype == 0 and length == 0:  # zero padding at the end of a block
+                pos = self.pos = pos + (_BLOCK - (pos % _BLOCK) if pos % _BLOCK else 0)
+            elif not _masked_crc_ok(crc, rtype, payload):
+                logger.warning("hdet-track: skipping a .wandb record with a bad checksum at byte %d", start)
+                self.pending = []
+            elif rtype == _FULL:
+                yield payload
+            elif rtype == _FIRST:
+                self.pending = [payload]
+            elif rtype == _MIDDLE:
+                self.pending.append(payload)
+            elif rtype == _LAST:
+                whole = b"".join([*self.pending, payload])
+                self.pending = []
+                yield whole
 
 
 def iter_records(path: str | Path) -> Iterator[Any]:
     """Yield ``wandb_internal_pb2.Record`` messages from a ``.wandb`` file."""
+    yield from _records(iter_payloads(Path(path).read_bytes()))
+
+
+def _records(payloads: Iterator[bytes]) -> Iterator[Any]:
     from wandb.proto import wandb_internal_pb2 as pb
 
-    data = Path(path).read_bytes()
-    for payload in iter_payloads(data):
+    for payload in payloads:
         rec = pb.Record()
         try:
             rec.ParseFromString(payload)
@@ -113,31 +137,96 @@ def read_wandb_file(path: str | Path) -> WandbFileContents:
     """Parse a ``.wandb`` file into its run, config, history rows, summary and exit code."""
     out = WandbFileContents()
     for rec in iter_records(path):
-        kind = rec.WhichOneof("record_type")
-        if kind == "run":
-            out.run_id, out.project, out.group = rec.run.run_id, rec.run.project, rec.run.run_group
-            out.name = rec.run.display_name
-            for item in rec.run.config.update:
-                out.config[_item_key(item)] = _loads(item.value_json)
-        elif kind == "config":
-            for item in rec.config.update:
-                out.config[_item_key(item)] = _loads(item.value_json)
-        elif kind == "history":
-            row = {_item_key(item): _loads(item.value_json) for item in rec.history.item}
-            if rec.history.HasField("step"):
-                row.setdefault("_step", rec.history.step.num)
-            out.history.append(row)
-        elif kind == "summary":
-            for item in rec.summary.update:
-                out.summary[_item_key(item)] = _loads(item.value_json)
-        elif kind == "metric":
-            m = rec.metric
-            name = m.name or m.glob_name
-            if m.step_metric:
-                out.step_metrics[name] = m.step_metric
-        elif kind == "exit":
-            out.exit_code = rec.exit.exit_code
+        _apply(out, rec)
     return out
+
+
+def _apply(out: WandbFileContents, rec: Any) -> None:
+    kind = rec.WhichOneof("record_type")
+    if kind == "run":
+        out.run_id, out.project, out.group = rec.run.run_id, rec.run.project, rec.run.run_group
+        out.name = rec.run.display_name
+        for item in rec.run.config.update:
+            out.config[_item_key(item)] = _loads(item.value_json)
+    elif kind == "config":
+        for item in rec.config.update:
+            out.config[_item_key(item)] = _loads(item.value_json)
+    elif kind == "history":
+        row = {_item_key(item): _loads(item.value_json) for item in rec.history.item}
+        if rec.history.HasField("step"):
+            row.setdefault("_step", rec.history.step.num)
+        out.history.append(row)
+    elif kind == "summary":
+        for item in rec.summary.update:
+            out.summary[_item_key(item)] = _loads(item.value_json)
+    elif kind == "metric":
+        m = rec.metric
+        name = m.name or m.glob_name
+        if m.step_metric:
+            out.step_metrics[name] = m.step_metric
+    elif kind == "exit":
+        out.exit_code = rec.exit.exit_code
+
+
+class WandbFileCache:
+    """:func:`read_wandb_file` for files read again and again (a dashboard polling a directory of
+    runs, some live): a file is parsed once and, while W&B appends to it, only its new bytes are.
+    A file that shrank, was replaced (another inode) or was written over in place (its first 4 KiB
+    changed) is parsed again from the start. Holds the
+    parses of at most ``max_rows`` history rows in all, the least recently read dropped first.
+
+    Returns a snapshot each time: its lists and dicts are the caller's (the rows themselves are
+    shared; do not change them)."""
+
+    def __init__(self, max_rows: int = 400_000) -> None:
+        self.max_rows = max_rows
+        self._parses: OrderedDict[str, tuple[tuple[int, int, bytes], _Scan, WandbFileContents]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.bytes_parsed = 0  # for tests and benches: how much work the reads did
+
+    def read(self, path: str | Path) -> WandbFileContents:
+        path = Path(path)
+        key = str(path.resolve())
+        with self._lock:
+            with open(path, "rb") as f:
+                st = os.fstat(f.fileno())
+                head = f.read(_HEAD)  # the run's first records: another run's file written over this one differs
+                identity = (st.st_dev, st.st_ino, head)
+                cached = self._parses.pop(key, None)
+                if cached is None or cached[0] != identity or cached[1].pos > st.st_size:
+                    _check_header(head)
+                    cached = (identity, _Scan(), WandbFileContents())
+                scan, contents = cached[1], cached[2]
+                f.seek(scan.pos)
+                data = f.read()
+            self.bytes_parsed += len(data)
+            for rec in _records(scan.payloads(data, scan.pos)):
+                _apply(contents, rec)
+            self._parses[key] = cached
+            self._evict(keep=key)
+            return WandbFileContents(
+                run_id=contents.run_id,
+                project=contents.project,
+                group=contents.group,
+                name=contents.name,
+                config=dict(contents.config),
+                history=list(contents.history),
+                summary=dict(contents.summary),
+                step_metrics=dict(contents.step_metrics),
+                exit_code=contents.exit_code,
+            )
+
+    def _evict(self, keep: str) -> None:
+        rows = sum(len(c[2].history) for c in self._parses.values())
+        while rows > self.max_rows and len(self._parses) > 1:
+            oldest = next(iter(self._parses))
+            if oldest == keep:
+                break
+            rows -= len(self._parses.pop(oldest)[2].history)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._parses.clear()
 
 
 def _loads(text: str) -> Any:

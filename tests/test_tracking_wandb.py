@@ -133,6 +133,70 @@ def test_record_parser_rejects_other_files_and_stops_at_truncation(tmp_path):
     assert 0 < len(cut) < len(full) and cut == full[: len(cut)]
 
 
+def test_a_run_file_read_again_as_it_grows_is_parsed_once_and_reads_as_parsed_whole(tmp_path):
+    """The readers' cache of W&B run files (the dashboard reads every run at each refresh): a file
+    that W&B appends to, read after every chunk (cut anywhere: inside a record, a record's header,
+    a block's padding, records split over blocks), reads at the end exactly as one parse of the
+    whole file, and the reads together parse its bytes about once; a file replaced by another
+    (another inode) or cut shorter is parsed again from its start."""
+    import random
+    import shutil
+
+    import wandb
+
+    from hdet_track.wandb_file import WandbFileCache
+
+    def write(name, rows):
+        run = wandb.init(project="grow", dir=tmp_path / name, mode="offline")
+        for k in range(1, rows + 1):
+            run.log(
+                {"hdet/step": k, "loss": 1.0 / k, "note": "x" * (k % 97)}
+                | {f"hdet/replica_{r:02d}/lr": 0.1 * r for r in range(6)}
+            )
+        run.finish()
+        (path,) = glob.glob(str(tmp_path / name / "wandb" / "offline-run-*" / "run-*.wandb"))
+        return path
+
+    source, other = write("a", 1500), write("b", 900)
+    whole = read_finished(source, timeout=30)
+    assert whole.exit_code == 0 and len(whole.history) == 1500
+    data = open(source, "rb").read()
+    assert len(data) > 4 * 32 * 1024  # several blocks, so records are split over blocks
+    cache, live, rnd, cut = WandbFileCache(), tmp_path / "live.wandb", random.Random(1), 0
+    seen = []
+    while cut < len(data):
+        cut = min(len(data), cut + rnd.choice([1, 7, 100, 4096, 40_000]))
+        with open(live, "ab") as f:
+            f.write(data[f.tell() : cut])
+        got = cache.read(live)
+        assert got.history == whole.history[: len(got.history)]  # a prefix, never a wrong row
+        seen.append(len(got.history))
+    assert seen == sorted(seen) and got.history == whole.history
+    assert (got.summary, got.config, got.exit_code, got.run_id) == (whole.summary, whole.config, 0, whole.run_id)
+    assert cache.bytes_parsed < 1.2 * len(data), (cache.bytes_parsed, len(data))
+    got.history.clear()
+    assert len(cache.read(live).history) == 1500  # a snapshot: the caller's lists are its own
+    live.write_bytes(data[: len(data) // 3])  # cut shorter: parsed again from the start
+    assert cache.read(live).history == whole.history[: len(cache.read(live).history)]
+    assert len(cache.read(live).history) < 1500
+    shutil.copy(source, tmp_path / "copy.wandb")
+    os.replace(tmp_path / "copy.wandb", live)  # another file under the same name, as long as the first
+    assert cache.read(live).history == whole.history
+    live.write_bytes(data[: len(data) // 3])
+    cache.read(live)
+    shutil.copyfile(other, live)  # another run's file written over this one in place (same inode), longer
+    assert cache.read(live).history == read_finished(other, timeout=30).history
+    small = WandbFileCache(max_rows=2000)  # holds one parse at a time: a second file evicts the first
+    small.read(source)
+    small.read(live)
+    before = small.bytes_parsed
+    small.read(source)
+    again = small.bytes_parsed - before
+    assert len(data) - 8 <= again <= len(data)  # parsed again (all but its 7-byte header), as it had been dropped
+    small.read(source)
+    assert small.bytes_parsed == before + again  # unchanged since: nothing parsed
+
+
 def test_finish_waits_until_wandb_has_written_the_run_file(tmp_path):
     """W&B's service writes the run file in 32 KiB blocks and closes it after ``finish()`` returns:
     ``wait_until_written`` holds the tracker's finish until the exit record is on disk."""

@@ -16,7 +16,7 @@ import numpy as np
 from .. import names
 from ..owner import owner_alive, silence
 from ..summaries import SUMMARY_DIR
-from ..wandb_file import WandbFormatError, read_wandb_file
+from ..wandb_file import WandbFileCache, WandbFormatError
 from ..wandb_store import (
     EVENTS_DIR,
     OWNER_FILE,
@@ -36,6 +36,10 @@ __all__ = ["WandbReader", "find_run_dirs"]
 # process has just exited. A run is read KILLED once its owner is gone AND this long has passed
 # since the run file last changed (never from the file's age alone).
 OWNER_GONE_GRACE_SECONDS = 2.0
+
+# W&B's run files, parsed once per process and then only as far as they grew: the dashboard reads
+# every run of a directory at each refresh, and a long run's file takes seconds to parse whole.
+RUN_FILES = WandbFileCache()
 
 
 def find_run_dirs(root: str | Path) -> list[Path]:
@@ -107,7 +111,7 @@ class WandbReader:
             wandb_file = sorted(directory.glob("run-*.wandb"))[0]
             sessions.append(([], read_user_metrics(directory)))
             try:
-                contents = read_wandb_file(wandb_file)
+                contents = RUN_FILES.read(wandb_file)
             except WandbFormatError as exc:
                 run.warnings.append(str(exc))
                 continue
