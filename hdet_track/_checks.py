@@ -31,3 +31,10 @@ def check_bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"Expected {name} to be a bool, but got {value!r}")
     return value
+
+
+def check_str(name: str, value: Any) -> str | None:
+    """``value`` if it is a non-empty str or None, else ``ValueError``."""
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ValueError(f"Expected {name} to be a non-empty str or None, but got {value!r}")
+    return value

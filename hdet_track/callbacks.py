@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
-from ._checks import check_int
+from ._checks import check_bool, check_int, check_str
 from .record import RunInfo, SchedulerCallback, SyncRecord
 
 __all__ = ["CallbackList", "resolve_track"]
@@ -60,13 +60,16 @@ class CallbackList:
         if self.recorder is not None:
             raise ValueError("Expected a scheduler that is not tracked yet, but it already is")
         check_int("log_every", log_every, 1)
+        check_bool("close_at_end", close_at_end)
+        check_str("compare_group", compare_group)
+        check_str("run_name", run_name)
         self.recorder = Recorder(
             track,
             rank=rank,
             log_every=log_every,
             compare_group=compare_group,
             run_name=run_name,
-            close_at_end=bool(close_at_end),
+            close_at_end=close_at_end,
         )
         self.recorder.attach_info(info, pending)
         self._items.append(self.recorder)

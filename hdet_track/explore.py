@@ -48,6 +48,8 @@ DROPOUT_TYPES: tuple[type[nn.Module], ...] = (
     nn.AlphaDropout,
     nn.FeatureAlphaDropout,
 )
+# What OneCycleLR keeps in the param groups to compute the schedule: not hyperparameters to explore.
+_SCHEDULE_KEYS = {"initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum"}
 # Keys whose values must stay below 1 (momentum coefficients, probabilities).
 _UNIT_KEYS = {"momentum", "betas.0", "betas.1", "dampening", "alpha", "rho"}
 
@@ -134,6 +136,11 @@ class ParamGroupKey(Hyperparam):
     ) -> None:
         super().__init__(name or key, spread, bounds)
         key_name, _, index = key.partition(".")
+        if key_name in _SCHEDULE_KEYS:
+            raise ValueError(
+                f"Expected explore key {key!r} to be a hyperparameter the optimizer reads, but it is one of "
+                f"OneCycle's own schedule keys {sorted(_SCHEDULE_KEYS)}: the LR is explored by spread="
+            )
         self.key = key
         self._key = key_name
         self._index = int(index) if index.isdigit() else None

@@ -11,6 +11,7 @@ at its only slash, whatever the name looks like (``grad_threshold``, ``wd_pg1``,
 
 from __future__ import annotations
 
+import posixpath
 import re
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "onecycle_metric",
     "CONTROLLER_FIELDS",
     "is_hdet_series",
+    "name_problem",
 ]
 
 # Means over replicas, at every (logged) step: what MLflow's compare view plots.
@@ -92,6 +94,23 @@ _WINDOW = re.compile(r"^hdet/sync/window_loss/replica_(\d+)$")
 _LEFT_OUT = re.compile(r"^hdet/sync/left_out/replica_(\d+)$")
 _WEIGHT = re.compile(r"^hdet/controller/([^/]+)/weight/replica_(\d+)$")
 _CONTROLLER = re.compile(r"^hdet/controller/(.+)/(" + "|".join(CONTROLLER_FIELDS) + r")$")
+
+
+# What every backend takes as a metric or tag name (MLflow's rule, the strictest: W&B takes these too).
+_PORTABLE_NAME = re.compile(r"^[/\w.\- :]+$")
+MAX_NAME_LENGTH = 250
+
+
+def name_problem(name: str) -> str | None:
+    """Why ``name`` cannot be a metric or tag name in every backend; None when it can."""
+    if not _PORTABLE_NAME.match(name):
+        return "names may only contain letters, digits, underscores, dashes, periods, spaces, colons and slashes"
+    norm = posixpath.normpath(name)
+    if norm != name or norm == "." or norm.startswith(("..", "/")):
+        return f"names must not be paths that resolve to another name (this one resolves to {norm!r})"
+    if len(name) > MAX_NAME_LENGTH:
+        return f"names are at most {MAX_NAME_LENGTH} characters (this one has {len(name)})"
+    return None
 
 
 def check_name(name: str) -> str:

@@ -113,8 +113,10 @@ class Reporting:
         on every rank, here: a bad name or value raises at this call and never reaches the run."""
         values = checked_metrics(metrics, convert=self._rank == 0)
         if step is not None:
-            if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
-                raise ValueError(f"Expected step to be an integer >= 0 (or None: the scheduler's), but got {step!r}")
+            if isinstance(step, bool) or not isinstance(step, numbers.Integral) or not 0 <= step < 2**63:
+                raise ValueError(
+                    f"Expected step to be an integer in [0, 2**63) (or None: the scheduler's), but got {step!r}"
+                )
             step = int(step)
         self._deliver()
         self._callbacks.log_metrics(values, max(self.last_epoch, 0) if step is None else step)
@@ -176,6 +178,8 @@ def checked_metrics(metrics: Any, convert: bool = True) -> dict[str, Any]:
     for key, value in metrics.items():
         if not isinstance(key, str) or not key:
             raise ValueError(f"Expected metric names to be non-empty strings, but got {key!r}")
+        if (problem := names.name_problem(key)) is not None:
+            raise ValueError(f"Expected a metric name every backend takes, but got {key!r}: {problem}")
         if names.is_hdet_series(key):
             raise ValueError(
                 f"Expected metric names other than HDET's own series ('loss', 'lr' and 'hdet/...'), but got "

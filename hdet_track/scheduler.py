@@ -28,7 +28,7 @@ from torch import nn
 from torch.optim.lr_scheduler import OneCycleLR, _enable_get_lr_call
 
 from . import checkpoint, collectives
-from ._checks import check_int, check_number
+from ._checks import check_bool, check_int, check_number, check_str
 from .averager import ReplicaAverager
 from .callbacks import CallbackList, resolve_track
 from .controller import Controller, ControllerContext, PaperController, make_controller
@@ -156,7 +156,8 @@ class HDETScheduler(Reporting, OneCycleLR):
             optimizer, model, steps, spread=spread, sync_every=sync_every, auto_lr=auto_lr, seed=seed,
             auto_lr_warmup=auto_lr_warmup, temperature=temperature, meta_lr=meta_lr, meta_momentum=meta_momentum,
             div_factor=div_factor, final_div_factor=final_div_factor, log_every=log_every,
-            process_group=process_group,
+            process_group=process_group, average_buffers=average_buffers, close_at_end=close_at_end,
+            compare_group=compare_group, run_name=run_name,
         )  # fmt: skip
         trackers = resolve_track(track)  # a bad value fails before OneCycleLR rewrites the param groups
         n_groups = len(optimizer.param_groups)
@@ -496,6 +497,10 @@ class HDETScheduler(Reporting, OneCycleLR):
         Raises:
             CheckpointMismatchError: the replica count, explored names or controller differ.
         """
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(
+                f"Expected state_dict to be a dict from HDETScheduler.state_dict(), but got {type(state_dict).__name__}"
+            )
         self._deliver(force=True)  # a record of the run so far goes over before its state is replaced
         state = checkpoint.upgrade(state_dict, self._onecycle_keys, len(self.optimizer.param_groups))
         controller = self._controller
@@ -580,6 +585,10 @@ def _check_arguments(optimizer: Any, model: Any, total_steps: int | None, **args
     group = args["process_group"]
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"Expected process_group to be a torch.distributed.ProcessGroup or None, but got {group!r}")
+    check_bool("average_buffers", args["average_buffers"])
+    check_bool("close_at_end", args["close_at_end"])
+    check_str("compare_group", args["compare_group"])
+    check_str("run_name", args["run_name"])
     if model is not None and not isinstance(model, nn.Module):
         raise TypeError(f"Expected model to be a torch.nn.Module, but got {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):

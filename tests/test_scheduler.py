@@ -296,6 +296,13 @@ def test_betas_entry_explored_with_adam():
         ({"auto_lr": True, "meta_lr": 1.0, "meta_momentum": 0.5}, r"meta_lr=1.0, meta_momentum=0.5 only with"),
         ({"auto_lr": True, "controller": DriftController(), "auto_lr_warmup": 5}, "auto_lr_warmup=5 only with"),
         ({"explore": {"dampening": 0.5}}, r"explore\['dampening'\] to start from a nonzero value, but it is 0 in pg0"),
+        ({"explore": {"max_lr": 0.5}}, r"explore key 'max_lr' .* one of OneCycle's own schedule keys"),
+        ({"explore": {"initial_lr": 0.5}}, r"explore key 'initial_lr' .* OneCycle's own"),
+        # strings that would read as True, and names a backend would refuse at the run's start
+        ({"average_buffers": "no"}, "average_buffers to be a bool, but got 'no'"),
+        ({"track": "mlflow", "close_at_end": "false"}, "close_at_end to be a bool, but got 'false'"),
+        ({"compare_group": 5}, "compare_group to be a non-empty str or None, but got 5"),
+        ({"run_name": ""}, "run_name to be a non-empty str or None, but got ''"),
     ],
 )
 def test_bad_arguments_name_argument_value_and_range(kw, pattern):
@@ -346,6 +353,13 @@ def test_bad_objects_fail_at_construction_not_at_the_first_step(kw, error, patte
 def test_drift_controller_switches_must_be_bools(name):
     with pytest.raises(ValueError, match=f"{name} to be a bool, but got 'no'"):
         DriftController(**{name: "no"})  # "no" would read as True
+
+
+def test_load_state_dict_of_something_else_names_what_it_expects():
+    sched = HDETScheduler(make()[1], 0.1, total_steps=10)
+    for bad in (None, [1]):
+        with pytest.raises(TypeError, match=r"state_dict to be a dict from HDETScheduler.state_dict\(\), but got"):
+            sched.load_state_dict(bad)
 
 
 def test_dropout_explore_without_dropout_modules_is_an_error():

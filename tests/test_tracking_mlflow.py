@@ -465,6 +465,11 @@ def test_a_bad_user_metric_raises_at_the_call_and_costs_the_run_nothing(sqlite_u
         ({"loss": 0.5}, ValueError, r"other than HDET's own series .* but got 'loss'"),
         ({"hdet/x": 0.5}, ValueError, r"but got 'hdet/x'"),
         ({"": 0.5}, ValueError, r"non-empty strings, but got ''"),
+        # names MLflow refuses: they used to fail in the writer, and the spill replayed them first for ever
+        ({"top-1 acc (%)": 0.5}, ValueError, r"a metric name every backend takes, but got 'top-1 acc \(%\)'"),
+        ({"acc@1": 0.5}, ValueError, r"but got 'acc@1': names may only contain letters"),
+        ({"a/../b": 0.5}, ValueError, r"but got 'a/../b': names must not be paths .* resolves to 'b'"),
+        ({"x" * 251: 0.5}, ValueError, r"at most 250 characters \(this one has 251\)"),
         ([("val_loss", 0.5)], TypeError, r"mapping of names to numbers .* but got list"),
     ]
     with HDETScheduler(opt, 0.1, total_steps=20, spread=0.0, sync_every=5, track=tracker) as sched:
@@ -475,18 +480,44 @@ def test_a_bad_user_metric_raises_at_the_call_and_costs_the_run_nothing(sqlite_u
                 for metrics, error, match in bad:
                     with pytest.raises(error, match=match):
                         sched.log_metrics(metrics)
-                with pytest.raises(ValueError, match=r"step to be an integer >= 0 .* but got -1"):
-                    sched.log_metrics({"val_loss": 0.5}, step=-1)
-                sched.log_metrics({"val_loss": torch.tensor(0.25), "val_accuracy": np.float32(0.5)})
+                for step in (-1, 2**63):
+                    with pytest.raises(ValueError, match=rf"step to be an integer in \[0, 2\*\*63\) .* but got {step}"):
+                        sched.log_metrics({"val_loss": 0.5}, step=step)
+                sched.log_metrics(
+                    {"val_loss": torch.tensor(0.25), "val_accuracy": np.float32(0.5), "eval/top-1 acc:x": 1}
+                )
                 sched.log_metrics({"val_loss": np.array([0.125])}, step=np.int64(11))
     client = MlflowClient(sqlite_uri)
     assert history(client, tracker.run_id, "val_loss") == {10: 0.25, 11: 0.125}
     assert history(client, tracker.run_id, "val_accuracy") == {10: 0.5}
+    assert history(client, tracker.run_id, "eval/top-1 acc:x") == {10: 1.0}  # what MLflow takes is kept
     assert sorted(history(client, tracker.run_id, "loss")) == list(range(1, 21))  # HDET's own, untouched
     assert sorted(history(client, tracker.run_id, "hdet/sync/divergence")) == [5, 10, 15, 20]
     run = MLflowReader(sqlite_uri).read(tracker.run_id)
     assert [c.step for c in run.converge] == [5, 10, 15, 20]
     assert run.replica_series("loss", 0)[0].tolist() == list(range(1, 21))
+
+
+def test_tracker_settings_a_backend_would_refuse_fail_when_the_tracker_is_built(sqlite_uri):
+    """They used to fail in the writer at the run's start: no run (or an empty RUNNING one per
+    retry), every batch in the spill, ``hdet-track recover`` unable to deliver it."""
+    bad = [
+        ({"experiment": 7}, ValueError, "experiment to be a non-empty str or None, but got 7"),
+        ({"run_id": ""}, ValueError, "run_id to be a non-empty str or None, but got ''"),
+        ({"chunk_seconds": "3"}, ValueError, r"chunk_seconds in \[0.0, inf\), but got '3'"),
+        ({"tags": {"bad key!": "x"}}, ValueError, r"tag names MLflow takes, but got 'bad key!': names may only"),
+        ({"tags": {"owner": ["a"]}}, TypeError, r"tags\['owner'\] to be a str \(or a number\), but got list"),
+        ({"tags": ["a"]}, TypeError, "tags to be a dict of str to str, but got list"),
+    ]
+    for kw, error, match in bad:
+        with pytest.raises(error, match=match):
+            MLflowTracker(tracking_uri=sqlite_uri, **kw)
+    tracker = MLflowTracker(tracking_uri=sqlite_uri, experiment="tags", tags={"n": 5, "team": "vision"})
+    ten_steps(tracker).close()
+    run = MlflowClient(sqlite_uri).get_run(tracker.run_id)
+    assert run.data.tags["n"] == "5" and run.data.tags["team"] == "vision"  # numbers stored as MLflow does
+    assert len(run.data.metrics) > 0 and run.info.status == "FINISHED"
+    assert len(MlflowClient(sqlite_uri).search_runs([run.info.experiment_id])) == 1
 
 
 def test_close_at_end_true_ends_the_run_at_the_last_step_and_says_what_it_drops(sqlite_uri, caplog):

@@ -122,6 +122,39 @@ def tiny_finished_run() -> str:
     return glob.glob(os.path.join(run_dir(os.environ["WANDB_DIR"]), "run-*.wandb"))[0]
 
 
+def test_settings_wandb_would_refuse_fail_when_the_tracker_is_built_and_a_long_group_is_kept(tmp_path, monkeypatch):
+    """A mode typo or a group that is not a str used to fail ``wandb.init`` in the writer (no run,
+    everything in the spill); a compare group longer than W&B's 64-character tags did too, through
+    the ``hdet.compare_group=...`` tag. Now the first fail at the call and the long group is kept
+    (as the run's group and in its summary; only the tag is left out)."""
+    from hdet_track.readers.wandb import WandbReader
+    from hdet_track.tracking.wandb import WandbTracker
+
+    for kw, match in [
+        ({"mode": "offlne"}, r"mode in \('online', 'offline', .*\) or None .* but got 'offlne'"),
+        ({"group": 5}, "group to be a non-empty str or None, but got 5"),
+        ({"chunk_seconds": -1}, r"chunk_seconds in \[0.0, inf\), but got -1"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            WandbTracker(dir=tmp_path, **kw)
+    monkeypatch.setenv("WANDB_MODE", "ofline")
+    with pytest.raises(ValueError, match="WANDB_MODE in .* or unset, but got 'ofline'"):
+        WandbTracker(dir=tmp_path)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    group = "resnet50-imagenet-lr-sweep-2024-06-01-hdet-vs-1cycle"  # 52 characters
+    opt = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)
+    tracker = WandbTracker(project="long", dir=tmp_path / "store")
+    with HDETScheduler(opt, 0.1, total_steps=10, sync_every=5, track=tracker, compare_group=group) as sched:
+        for k in range(1, 11):
+            opt.step()
+            sched.step(1.0 / k)
+    (summary,) = WandbReader(tmp_path / "store").list_runs(compare_group=group)
+    run = WandbReader(tmp_path / "store").read(summary.run_id)
+    assert run.status == "FINISHED" and run.compare_group == group
+    assert [c.step for c in run.converge] == [5, 10] and run.replica_series("loss", 0)[0].tolist() == list(range(1, 11))
+    assert not list((tmp_path / "store" / "wandb" / ".hdet-spill").glob("*.jsonl"))  # nothing left undelivered
+
+
 def test_record_parser_rejects_other_files_and_stops_at_truncation(tmp_path):
     with pytest.raises(WandbFormatError):
         list(iter_payloads(b"PAR1 not a wandb file"))

@@ -6,13 +6,16 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import math
 import os
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from .. import names
+from .._checks import check_number, check_str
 from ..events import RunEnd, RunStart
 from ..owner import process_identity
 from ._common import run_params, run_tags
@@ -88,6 +91,12 @@ class MLflowTracker(Tracker):
         chunk_seconds: float = 3.0,
     ) -> None:
         _require_mlflow()
+        for name, value in [("tracking_uri", tracking_uri), ("experiment", experiment), ("run_name", run_name)]:
+            check_str(name, value)
+        check_str("run_id", run_id)
+        check_str("parent_run_id", parent_run_id)
+        check_number("chunk_seconds", chunk_seconds, 0.0, math.inf, low_open=False, high_open=True)  # 0: every batch
+        tags = _checked_tags(tags)
         self.tracking_uri = tracking_uri
         self.experiment = experiment
         self.run_name = run_name
@@ -296,6 +305,24 @@ class MLflowTracker(Tracker):
         # Ended (run_id still names it): the next start(), a later scheduler's, makes a new run.
         self.run_name = self._given_run_name
         self._end_run()
+
+
+def _checked_tags(tags: Any) -> dict[str, str]:
+    """The user's extra tags as MLflow stores them (values as str), or an error naming the bad one:
+    a tag MLflow refuses would fail the run's start in the writer, over and over."""
+    if tags is None:
+        return {}
+    if not isinstance(tags, Mapping):
+        raise TypeError(f"Expected tags to be a dict of str to str, but got {type(tags).__name__}")
+    out = {}
+    for key, value in tags.items():
+        if not isinstance(key, str) or (problem := names.name_problem(key)) is not None:
+            why = "not a str" if not isinstance(key, str) else problem
+            raise ValueError(f"Expected tag names MLflow takes, but got {key!r}: {why}")
+        if not isinstance(value, (str, int, float, bool)):
+            raise TypeError(f"Expected tags[{key!r}] to be a str (or a number), but got {type(value).__name__}")
+        out[key] = str(value)
+    return out
 
 
 def _step(point: Point) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from collections import defaultdict
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .. import names
+from .._checks import check_number, check_str
 from ..events import RunEnd, RunStart
 from ..owner import process_identity
 from ..wandb_store import OWNER_FILE, SYNC_PREFIXES, USER_METRICS_FILE
@@ -30,6 +32,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_PROJECT = "hdet"
 DEFAULT_MODE = "offline"  # the embedded default, as MLflow's is its sqlite store
+# what wandb.init takes as mode
+_MODES = ("online", "offline", "disabled", "shared", "dryrun")
 STEP = names.STEP
 SYNC_STEP = names.SYNC_STEP
 _STEP_GLOBS = (names.LOSS, names.LR, "hdet/replica_*")
@@ -130,6 +134,15 @@ class WandbTracker(Tracker):
         run: Any = None,
     ) -> None:
         _import_wandb()
+        for name, value in [("project", project), ("entity", entity), ("group", group), ("run_name", run_name)]:
+            check_str(name, value)
+        if mode is not None and mode not in _MODES:
+            raise ValueError(f"Expected mode in {_MODES} or None (WANDB_MODE, else offline), but got {mode!r}")
+        if mode is None and os.environ.get("WANDB_MODE", _MODES[0]) not in _MODES:
+            raise ValueError(f"Expected WANDB_MODE in {_MODES} or unset, but got {os.environ['WANDB_MODE']!r}")
+        if dir is not None and not isinstance(dir, (str, os.PathLike)):
+            raise TypeError(f"Expected dir to be a path or None, but got {type(dir).__name__}")
+        check_number("chunk_seconds", chunk_seconds, 0.0, math.inf, low_open=False, high_open=True)  # 0: every batch
         self._existing = run  # log into a run someone else started (e.g. Lightning's WandbLogger)
         self.project = project
         self.entity = entity
@@ -188,7 +201,8 @@ class WandbTracker(Tracker):
             name=self.run_name,
             dir=str(self.dir) if self.dir is not None else os.environ.get("WANDB_DIR") or None,
             config=run_params(run_start),
-            tags=[f"{k}={v}" for k, v in tags.items()][:20],
+            # W&B's tags are at most 64 characters: longer ones stay in the summary only
+            tags=[tag for k, v in tags.items() if len(tag := f"{k}={v}") <= 64][:20],
             reinit="create_new",
             id=self._resume_id,
             resume="allow" if self._resume_id else None,
