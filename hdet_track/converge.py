@@ -4,9 +4,10 @@ Between two syncs a :class:`Converger` keeps this replica's window (its loss and
 LRs at every step). At a sync it gathers every replica's window into a
 :class:`~hdet_track.controller.WindowStats` (one all-gather), asks the controller who is healthy,
 then rolls every replica back or averages the healthy ones (:mod:`hdet_track.averager`) and lets
-the controller decide; it draws the next window's permutations and builds the
-:class:`~hdet_track.record.SyncRecord`. The scheduler hands it the schedule as training used it
-(permutations, every replica's values, references) and sets the next window's values.
+the controller decide; it draws the next window's permutations and has the
+:class:`~hdet_track.record.SyncRecord` built (:mod:`hdet_track.window_record`). The scheduler
+hands it the schedule as training used it (permutations, every replica's values, references) and
+sets the next window's values.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from .averager import ReplicaAverager
 from .controller import Controller, Decision, Health, WindowStats
 from .errors import NonFiniteReplicasError
 from .record import SchedulerCallback, SyncRecord
-from .schedule import draw_permutation, replica_value_table
+from .schedule import draw_permutation
+from .window_record import RecordBuilder
 
 __all__ = ["Converger", "gradient_fingerprint", "gradients_shared"]
 
@@ -114,9 +116,9 @@ class Converger:
         self.averager = averager
         self.controller = controller
         self.names = list(names)
-        self.multipliers = multipliers
-        self.bounds = bounds
-        self.series_keys = series_keys
+        self.records = RecordBuilder(
+            controller, averager.rank, names=names, multipliers=multipliers, bounds=bounds, series_keys=series_keys
+        )
         self.generators = generators
         self.callbacks = callbacks
         self.losses: list[float | torch.Tensor | None] = []  # this replica's losses since the last sync
@@ -239,7 +241,7 @@ class Converger:
             references=references,
             peaks=peaks,
         )
-        window = self._window_tables(perms, references)  # as training used them, before anything changes
+        window = self.records.tables(self.onecycle, perms, references)  # as training used them, before anything changes
         ctrl = self.controller or Controller()
         health = ctrl.health(stats) if blown is None else Health([False] * n, [blown] * n, ctrl.rollback)
         wanted = any(cb.needs_divergence for cb in self.callbacks)
@@ -250,7 +252,7 @@ class Converger:
             self.averager.restore()
             decision = ctrl.rolled_back(stats, blown)
         elif not any(health.healthy):
-            record = self._record(stats, window, health, divergences, Decision(), perms)
+            record = self.records.record(stats, window, health, divergences, Decision(), perms)
             earlier, self._ready = self._ready, None  # the last sync's, completed here: it goes first
             for rec in (earlier, record) if earlier is not None else (record,):
                 for cb in self.callbacks:  # the diverged window is part of the run's record
@@ -269,7 +271,7 @@ class Converger:
             decision = ctrl.update(stats, health)
         drawn = dict(perms) | {name: draw_permutation(n, self.generators[name]) for name in self.names}
         self.losses, self.onecycle, self.tripped = [], [], False
-        record = self._record(stats, window, health, divergences, decision, drawn)
+        record = self.records.record(stats, window, health, divergences, decision, drawn)
         if gathering is not None or carry:
             self._pending = (record, gathering)
         return record
@@ -322,26 +324,6 @@ class Converger:
             record = dataclasses.replace(record, divergences=[r[0] for r in gathering.wait()])
         return record
 
-    def window_record(self, step: int, perms: dict[str, list[int]], references: dict[str, list[float]]) -> SyncRecord:
-        """The window so far as a ``partial`` record of this process's replica alone (no collective,
-        nothing changes): for a one-process job closed between two syncs."""
-        row = self._window_row()
-        stats = WindowStats(
-            step=step,
-            losses=np.array([row[2:]], dtype=np.float64).reshape(1, len(self.losses)),
-            counts=[int(row[1])],
-            sums=[row[0]],
-            finite=[True],
-            tripped=[self.tripped],
-            perms={k: list(v) for k, v in perms.items()},
-            values={},
-            references=references,
-            peaks={},
-        )
-        healthy = Health([True], [""], False)
-        record = self._record(stats, self._window_tables(perms, references), healthy, [math.nan], Decision(), perms)
-        return dataclasses.replace(record, partial=True)
-
     def _window_row(self) -> list[float]:
         """``[loss sum (float64), losses given, every step's loss (nan where none)]``: one device sync."""
         given = [x for x in self.losses if x is not None]
@@ -356,57 +338,7 @@ class Converger:
             math.nan if x is None else next(values) for x in self.losses
         ]
 
-    def _window_tables(
-        self, perms: Mapping[str, list[int]], references: Mapping[str, list[float]]
-    ) -> dict[str, dict[str, np.ndarray]]:
-        """Per series key: the base at every step of the window and every replica's value."""
-        onecycle = np.array(self.onecycle, dtype=np.float64).reshape(len(self.onecycle), -1)
-        bases, values, mults = {}, {}, {}
-        for name in self.names:
-            rho = self.multipliers[name]
-            if name == "lr":
-                base = np.array([self._bases_at("lr", refs) for refs in self.onecycle]).reshape(onecycle.shape)
-            else:
-                base = np.tile(self._bases_at(name, references[name]), (len(self.onecycle), 1))
-            table = replica_value_table(base, rho, perms[name], self.bounds[name])
-            for t, key in enumerate(self.series_keys[name]):
-                bases[key] = base[:, t]
-                values[key] = table[:, :, t]
-            mults[name] = np.array([rho[p] for p in perms[name]], dtype=np.float64)
-        return {"onecycle": {"": onecycle}, "bases": bases, "values": values, "multipliers": mults}
-
-    def _bases_at(self, name: str, refs: list[float]) -> list[float]:
-        if self.controller is None:
-            return list(refs)
-        return [self.controller.base(name, t, ref) for t, ref in enumerate(refs)]
-
-    def _record(self, stats, window, health, divergences, decision, next_perms) -> SyncRecord:  # noqa: ANN001
-        steps = np.arange(stats.step - stats.losses.shape[1] + 1, stats.step + 1, dtype=np.int64)
-        return SyncRecord(
-            step=stats.step,
-            steps=steps,
-            losses=stats.losses,
-            values=window["values"],
-            multipliers=window["multipliers"],
-            onecycle=window["onecycle"][""],
-            bases=window["bases"],
-            permutations=stats.perms,
-            next_permutations={k: list(v) for k, v in next_perms.items()},
-            window_losses=stats.window_losses,
-            divergences=divergences,
-            left_out=[r for r, h in enumerate(health.healthy) if not h],
-            reasons=[health.reasons[r] for r, h in enumerate(health.healthy) if not h],
-            weights=decision.weights,
-            updates=decision.updates,
-            guard=decision.guard,
-            controller=self.controller.name if self.controller is not None else "",
-            rank=self.averager.rank,
-            time=time.time(),
-            step_guard=self._step_guard_scope(),
-        )
-
-    def _step_guard_scope(self) -> str:
-        ctrl = self.controller
-        if ctrl is None or ctrl.step_guard is None:
-            return ""
-        return "local" if ctrl.step_guard_scope == "local" else "all"  # "auto" runs the collective check until resolved
+    def window_record(self, step: int, perms: dict[str, list[int]], references: dict[str, list[float]]) -> SyncRecord:
+        """The window so far as a ``partial`` record of this process's replica alone (no collective,
+        nothing changes): for a one-process job closed between two syncs."""
+        return self.records.partial(step, self._window_row(), self.tripped, self.onecycle, perms, references)

@@ -45,7 +45,7 @@ def test_the_checker_finds_lazy_relative_and_from_package_cycles(tmp_path):
 # never recompute the schedule and never import the UI, figures are pure functions of HDETRun.
 MATH = {
     "schedule", "controller", "converge", "averager", "collectives", "fanout", "explore", "noise",
-    "names", "record", "events", "checkpoint", "errors", "_checks",
+    "names", "record", "events", "checkpoint", "errors", "_checks", "window_record",
 }  # fmt: skip
 UI = {"streamlit", "plotly"}
 TRACKERS = {"mlflow", "wandb"}
