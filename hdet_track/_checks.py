@@ -33,8 +33,9 @@ def check_bool(name: str, value: Any) -> bool:
     return value
 
 
-def check_str(name: str, value: Any) -> str | None:
-    """``value`` if it is a non-empty str or None, else ``ValueError``."""
-    if value is not None and (not isinstance(value, str) or not value):
-        raise ValueError(f"Expected {name} to be a non-empty str or None, but got {value!r}")
+def check_str(name: str, value: Any, empty: bool = False) -> str | None:
+    """``value`` if it is a str (non-empty unless ``empty``) or None, else ``ValueError``."""
+    if value is not None and (not isinstance(value, str) or not (value or empty)):
+        kind = "a str" if empty else "a non-empty str"
+        raise ValueError(f"Expected {name} to be {kind} or None, but got {value!r}")
     return value

@@ -61,8 +61,8 @@ class CallbackList:
             raise ValueError("Expected a scheduler that is not tracked yet, but it already is")
         check_int("log_every", log_every, 1)
         check_bool("close_at_end", close_at_end)
-        check_str("compare_group", compare_group)
-        check_str("run_name", run_name)
+        check_str("compare_group", compare_group, empty=True)  # "": none
+        check_str("run_name", run_name, empty=True)
         self.recorder = Recorder(
             track,
             rank=rank,

@@ -108,12 +108,16 @@ class Reporting:
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         """Log extra metrics (validation loss, accuracy, ...) into the run, on rank 0; a no-op elsewhere.
 
-        ``metrics`` maps names other than HDET's own series (``loss``, ``lr``, ``hdet/...``) to real
-        numbers (one-element tensors and arrays too); ``step`` defaults to the scheduler's. Checked
-        on every rank, here: a bad name or value raises at this call and never reaches the run."""
-        values = checked_metrics(metrics, convert=self._rank == 0)
+        ``metrics`` maps names other than HDET's own series (``loss``, ``lr``, ``hdet/...``; when
+        tracked to MLflow, names MLflow takes) to real numbers (one-element real tensors and arrays
+        too); ``step`` defaults to the scheduler's. Checked on every rank, here: a bad name or value
+        raises at this call and never reaches the run."""
+        recorder = self._callbacks.recorder
+        mlflow = recorder is not None and any(getattr(t, "name", "") == "mlflow" for t in recorder.trackers)
+        values = checked_metrics(metrics, mlflow_names=mlflow)
         if step is not None:
-            if isinstance(step, bool) or not isinstance(step, numbers.Integral) or not 0 <= step < 2**63:
+            whole = isinstance(step, numbers.Integral) or (isinstance(step, float) and step.is_integer())
+            if isinstance(step, bool) or not whole or not 0 <= step < 2**63:
                 raise ValueError(
                     f"Expected step to be an integer in [0, 2**63) (or None: the scheduler's), but got {step!r}"
                 )
@@ -165,10 +169,12 @@ class Reporting:
             self.close("KILLED" if issubclass(exc_type, KeyboardInterrupt) else "FAILED", text)
 
 
-def checked_metrics(metrics: Any, convert: bool = True) -> dict[str, Any]:
-    """``metrics`` as ``{name: float}`` (``convert``; else checked and left as they are): a mapping
-    of non-empty names, none of them HDET's own series, to real numbers or one-element tensors or
-    arrays. Raises ``TypeError``/``ValueError`` naming the metric and its value."""
+def checked_metrics(metrics: Any, mlflow_names: bool = True) -> dict[str, Any]:
+    """``metrics`` checked: a mapping of non-empty names, none of them HDET's own series (and, with
+    ``mlflow_names``, each one MLflow takes), to real numbers (made floats) or one-element real
+    tensors or arrays (a tensor is kept as it is, detached: reading it would wait for its device
+    here, in the training loop; the tracking writer reads it). Raises ``TypeError``/``ValueError``
+    naming the metric and its value."""
     if not isinstance(metrics, Mapping):
         raise TypeError(
             f"Expected metrics to be a mapping of names to numbers (e.g. {{'val_loss': 0.31}}), but got "
@@ -178,25 +184,29 @@ def checked_metrics(metrics: Any, convert: bool = True) -> dict[str, Any]:
     for key, value in metrics.items():
         if not isinstance(key, str) or not key:
             raise ValueError(f"Expected metric names to be non-empty strings, but got {key!r}")
-        if (problem := names.name_problem(key)) is not None:
-            raise ValueError(f"Expected a metric name every backend takes, but got {key!r}: {problem}")
+        if mlflow_names and (problem := names.name_problem(key)) is not None:
+            raise ValueError(f"Expected a metric name MLflow takes, but got {key!r}: {problem}")
         if names.is_hdet_series(key):
             raise ValueError(
                 f"Expected metric names other than HDET's own series ('loss', 'lr' and 'hdet/...'), but got "
                 f"{key!r}: the run logs these itself; log yours under another name (e.g. 'train_loss')"
             )
-        size = getattr(value, "numel", None) or getattr(value, "size", None)
-        size = size() if callable(size) else size
-        if isinstance(value, numbers.Real):
-            out[key] = float(value) if convert else value
-        elif size == 1 and hasattr(value, "item") and not convert:
-            out[key] = value  # not read here: .item() would wait for the device on every rank
-        elif size == 1 and hasattr(value, "item") and isinstance(item := value.item(), numbers.Real):
-            out[key] = float(item)
-        else:
-            shape = getattr(value, "shape", None)
-            got = f"a {type(value).__name__} of shape {tuple(shape)}" if shape is not None else repr(value)[:80]
-            raise TypeError(
-                f"Expected metric {key!r} to be a real number (or a one-element tensor or array), but got {got}"
-            )
+        out[key] = _metric_value(key, value)
     return out
+
+
+def _metric_value(key: str, value: Any) -> Any:
+    if isinstance(value, numbers.Real):
+        return float(value)
+    dtype, shape = getattr(value, "dtype", None), getattr(value, "shape", None)
+    if hasattr(value, "detach") and hasattr(value, "is_complex"):  # a torch tensor: checked by its dtype alone
+        if value.numel() == 1 and not value.is_complex():
+            return value.detach()
+    elif getattr(dtype, "kind", "") in ("b", "i", "u", "f") and getattr(value, "size", 0) == 1:  # numpy
+        return float(value.item())
+    got = (
+        f"a {type(value).__name__} of dtype {dtype} and shape {tuple(shape)}" if shape is not None else repr(value)[:80]
+    )
+    raise TypeError(
+        f"Expected metric {key!r} to be a real number (or a one-element real tensor or array), but got {got}"
+    )

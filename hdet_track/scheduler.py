@@ -167,7 +167,7 @@ class HDETScheduler(Reporting, OneCycleLR):
         self._group = process_group
         self._rank, self._world_size = collectives.world(process_group)
         if self._world_size > 1:
-            _check_whole_replicas(optimizer, model)
+            _check_whole_replicas(optimizer, model, bool(average_buffers))
         self._model = model
         self.average_buffers = bool(average_buffers)
         self.spread = float(spread)
@@ -587,8 +587,8 @@ def _check_arguments(optimizer: Any, model: Any, total_steps: int | None, **args
         raise TypeError(f"Expected process_group to be a torch.distributed.ProcessGroup or None, but got {group!r}")
     check_bool("average_buffers", args["average_buffers"])
     check_bool("close_at_end", args["close_at_end"])
-    check_str("compare_group", args["compare_group"])
-    check_str("run_name", args["run_name"])
+    check_str("compare_group", args["compare_group"], empty=True)  # "": none
+    check_str("run_name", args["run_name"], empty=True)
     if model is not None and not isinstance(model, nn.Module):
         raise TypeError(f"Expected model to be a torch.nn.Module, but got {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -600,27 +600,35 @@ def _check_arguments(optimizer: Any, model: Any, total_steps: int | None, **args
         )
 
 
-def _check_whole_replicas(optimizer: torch.optim.Optimizer, model: nn.Module | None) -> None:
-    """Every rank must hold a whole replica: HDET averages each rank's tensors with the others', and
-    a shard (FSDP, FSDP2's ``fully_shard``, tensor parallel) averaged with other ranks' shards is
-    another tensor's slice, not the same tensor trained differently."""
+def _check_whole_replicas(optimizer: torch.optim.Optimizer, model: nn.Module | None, buffers: bool) -> None:
+    """Every rank must hold a whole replica of what is averaged (as ``_sync_tensors`` picks it):
+    HDET averages each rank's tensors with the others', and a shard (FSDP, FSDP2's
+    ``fully_shard``, tensor parallel) averaged with other ranks' shards is another tensor's slice,
+    not the same tensor trained differently."""
     # loaded already wherever such a module or tensor exists: nothing to import here
     fsdp = getattr(sys.modules.get("torch.distributed.fsdp"), "FullyShardedDataParallel", None)
-    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    dtensors = tuple(
+        cls
+        for module in ("torch.distributed.tensor", "torch.distributed._tensor")  # torch >= 2.5, and before
+        if (cls := getattr(sys.modules.get(module), "DTensor", None)) is not None
+    )
     if model is not None and fsdp is not None and any(isinstance(m, fsdp) for m in model.modules()):
         raise ValueError(_sharded_message("model", "is wrapped in FullyShardedDataParallel (FSDP)"))
-    tensors = [
-        ("optimizer", g, i, p) for g, group in enumerate(optimizer.param_groups) for i, p in enumerate(group["params"])
-    ]
-    if model is not None:
-        tensors += [("model", None, name, t) for name, t in [*model.named_parameters(), *model.named_buffers()]]
-    for source, g, i, t in tensors:
-        where = f"parameter {i} of param group {g}" if source == "optimizer" else f"{i!r}"
-        if getattr(t, "_is_flat_param", False):
-            raise ValueError(_sharded_message(f"{source} {where}", "is an FSDP flat parameter (a shard)"))
-        if dtensor is not None and isinstance(t, dtensor):
+    if model is None:
+        tensors = [
+            (f"optimizer parameter {i} of param group {g}", p)
+            for g, group in enumerate(optimizer.param_groups)
+            for i, p in enumerate(group["params"])
+        ]
+    else:
+        named = [*model.named_parameters(), *(model.named_buffers() if buffers else [])]
+        tensors = [(f"model's {name!r}", t) for name, t in named]
+    for where, t in tensors:
+        if getattr(t, "_is_flat_param", False) or getattr(t, "_fsdp_flattened", False):
+            raise ValueError(_sharded_message(where, "is sharded by FSDP (a flat parameter or a view into one)"))
+        if dtensors and isinstance(t, dtensors):
             placed = f"is a DTensor placed {tuple(t.placements)} over a device mesh (fully_shard, tensor parallel)"
-            raise ValueError(_sharded_message(f"{source} {where}", placed))
+            raise ValueError(_sharded_message(where, placed))
 
 
 def _sharded_message(what: str, why: str) -> str:

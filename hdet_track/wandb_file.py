@@ -78,13 +78,20 @@ class _Scan:
             if end > end_of_data:
                 break  # truncated: still being written
             payload = data[start - base : end - base]
-            pos = self.pos = end
             if rtype == 0 and length == 0:  # zero padding at the end of a block
-                pos = self.pos = pos + (_BLOCK - (pos % _BLOCK) if pos % _BLOCK else 0)
-            elif not _masked_crc_ok(crc, rtype, payload):
+                if end % _BLOCK and end + _BLOCK - end % _BLOCK > end_of_data:
+                    break  # the rest of the block is not there yet: not consumed, read again later
+                pos = self.pos = end + (_BLOCK - (end % _BLOCK) if end % _BLOCK else 0)
+                continue
+            if not _masked_crc_ok(crc, rtype, payload):
+                if end == end_of_data:
+                    break  # the last bytes there are: maybe still being written, read again later
                 logger.warning("hdet-track: skipping a .wandb record with a bad checksum at byte %d", start)
+                pos = self.pos = end
                 self.pending = []
-            elif rtype == _FULL:
+                continue
+            pos = self.pos = end
+            if rtype == _FULL:
                 yield payload
             elif rtype == _FIRST:
                 self.pending = [payload]
@@ -172,15 +179,17 @@ class WandbFileCache:
     """:func:`read_wandb_file` for files read again and again (a dashboard polling a directory of
     runs, some live): a file is parsed once and, while W&B appends to it, only its new bytes are.
     A file that shrank, was replaced (another inode) or was written over in place (its first 4 KiB
-    changed) is parsed again from the start. Holds the
-    parses of at most ``max_rows`` history rows in all, the least recently read dropped first.
+    changed) is parsed again from the start. Holds parses of at most ``max_cells`` history values
+    in all (about 120 bytes each: the default, 2 million, is about 250 MB), the least recently read
+    dropped first.
 
     Returns a snapshot each time: its lists and dicts are the caller's (the rows themselves are
     shared; do not change them)."""
 
-    def __init__(self, max_rows: int = 400_000) -> None:
-        self.max_rows = max_rows
+    def __init__(self, max_cells: int = 2_000_000) -> None:
+        self.max_cells = max_cells
         self._parses: OrderedDict[str, tuple[tuple[int, int, bytes], _Scan, WandbFileContents]] = OrderedDict()
+        self._cells: dict[str, int] = {}  # per file: the history values its parse holds
         self._lock = threading.Lock()
         self.bytes_parsed = 0  # for tests and benches: how much work the reads did
 
@@ -200,8 +209,11 @@ class WandbFileCache:
                 f.seek(scan.pos)
                 data = f.read()
             self.bytes_parsed += len(data)
+            rows = len(contents.history)
             for rec in _records(scan.payloads(data, scan.pos)):
                 _apply(contents, rec)
+            grown = sum(len(row) for row in contents.history[rows:])
+            self._cells[key] = (self._cells.get(key, 0) if rows else 0) + grown
             self._parses[key] = cached
             self._evict(keep=key)
             return WandbFileContents(
@@ -217,16 +229,18 @@ class WandbFileCache:
             )
 
     def _evict(self, keep: str) -> None:
-        rows = sum(len(c[2].history) for c in self._parses.values())
-        while rows > self.max_rows and len(self._parses) > 1:
+        cells = sum(self._cells.values())
+        while cells > self.max_cells and len(self._parses) > 1:
             oldest = next(iter(self._parses))
             if oldest == keep:
                 break
-            rows -= len(self._parses.pop(oldest)[2].history)
+            del self._parses[oldest]
+            cells -= self._cells.pop(oldest)
 
     def clear(self) -> None:
         with self._lock:
             self._parses.clear()
+            self._cells.clear()
 
 
 def _loads(text: str) -> Any:

@@ -301,8 +301,8 @@ def test_betas_entry_explored_with_adam():
         # strings that would read as True, and names a backend would refuse at the run's start
         ({"average_buffers": "no"}, "average_buffers to be a bool, but got 'no'"),
         ({"track": "mlflow", "close_at_end": "false"}, "close_at_end to be a bool, but got 'false'"),
-        ({"compare_group": 5}, "compare_group to be a non-empty str or None, but got 5"),
-        ({"run_name": ""}, "run_name to be a non-empty str or None, but got ''"),
+        ({"compare_group": 5}, "compare_group to be a str or None, but got 5"),
+        ({"run_name": ["a"]}, r"run_name to be a str or None, but got \['a'\]"),
     ],
 )
 def test_bad_arguments_name_argument_value_and_range(kw, pattern):
@@ -353,6 +353,16 @@ def test_bad_objects_fail_at_construction_not_at_the_first_step(kw, error, patte
 def test_drift_controller_switches_must_be_bools(name):
     with pytest.raises(ValueError, match=f"{name} to be a bool, but got 'no'"):
         DriftController(**{name: "no"})  # "no" would read as True
+
+
+def test_metric_names_follow_the_backends_own_rules():
+    """HDET's own series are refused everywhere (they would mix with the run's); MLflow's name rule
+    applies only when the job is tracked to MLflow (W&B takes 'acc@1')."""
+    untracked = HDETScheduler(make()[1], 0.1, total_steps=10, compare_group="", run_name="")  # "": none
+    untracked.log_metrics({"acc@1": 0.5, "top-1 (%)": torch.tensor(0.5)})
+    for reserved in ("loss", "lr", "hdet/x"):
+        with pytest.raises(ValueError, match=f"other than HDET's own series .* but got '{reserved}'"):
+            untracked.log_metrics({reserved: 0.5})
 
 
 def test_load_state_dict_of_something_else_names_what_it_expects():

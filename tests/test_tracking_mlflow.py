@@ -461,12 +461,17 @@ def test_a_bad_user_metric_raises_at_the_call_and_costs_the_run_nothing(sqlite_u
     opt = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)
     bad = [
         ({"note": "abc"}, TypeError, r"metric 'note' to be a real number .* but got 'abc'"),
-        ({"grid": torch.ones(3)}, TypeError, r"metric 'grid' .* but got a Tensor of shape \(3,\)"),
+        (
+            {"grid": torch.ones(3)},
+            TypeError,
+            r"metric 'grid' .* but got a Tensor of dtype torch.float32 and shape \(3,\)",
+        ),
+        ({"z": torch.tensor(1j)}, TypeError, r"metric 'z' .* one-element real tensor .* dtype torch.complex64"),
         ({"loss": 0.5}, ValueError, r"other than HDET's own series .* but got 'loss'"),
         ({"hdet/x": 0.5}, ValueError, r"but got 'hdet/x'"),
         ({"": 0.5}, ValueError, r"non-empty strings, but got ''"),
         # names MLflow refuses: they used to fail in the writer, and the spill replayed them first for ever
-        ({"top-1 acc (%)": 0.5}, ValueError, r"a metric name every backend takes, but got 'top-1 acc \(%\)'"),
+        ({"top-1 acc (%)": 0.5}, ValueError, r"a metric name MLflow takes, but got 'top-1 acc \(%\)'"),
         ({"acc@1": 0.5}, ValueError, r"but got 'acc@1': names may only contain letters"),
         ({"a/../b": 0.5}, ValueError, r"but got 'a/../b': names must not be paths .* resolves to 'b'"),
         ({"x" * 251: 0.5}, ValueError, r"at most 250 characters \(this one has 251\)"),
@@ -487,9 +492,10 @@ def test_a_bad_user_metric_raises_at_the_call_and_costs_the_run_nothing(sqlite_u
                     {"val_loss": torch.tensor(0.25), "val_accuracy": np.float32(0.5), "eval/top-1 acc:x": 1}
                 )
                 sched.log_metrics({"val_loss": np.array([0.125])}, step=np.int64(11))
+                sched.log_metrics({"val_accuracy": np.array(0.75)}, step=12.0)
     client = MlflowClient(sqlite_uri)
     assert history(client, tracker.run_id, "val_loss") == {10: 0.25, 11: 0.125}
-    assert history(client, tracker.run_id, "val_accuracy") == {10: 0.5}
+    assert history(client, tracker.run_id, "val_accuracy") == {10: 0.5, 12: 0.75}
     assert history(client, tracker.run_id, "eval/top-1 acc:x") == {10: 1.0}  # what MLflow takes is kept
     assert sorted(history(client, tracker.run_id, "loss")) == list(range(1, 21))  # HDET's own, untouched
     assert sorted(history(client, tracker.run_id, "hdet/sync/divergence")) == [5, 10, 15, 20]
@@ -512,10 +518,15 @@ def test_tracker_settings_a_backend_would_refuse_fail_when_the_tracker_is_built(
     for kw, error, match in bad:
         with pytest.raises(error, match=match):
             MLflowTracker(tracking_uri=sqlite_uri, **kw)
-    tracker = MLflowTracker(tracking_uri=sqlite_uri, experiment="tags", tags={"n": 5, "team": "vision"})
+    import numpy as np
+
+    tracker = MLflowTracker(
+        tracking_uri=sqlite_uri, experiment="tags", tags={"n": 5, "team": "vision", "k": np.int64(3)}
+    )
     ten_steps(tracker).close()
     run = MlflowClient(sqlite_uri).get_run(tracker.run_id)
-    assert run.data.tags["n"] == "5" and run.data.tags["team"] == "vision"  # numbers stored as MLflow does
+    assert run.data.tags["n"] == "5" and run.data.tags["k"] == "3"  # numbers stored as MLflow does
+    assert run.data.tags["team"] == "vision"
     assert len(run.data.metrics) > 0 and run.info.status == "FINISHED"
     assert len(MlflowClient(sqlite_uri).search_runs([run.info.experiment_id])) == 1
 

@@ -219,7 +219,7 @@ def test_a_run_file_read_again_as_it_grows_is_parsed_once_and_reads_as_parsed_wh
     cache.read(live)
     shutil.copyfile(other, live)  # another run's file written over this one in place (same inode), longer
     assert cache.read(live).history == read_finished(other, timeout=30).history
-    small = WandbFileCache(max_rows=2000)  # holds one parse at a time: a second file evicts the first
+    small = WandbFileCache(max_cells=12_000)  # holds one parse at a time: a second file evicts the first
     small.read(source)
     small.read(live)
     before = small.bytes_parsed

@@ -234,10 +234,9 @@ class TrackingHub:
         self._put("record", (record, time.time() if when is None else when))
 
     def metrics(self, values: dict[str, float], step: int) -> None:
-        """User metrics (e.g. validation loss) into the same run: numbers, made floats here (a value
-        that is not one raises in the caller's thread, never in the writer's, where it would cost
-        the batch it arrived with)."""
-        self._put("metrics", ({str(k): float(v) for k, v in values.items()}, int(step), time.time()))
+        """User metrics (e.g. validation loss) into the same run (checked by the caller:
+        :func:`hdet_track.reporting.checked_metrics`; a tensor is read in the writer thread)."""
+        self._put("metrics", (dict(values), int(step), time.time()))
 
     def note_step(self, step: int) -> None:
         self._last_step = step
@@ -397,7 +396,10 @@ class TrackingHub:
                 self._window_start = when
             elif kind == "metrics":
                 values, step, when = item
-                batch.points.extend(metric_points(values, step, when))
+                try:
+                    batch.points.extend(metric_points(values, step, when))
+                except (TypeError, ValueError, RuntimeError) as exc:  # what the caller's check let through
+                    logger.warning("hdet-track: dropping metrics %s at step %d: %s", sorted(values), step, exc)
             elif kind == "flush":
                 flushes.append(item)
             elif kind == "end":

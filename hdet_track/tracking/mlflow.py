@@ -7,6 +7,7 @@ import importlib.util
 import json
 import logging
 import math
+import numbers
 import os
 import tempfile
 import time
@@ -91,6 +92,8 @@ class MLflowTracker(Tracker):
         chunk_seconds: float = 3.0,
     ) -> None:
         _require_mlflow()
+        if isinstance(tracking_uri, os.PathLike):
+            tracking_uri = os.fspath(tracking_uri)
         for name, value in [("tracking_uri", tracking_uri), ("experiment", experiment), ("run_name", run_name)]:
             check_str(name, value)
         check_str("run_id", run_id)
@@ -319,7 +322,7 @@ def _checked_tags(tags: Any) -> dict[str, str]:
         if not isinstance(key, str) or (problem := names.name_problem(key)) is not None:
             why = "not a str" if not isinstance(key, str) else problem
             raise ValueError(f"Expected tag names MLflow takes, but got {key!r}: {why}")
-        if not isinstance(value, (str, int, float, bool)):
+        if not isinstance(value, (str, numbers.Number)):
             raise TypeError(f"Expected tags[{key!r}] to be a str (or a number), but got {type(value).__name__}")
         out[key] = str(value)
     return out

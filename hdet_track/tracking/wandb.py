@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_PROJECT = "hdet"
 DEFAULT_MODE = "offline"  # the embedded default, as MLflow's is its sqlite store
 # what wandb.init takes as mode
-_MODES = ("online", "offline", "disabled", "shared", "dryrun")
+_MODES = ("online", "offline", "disabled", "shared", "dryrun", "run")
 STEP = names.STEP
 SYNC_STEP = names.SYNC_STEP
 _STEP_GLOBS = (names.LOSS, names.LR, "hdet/replica_*")
@@ -138,7 +138,7 @@ class WandbTracker(Tracker):
             check_str(name, value)
         if mode is not None and mode not in _MODES:
             raise ValueError(f"Expected mode in {_MODES} or None (WANDB_MODE, else offline), but got {mode!r}")
-        if mode is None and os.environ.get("WANDB_MODE", _MODES[0]) not in _MODES:
+        if run is None and mode is None and os.environ.get("WANDB_MODE", _MODES[0]) not in _MODES:
             raise ValueError(f"Expected WANDB_MODE in {_MODES} or unset, but got {os.environ['WANDB_MODE']!r}")
         if dir is not None and not isinstance(dir, (str, os.PathLike)):
             raise TypeError(f"Expected dir to be a path or None, but got {type(dir).__name__}")

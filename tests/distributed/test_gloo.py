@@ -363,4 +363,5 @@ def test_sharded_replicas_are_refused_when_the_scheduler_is_built():
         assert set(errors) == {"optimizer", "model"}, (rank, errors)
         assert "Expected every rank to hold a whole replica" in errors["optimizer"]
         assert "optimizer parameter 0 of param group 0 is a DTensor placed (Shard(dim=0),)" in errors["optimizer"]
+        assert "the model's '0.weight' is a DTensor placed (Shard(dim=0),)" in errors["model"], errors["model"]
         assert "Train with DDP or plain replicas" in errors["model"]
