@@ -566,6 +566,21 @@ class HDETScheduler(Reporting, OneCycleLR):
         self._apply_explored()
 
 
+def check_hdet_kwargs(owner: str, kwargs: Mapping[str, Any], taken: Iterable[str] = ()) -> None:
+    """For a wrapper that builds the scheduler later (a Lightning or Hugging Face callback): its
+    ``**hdet_kwargs`` must be HDET's own keyword arguments (not OneCycle's, which come from the
+    trainer), checked when the wrapper is built, not when training starts."""
+    import inspect
+
+    params = inspect.signature(HDETScheduler.__init__).parameters.values()
+    allowed = {p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY} - set(taken)
+    unknown = sorted(set(kwargs) - allowed)
+    if unknown:
+        raise TypeError(
+            f"{owner} got unexpected keyword arguments {unknown}; HDET's keyword arguments are {sorted(allowed)}"
+        )
+
+
 def _check_arguments(optimizer: Any, model: Any, total_steps: int | None, **args: Any) -> None:
     """The scheduler's own arguments (OneCycleLR checks its own): errors name the argument, the value
     and what is allowed."""

@@ -231,3 +231,13 @@ def test_train_raising_after_its_last_step_ends_the_run_failed_and_a_normal_trai
     (hf_run,) = runs["hf_run"]
     assert hf_run.status == "FAILED"  # not ended FINISHED by MLflow's own exit hook
     assert "RuntimeError: compute_metrics failed in the final evaluation" in hf_run.tags["hdet.error"]
+
+
+def test_a_typo_in_hdets_arguments_fails_when_the_callback_is_built():
+    from hdet_track.integrations.transformers import HDETTrainerCallback
+
+    with pytest.raises(TypeError, match=r"HDETTrainerCallback got unexpected keyword arguments \['sprad'\]"):
+        HDETTrainerCallback(sprad=0.2)
+    with pytest.raises(TypeError, match=r"\['close_at_end'\]"):  # the callback decides that one
+        HDETTrainerCallback(close_at_end=True)
+    HDETTrainerCallback(spread=0.2, sync_every=100, auto_lr=True)

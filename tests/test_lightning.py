@@ -174,3 +174,15 @@ def test_a_fit_that_reached_its_last_step_keeps_the_run_open_for_final_metrics(t
     assert [r.status for r in runs] == ["FINISHED", "FINISHED", "FINISHED"]
     assert [list(r.metrics["val_loss"][1]) if "val_loss" in r.metrics else [] for r in runs] == [[0.5], [0.25], []]
     assert [[c.step for c in r.converge] for r in runs[:2]] == [[4, 8], [4, 8]]
+
+
+def test_a_typo_in_hdets_arguments_fails_when_the_callback_is_built():
+    from hdet_track.integrations.lightning import HDETCallback
+
+    with pytest.raises(
+        TypeError, match=r"HDETCallback got unexpected keyword arguments \['sync_evry'\]; .*'sync_every'"
+    ):
+        HDETCallback(spread=0.2, sync_evry=100)
+    with pytest.raises(TypeError, match=r"\['pct_start'\]"):  # OneCycle's come from the module's schedule
+        HDETCallback(pct_start=0.1)
+    HDETCallback(spread=0.2, sync_every=100, auto_lr=True, close_at_end=True)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import OneCycleLR
 
-from ..scheduler import HDETScheduler
+from ..scheduler import HDETScheduler, check_hdet_kwargs
 
 try:
     import lightning.pytorch as pl
@@ -69,6 +69,7 @@ class HDETCallback(pl.Callback):
 
     def __init__(self, *, max_lr: float | None = None, track: Any = True, **hdet_kwargs: Any) -> None:
         super().__init__()
+        check_hdet_kwargs("HDETCallback", hdet_kwargs, taken=("track",))
         self.max_lr = max_lr
         self.track = track
         self.hdet_kwargs = hdet_kwargs

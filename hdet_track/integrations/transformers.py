@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..scheduler import HDETScheduler
+from ..scheduler import HDETScheduler, check_hdet_kwargs
 
 try:
     from transformers import TrainerCallback
@@ -170,6 +170,7 @@ def wrap_trainer(
     trainer: Any, *, track: Any = True, log_every: int = 1, compare_group: str | None = None, **hdet_kwargs: Any
 ) -> Any:
     """Make ``trainer`` train with HDET; returns it."""
+    check_hdet_kwargs("wrap_trainer", hdet_kwargs, taken=("track", "log_every", "compare_group", "close_at_end"))
     original_step = trainer.training_step
 
     def training_step(*args: Any, **kwargs: Any) -> Any:
@@ -244,6 +245,9 @@ class HDETTrainerCallback(TrainerCallback):
     def __init__(
         self, *, track: Any = True, log_every: int = 1, compare_group: str | None = None, **hdet_kwargs: Any
     ) -> None:
+        check_hdet_kwargs(
+            "HDETTrainerCallback", hdet_kwargs, taken=("track", "log_every", "compare_group", "close_at_end")
+        )
         self.track = track
         self.log_every = log_every
         self.compare_group = compare_group
