@@ -16,6 +16,7 @@ The scheduler owns OneCycle's schedule and wires the parts:
 from __future__ import annotations
 
 import math
+import numbers
 import socket
 import sys
 import warnings
@@ -381,13 +382,17 @@ class HDETScheduler(Reporting, OneCycleLR):
                 )
             return None
         if isinstance(loss, torch.Tensor):
-            if loss.numel() != 1:
+            if loss.numel() != 1 or loss.is_complex():
                 raise ValueError(
-                    f"Expected loss to be a scalar (a float or a one-element tensor), but got a tensor of shape {tuple(loss.shape)}"
+                    f"Expected loss to be a real scalar (a float or a one-element real tensor), but got a tensor "
+                    f"of dtype {loss.dtype} and shape {tuple(loss.shape)}"
                 )
             return loss.detach()
-        if isinstance(loss, (int, float)) and not isinstance(loss, bool):
-            return float(loss)
+        if isinstance(loss, numbers.Real) and not isinstance(loss, bool):
+            try:
+                return float(loss)
+            except OverflowError:
+                return math.inf  # an int too large for a float: a blown-up loss
         raise ValueError(f"Expected loss to be a float or a one-element tensor, but got {type(loss).__name__}")
 
     def _apply_explored(self) -> None:

@@ -478,3 +478,25 @@ def test_local_step_guard_trip_survives_a_checkpoint():
     assert (s2.last_sync.step, s2.last_sync.left_out, [a.kind for a in s2.last_sync.guard]) == uninterrupted
     assert uninterrupted == (5, [0], ["rollback"])
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values()))
+
+
+def test_losses_of_any_real_kind_are_taken_and_others_named():
+    import numpy as np
+
+    model, opt = make()
+    sched = HDETScheduler(opt, 0.1, total_steps=10, sync_every=5, auto_lr=True)
+    for loss in (np.float32(0.5), np.float64(0.4), 1, torch.tensor(0.3), torch.tensor([0.2])):
+        opt.step()
+        sched.step(loss)
+    assert sched.last_sync is not None and sched.last_sync.window_losses[0] == pytest.approx(
+        np.mean([0.5, 0.4, 1, 0.3, 0.2])
+    )
+    for bad, match in (
+        (torch.tensor(1j), "real scalar .* dtype torch.complex64"),
+        ("0.5", "float or a one-element tensor, but got str"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            sched.step(bad)
+    opt.step()
+    sched.step(10**400)  # too large for a float: a blown-up loss, not an OverflowError
+    assert sched.last_epoch == 6
