@@ -149,7 +149,18 @@ class Reporting:
 
     def _keep_window(self) -> None:
         recorder = self._callbacks.recorder
-        if recorder is None or self._world_size != 1 or not self._converger.losses:
+        if recorder is None or not self._converger.losses:
+            return
+        if self._world_size != 1:
+            if self._rank == 0:
+                last = max(self.last_epoch, 0)
+                logger.warning(
+                    "hdet-track: closed between two syncs: steps %d-%d are not in the run (the other "
+                    "replicas' losses reach rank 0 only at a sync, and close() runs no collective); call "
+                    "sched.sync_now() on every rank before close() to keep them",
+                    last - len(self._converger.losses) + 1,
+                    last,
+                )
             return
         try:
             record = self._window_record()

@@ -56,3 +56,18 @@ def test_one_wandb_offline_run_holds_all_replicas(tmp_path):
     for r in range(WORLD):
         for step, a, _, _ in res[r]["seen"]:
             assert rows[step][f"hdet/replica_{r:02d}/lr"] == pytest.approx(a, rel=1e-12)
+
+
+@pytest.mark.parametrize("sync_first", [False, True], ids=["close", "sync_now-then-close"])
+def test_a_job_of_several_processes_closed_between_syncs_says_which_steps_it_leaves_out(tmp_path, sync_first):
+    uri = f"sqlite:///{tmp_path / 'early.db'}"
+    res = run_ranks(workers.closed_between_syncs, 2, uri, sync_first)
+    assert res[1]["warnings"] == []  # rank 0 says it, once
+    client = MlflowClient(uri)
+    steps = sorted(m.step for m in client.get_metric_history(res[0]["run_ids"]["mlflow"], "hdet/replica_01/loss"))
+    if sync_first:
+        assert res[0]["warnings"] == [] and steps == list(range(1, 9))
+    else:
+        (text,) = res[0]["warnings"]
+        assert "steps 6-8 are not in the run" in text and "sync_now() on every rank" in text
+        assert steps == list(range(1, 6))

@@ -666,3 +666,30 @@ def sharded_replicas_refused(rank: int, world: int) -> dict:
     plain = make_model()
     HDETScheduler(torch.optim.SGD(plain.parameters(), lr=0.1), 0.1, total_steps=10, spread=0.3, model=plain)
     return errors
+
+
+def closed_between_syncs(rank: int, world: int, uri: str, sync_first: bool) -> dict:
+    """A tracked 2-rank job stopped early at step 8 (syncs every 5) and closed: what rank 0 warns,
+    with and without ``sync_now()`` on every rank first."""
+    import logging
+
+    from hdet_track.tracking.mlflow import MLflowTracker
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    logging.getLogger("hdet_track").addHandler(Keep())
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    track = MLflowTracker(tracking_uri=uri, experiment=f"early-{sync_first}")
+    sched = HDETScheduler(opt, 0.1, total_steps=20, spread=0.3, sync_every=5, model=model, track=track)
+    for step in range(8):
+        sgd_step(model, opt, rank, step)
+        sched.step(float(step + 1))
+    if sync_first:
+        sched.sync_now()
+    sched.close()
+    return {"warnings": [m for m in records if "closed between two syncs" in m], "run_ids": sched.run_ids}
