@@ -222,6 +222,10 @@ def test_bad_sources_give_typed_errors_or_partial_runs(tmp_path):
         reader.list_runs("nope")
     with pytest.raises(RunNotFoundError):
         reader.read("0123456789abcdef0123456789abcdef")
+    for bad_reader in (reader, WandbReader(tmp_path)):
+        for bad in (5, None, ""):
+            with pytest.raises(TypeError, match=rf"run_id to be a run's id \(a non-empty str\), but got {bad!r}"):
+                bad_reader.read(bad)
     # A run logged by another tool, no HDET events: a partial run with a warning.
     plain = client.create_run(empty).info.run_id
     for step in range(5):

@@ -221,6 +221,8 @@ class MLflowReader:
         from the archive's summaries (``run.overview``)."""
         from mlflow.exceptions import MlflowException
 
+        if not isinstance(run_id, str) or not run_id:
+            raise TypeError(f"Expected run_id to be a run's id (a non-empty str), but got {run_id!r}")
         try:
             info = self.client.get_run(run_id)
         except MlflowException as exc:

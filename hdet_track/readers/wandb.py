@@ -101,6 +101,8 @@ class WandbReader:
         max_rows: int | None = None,
     ) -> HDETRun:
         """The run; ``steps`` and ``max_rows`` as in :meth:`MLflowReader.read`."""
+        if not isinstance(run_id, str) or not run_id:
+            raise TypeError(f"Expected run_id to be a run's id (a non-empty str), but got {run_id!r}")
         dirs = self._dirs()
         if run_id not in dirs:
             raise RunNotFoundError(f"Expected a W&B run {run_id!r} under {self.root}, but found {sorted(dirs)}")
