@@ -354,3 +354,51 @@ def test_a_failing_heartbeat_takes_the_backend_down_like_any_batch_and_nothing_i
     run = MLflowReader(uri).read(tracker.run_id)
     assert run.status == "FINISHED" and [c.step for c in run.converge] == [5, 10, 15, 20]
     assert run.replica_series("loss", 0)[0].tolist() == list(range(1, 21))
+
+
+def test_a_batch_the_backend_refuses_while_it_answers_is_set_aside_and_the_run_goes_on(tmp_path, monkeypatch, caplog):
+    """A batch a working backend refuses for its content (a fault injected into a real MLflow
+    tracker: it refuses any batch with the metric 'refused') used to block the spill behind it for
+    good: every later step, sync and the run's end waited in the spill. Now the heartbeat shows the
+    backend answers, the batch's parts go one by one, the refused part (the user's metrics of that
+    call) waits in a -refused spill file, and everything else reaches the run."""
+    import torch
+
+    from hdet_track import HDETScheduler
+    from hdet_track.tracking.mlflow import MLflowTracker
+    from hdet_track.tracking.spill import SpillFile
+
+    class Refuses(MLflowTracker):
+        isolate = False
+
+        def log(self, batch):
+            if any(p.key == "refused" for p in batch.points):
+                raise ValueError("refused (injected)")
+            super().log(batch)
+
+    monkeypatch.setenv("HDET_TRACK_HEARTBEAT_SECONDS", "0.2")
+    monkeypatch.setenv("HDET_TRACK_SHUTDOWN_TIMEOUT", "5")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracker = Refuses(uri, "refused")
+    opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+    with caplog.at_level("WARNING", logger="hdet_track"):
+        with HDETScheduler(opt, 0.1, total_steps=20, spread=0.0, sync_every=5, track=tracker) as sched:
+            for k in range(1, 21):
+                opt.step()
+                sched.step(1.0 / k)
+                if k == 8:
+                    sched.log_metrics({"refused": 1.0, "val_loss": 0.5})
+                    assert sched.flush() is True  # that batch alone: it fails, and waits in the spill
+                time.sleep(0.15)
+            sched.log_metrics({"val_accuracy": 0.75})
+    assert "Refuses is unavailable (ValueError: refused (injected))" in caplog.text
+    assert "answers but refused 2 points (refused, val_loss)" in caplog.text, caplog.text
+    run = MLflowReader(uri).read(tracker.run_id)
+    assert run.status == "FINISHED" and [c.step for c in run.converge] == [5, 10, 15, 20]
+    assert run.replica_series("loss", 0)[0].tolist() == list(range(1, 21))
+    assert "refused" not in run.metrics and "val_loss" not in run.metrics
+    assert run.metrics["val_accuracy"][1].tolist() == [0.75]  # a later call's metrics arrive
+    (refused,) = (tmp_path / ".hdet-spill").glob("spill-*-refused.jsonl")
+    (batch,) = SpillFile(refused, {}).batches()
+    assert sorted((p.key, p.value, p.step) for p in batch.points) == [("refused", 1.0, 8), ("val_loss", 0.5, 8)]
+    assert not list((tmp_path / ".hdet-spill").glob("spill-*[0-9].jsonl"))  # nothing else left behind
