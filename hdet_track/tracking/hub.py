@@ -17,11 +17,11 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .. import names, owner
+from .. import owner
 from ..events import RunEnd, RunStart
 from ..record import SyncRecord
 from . import lifecycle
@@ -39,21 +39,12 @@ logger = logging.getLogger(__name__)
 class _Sink:
     """One tracker, with its spill file and retry state."""
 
-    def __init__(
-        self,
-        tracker: Tracker,
-        spill_dir: Path | None,
-        retry_seconds: float,
-        probe: Callable[[Tracker], None] | None = None,
-    ) -> None:
+    def __init__(self, tracker: Tracker, spill_dir: Path | None, retry_seconds: float) -> None:
         self.label = type(tracker).__name__  # for messages: the backend, not a process wrapper around it
         tracker = self.tracker = maybe_isolated(tracker)
         directory = spill_dir if spill_dir is not None else tracker.spill_dir()
-        name = f"spill-{tracker.name or type(tracker).__name__}-{os.getpid()}-{id(tracker)}"
-        self.spill = SpillFile(directory / f"{name}.jsonl", {})
-        # What the backend answers but refuses (see _refused): kept apart, for `hdet-track recover`.
-        self.refused = SpillFile(directory / f"{name}-refused.jsonl", {})
-        self.probe = probe  # a call the backend answers when it is up (a heartbeat), or None
+        name = f"spill-{tracker.name or type(tracker).__name__}-{os.getpid()}-{id(tracker)}.jsonl"
+        self.spill = SpillFile(directory / name, {})
         self.retry_seconds = retry_seconds
         self.down_since: float | None = None
         self.next_retry = 0.0
@@ -121,8 +112,6 @@ class _Sink:
             try:
                 self._send(batch)
             except Exception as exc:  # noqa: BLE001
-                if self._refused(batch, exc):
-                    continue
                 self._went_down(exc)
                 self.spill.keep_from(i)
                 return False
@@ -134,47 +123,6 @@ class _Sink:
             len(batches),
         )
         self.down_since = None
-        return True
-
-    def _refused(self, batch: Batch, exc: BaseException) -> bool:
-        """A spilled batch failed again: when the backend answers otherwise (the probe goes through),
-        the batch itself is refused and would block everything behind it for good. Its parts (the
-        user's metrics, HDET's own rows and events, the run's end) are then sent one by one; a part
-        refused again goes to the ``-refused`` spill file, and the rest of the run goes on. False
-        (nothing sent) when the backend does not answer: it is down."""
-        if self.probe is None or self.tracker.run_id is None:
-            return False
-        try:
-            self.probe(self.tracker)
-        except Exception:  # noqa: BLE001 - down, not refusing
-            return False
-        user = [p for p in batch.points if not names.is_hdet_series(p.key)]
-        ends = [e for e in batch.events if isinstance(e, RunEnd)]
-        own = Batch(
-            points=[p for p in batch.points if names.is_hdet_series(p.key)],
-            events=[e for e in batch.events if not isinstance(e, RunEnd)],
-            steps=batch.steps,
-        )
-        for part in (Batch(points=user), own, Batch(events=ends)):
-            if not part:
-                continue
-            try:
-                self._send(part)
-            except Exception as again:  # noqa: BLE001
-                self.refused.header = spill_header(self.tracker, self.run_start)
-                self.refused.append(part)
-                keys = sorted({p.key for p in part.points})[:8]
-                logger.warning(
-                    "hdet-track: %s answers but refused %d points (%s) and %d events (%s: %s); kept in %s "
-                    "(`hdet-track recover` retries it), the rest of the run goes on",
-                    self.label,
-                    len(part.points),
-                    ", ".join(keys) or "none",
-                    len(part.events),
-                    type(again).__name__,
-                    again,
-                    self.refused.path,
-                )
         return True
 
     def drain(self, deadline: float) -> None:
@@ -263,8 +211,7 @@ class TrackingHub:
         self._identity = owner.process_identity()  # the sender of every heartbeat: this (training) process
         self.shutdown_timeout = default_shutdown_timeout() if shutdown_timeout is None else shutdown_timeout
         directory = Path(spill_dir) if spill_dir is not None else None
-        probe = self._probe if self.heartbeat_seconds is not None else None
-        self._sinks = [_Sink(t, directory, retry_seconds, probe) for t in self.trackers]
+        self._sinks = [_Sink(t, directory, retry_seconds) for t in self.trackers]
         self._queue: deque[tuple[str, Any]] = deque()
         self._wake = threading.Event()
         self._budget: PointBudget | None = None
@@ -392,11 +339,6 @@ class TrackingHub:
                             sink.spill_path,
                         )
                 return
-
-    def _probe(self, tracker: Tracker) -> None:
-        """Whether the backend answers: a heartbeat (raises when it does not)."""
-        assert self.heartbeat_seconds is not None
-        tracker.heartbeat(owner.heartbeat(self.heartbeat_seconds, identity=self._identity))
 
     def _beat(self) -> None:
         """A heartbeat to each tracker whose run is open and whose backend answers. A backend that
