@@ -11,7 +11,7 @@ from typing import Any
 from ._checks import check_bool, check_int, check_str
 from .record import RunInfo, SchedulerCallback, SyncRecord
 
-__all__ = ["CallbackList", "resolve_track"]
+__all__ = ["CallbackList", "resolve_track", "check_track_settings"]
 
 
 def resolve_track(track: Any) -> list:
@@ -22,6 +22,15 @@ def resolve_track(track: Any) -> list:
     from .tracking.base import resolve_trackers
 
     return resolve_trackers(track)
+
+
+def check_track_settings(log_every: Any, compare_group: Any, run_name: Any, close_at_end: Any) -> None:
+    """The tracking settings of :meth:`CallbackList.track` (``""``: no compare group, the backend's
+    own run name)."""
+    check_int("log_every", log_every, 1)
+    check_bool("close_at_end", close_at_end)
+    check_str("compare_group", compare_group, empty=True)
+    check_str("run_name", run_name, empty=True)
 
 
 class CallbackList:
@@ -59,10 +68,7 @@ class CallbackList:
 
         if self.recorder is not None:
             raise ValueError("Expected a scheduler that is not tracked yet, but it already is")
-        check_int("log_every", log_every, 1)
-        check_bool("close_at_end", close_at_end)
-        check_str("compare_group", compare_group, empty=True)  # "": none
-        check_str("run_name", run_name, empty=True)
+        check_track_settings(log_every, compare_group, run_name, close_at_end)
         self.recorder = Recorder(
             track,
             rank=rank,

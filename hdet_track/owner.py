@@ -20,7 +20,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["process_identity", "owner_alive", "heartbeat_seconds", "heartbeat", "silence", "MISSED_BEATS"]
+__all__ = [
+    "process_identity",
+    "owner_alive",
+    "described",
+    "heartbeat_seconds",
+    "heartbeat",
+    "silence",
+    "overdue",
+    "MISSED_BEATS",
+]
 
 HEARTBEAT_ENV = "HDET_TRACK_HEARTBEAT_SECONDS"
 DEFAULT_HEARTBEAT_SECONDS = 30.0
@@ -120,3 +129,15 @@ def silence(beat: Any, owner: dict | None = None, now: float | None = None) -> s
         return None
     when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(last))
     return f"sent no heartbeat for {silent:.0f} s (one was due every {every:g} s; the last at {when})"
+
+
+def described(owner: dict) -> str:
+    """How the readers name a run's owner in the error of a run it never ended."""
+    return f"the training process (pid {owner.get('pid')} on {owner.get('host')})"
+
+
+def overdue(owner: dict, beat: Any) -> str | None:
+    """The error of a run whose ``owner`` this host cannot check and whose heartbeat ``beat`` is long
+    overdue (:func:`silence`); None while it is not."""
+    silent = silence(beat, owner)
+    return None if silent is None else f"{described(owner)} {silent}: presumed ended without ending the run"

@@ -29,9 +29,9 @@ from torch import nn
 from torch.optim.lr_scheduler import OneCycleLR, _enable_get_lr_call
 
 from . import checkpoint, collectives
-from ._checks import check_bool, check_int, check_number, check_str
+from ._checks import check_bool, check_int, check_number
 from .averager import ReplicaAverager
-from .callbacks import CallbackList, resolve_track
+from .callbacks import CallbackList, check_track_settings, resolve_track
 from .controller import Controller, ControllerContext, PaperController, make_controller
 from .converge import Converger
 from .explore import Hyperparam, resolve_explore
@@ -596,7 +596,6 @@ def _check_arguments(optimizer: Any, model: Any, total_steps: int | None, **args
     check_number("meta_momentum", args["meta_momentum"], 0.0, 1.0, low_open=False, high_open=True)
     check_number("div_factor", args["div_factor"], 0.0, math.inf, low_open=True, high_open=True)
     check_number("final_div_factor", args["final_div_factor"], 0.0, math.inf, low_open=True, high_open=True)
-    check_int("log_every", args["log_every"], 1)
     if not isinstance(args["auto_lr"], bool):
         raise ValueError(f"Expected auto_lr to be a bool, but got {args['auto_lr']!r}")
     seed = args["seed"]
@@ -606,9 +605,7 @@ def _check_arguments(optimizer: Any, model: Any, total_steps: int | None, **args
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"Expected process_group to be a torch.distributed.ProcessGroup or None, but got {group!r}")
     check_bool("average_buffers", args["average_buffers"])
-    check_bool("close_at_end", args["close_at_end"])
-    check_str("compare_group", args["compare_group"], empty=True)  # "": none
-    check_str("run_name", args["run_name"], empty=True)
+    check_track_settings(args["log_every"], args["compare_group"], args["run_name"], args["close_at_end"])
     if model is not None and not isinstance(model, nn.Module):
         raise TypeError(f"Expected model to be a torch.nn.Module, but got {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):

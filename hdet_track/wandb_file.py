@@ -8,6 +8,7 @@ FULL, FIRST, MIDDLE, LAST). A record's payload is a protobuf ``Record``
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -216,16 +217,12 @@ class WandbFileCache:
             self._cells[key] = (self._cells.get(key, 0) if rows else 0) + grown
             self._parses[key] = cached
             self._evict(keep=key)
-            return WandbFileContents(
-                run_id=contents.run_id,
-                project=contents.project,
-                group=contents.group,
-                name=contents.name,
+            return dataclasses.replace(  # the caller's own lists and dicts; the rows are shared
+                contents,
                 config=dict(contents.config),
                 history=list(contents.history),
                 summary=dict(contents.summary),
                 step_metrics=dict(contents.step_metrics),
-                exit_code=contents.exit_code,
             )
 
     def _evict(self, keep: str) -> None:

@@ -21,7 +21,7 @@ import numpy as np
 
 from .. import names
 from ..events import ControllerDecision
-from ..owner import owner_alive, silence
+from ..owner import described, overdue, owner_alive
 from ..summaries import SUMMARY_DIR
 from ..tracking.archive import ARTIFACT_DIR
 from .archive import read_archive
@@ -183,20 +183,15 @@ class MLflowReader:
             return None
         if not isinstance(owner, dict):
             return None
-        who = f"the training process (pid {owner.get('pid')} on {owner.get('host')})"
-        alive = owner_alive(owner)
         writer = owner.get("writer")
-        if alive is None or (isinstance(writer, dict) and owner_alive(writer) is None):
-            silent = silence(tags.get(names.MLFLOW_ALIVE_TAG), owner)
-            reason = None if silent is None else f"{who} {silent}: presumed ended without ending the run"
-        elif alive or (isinstance(writer, dict) and owner_alive(writer)):
+        alive = [owner_alive(p) for p in (owner, writer) if isinstance(p, dict)]  # the writer's, if it had one
+        if None in alive:  # another host or container: the heartbeat tells
+            reason = overdue(owner, tags.get(names.MLFLOW_ALIVE_TAG))
+        elif any(alive):
             reason = None
         else:
-            reason = (
-                who
-                + (" and its tracking process" if isinstance(writer, dict) else "")
-                + " ended without ending the run"
-            )
+            both = " and its tracking process" if len(alive) > 1 else ""
+            reason = f"{described(owner)}{both} ended without ending the run"
         if reason is None or self.client.get_run(run_id).info.status != "RUNNING":  # ended just before they exited
             return None
         return reason

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import names
-from ..owner import owner_alive, silence
+from ..owner import described, overdue, owner_alive
 from ..summaries import SUMMARY_DIR
 from ..wandb_file import WandbFileCache, WandbFormatError
 from ..wandb_store import (
@@ -196,11 +196,10 @@ class WandbReader:
             return None
         if not isinstance(owner, dict):
             return None
-        who = f"the training process (pid {owner.get('pid')} on {owner.get('host')})"
         alive = owner_alive(owner)
         if alive is None:  # another host or container: its heartbeat tells
-            silent = silence(owner.get("alive"), owner)
-            return None if silent is None else f"{who} {silent}: presumed ended without ending the run,"
+            reason = overdue(owner, owner.get("alive"))
+            return None if reason is None else f"{reason},"
         if alive:
             return None
         try:
@@ -209,7 +208,7 @@ class WandbReader:
             changed = 0.0
         if time.time() - changed < OWNER_GONE_GRACE_SECONDS:
             return None  # W&B's service may still be writing the run's end
-        return f"{who} ended without ending the run,"
+        return f"{described(owner)} ended without ending the run,"
 
     def _read_history(self, run: HDETRun, history: list[dict]) -> None:
         rows: dict[int, dict[int, dict[str, float]]] = {}
