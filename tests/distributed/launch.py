@@ -30,14 +30,16 @@ def free_port() -> int:
 _PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "hdet_track.scheduler", "tests.distributed.workers"]
 
 
-def _entry(rank: int, fn: Callable, world_size: int, port: int, out_dir: str, args: tuple, env: dict, cwd: str) -> None:
+def _entry(
+    rank: int, fn: Callable, world_size: int, port: int, out_dir: str, args: tuple, env: dict, cwd: str, backend: str
+) -> None:
     os.environ.clear()
     os.environ.update(env)  # the fork server's own environment is from when it started
     os.chdir(cwd)
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -63,17 +65,20 @@ def run_ranks(
     timeout: float = 240,
     allow_kill: bool = False,
     start_method: str = "forkserver",
+    backend: str = "gloo",
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes (gloo, 127.0.0.1).
 
     Returns each rank's return value (``None`` for a rank that died and ``allow_kill`` is set).
     ``start_method="spawn"``: fresh interpreters (CUDA ranks: nothing touched a GPU before them).
+    ``backend``: ``init_process_group``'s, e.g. ``"cpu:gloo,cuda:gloo"`` (a group that takes CUDA
+    tensors, as nccl's does, on a machine with one GPU).
     """
     multiprocessing.set_forkserver_preload(_PRELOAD)  # used when the fork server starts (the first call)
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(
             _entry,
-            args=(fn, world_size, free_port(), out_dir, args, dict(os.environ), os.getcwd()),
+            args=(fn, world_size, free_port(), out_dir, args, dict(os.environ), os.getcwd(), backend),
             nprocs=world_size,
             join=False,
             start_method=start_method,

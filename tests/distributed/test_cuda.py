@@ -17,9 +17,13 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 WORLD = 4
 
 
+@pytest.mark.parametrize("backend", ["gloo", "cpu:gloo,cuda:gloo"], ids=["cpu-group", "cuda-group"])
 @pytest.mark.parametrize("ddp", [True, False], ids=["shared", "independent"])
-def test_guard_averaging_and_exact_resume_with_cuda_state(ddp):
-    res = run_ranks(workers_cuda.guard_and_resume, WORLD, ddp, timeout=300, start_method="spawn")
+def test_guard_averaging_and_exact_resume_with_cuda_state(ddp, backend):
+    """``cuda-group``: a process group that takes CUDA tensors, as nccl's does (nccl itself refuses
+    two ranks on one GPU), so HDET gathers its loss rows on the GPU: the same decisions."""
+    res = run_ranks(workers_cuda.guard_and_resume, WORLD, ddp, timeout=300, start_method="spawn", backend=backend)
+    assert all(r["rows_on"] == ("cuda" if "cuda" in backend else "cpu") for r in res)
     assert all(r["on_gpu"] for r in res)  # nothing HDET did moved parameters or moments off the GPU
     if ddp:  # the NaN reaches every rank through DDP: the collective guard rolls all back at once
         assert [r["scope"] for r in res] == ["all"] * WORLD
@@ -44,3 +48,12 @@ def test_fused_adamw_with_a_tensor_lr_trains_with_each_replicas_values():
         assert torch.equal(r["final"], res[0]["final"])
     first = [r["seen"][0][0] for r in res]
     assert len(set(first)) == WORLD  # the fan-out: four different LRs at the first step
+
+
+def test_fsdp_flat_shards_are_refused_when_the_scheduler_is_built():
+    res = run_ranks(workers_cuda.fsdp1_refused, 2, timeout=300, start_method="spawn")
+    for errors in res:
+        assert len(errors) == 6
+        for case, error in errors.items():
+            assert error is not None, f"{case}: accepted"
+            assert "whole replica" in error or "sharded" in error, f"{case}: {error}"

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hdet_track import HDETScheduler
+from hdet_track import HDETScheduler, collectives
 from hdet_track.controller import DriftController
 
 from .workers import batch, make_model
@@ -103,6 +103,7 @@ def guard_and_resume(rank: int, world: int, ddp: bool) -> dict:
         "final": full,
         "resumed": _flat(model2),
         "on_gpu": on_gpu,
+        "rows_on": collectives._collective_device(None).type,  # where the loss rows were gathered
         "lr": [g["lr"] for g in opt.param_groups],
     }
 
@@ -133,3 +134,24 @@ def fused_adamw_tensor_lr(rank: int, world: int) -> dict:
 
     _train(rank, sched, model, opt, 20, on_step=check)
     return {"seen": seen, "final": _flat(model)}
+
+
+def fsdp1_refused(rank: int, world: int) -> dict:
+    """FSDP (FullyShardedDataParallel, which needs an accelerator) leaves each rank a flat shard:
+    the scheduler must refuse it when built, whichever of the wrapped model, the module inside it
+    or the optimizer alone (``model=None``) it is given, with and without ``use_orig_params``.
+    Returns ``{case: the error, or None when it was accepted}``."""
+    _setup()
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    errors: dict[str, str | None] = {}
+    for orig in (False, True):
+        wrapped = FSDP(make_model().to(CUDA), device_id=CUDA, use_orig_params=orig)
+        opt = torch.optim.SGD(wrapped.parameters(), lr=0.05)
+        for given, model in (("wrapped", wrapped), ("inner", wrapped.module), ("optimizer", None)):
+            try:
+                HDETScheduler(opt, max_lr=0.05, total_steps=10, spread=0.3, sync_every=5, model=model)
+                errors[f"{given}, use_orig_params={orig}"] = None
+            except ValueError as exc:
+                errors[f"{given}, use_orig_params={orig}"] = str(exc)
+    return errors
