@@ -71,7 +71,7 @@ class _Event:
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in data.items() if k in names}
         for key in cls._float_lists:
-            if key in kwargs:
+            if kwargs.get(key) is not None:  # None: an optional list left out (onecycle of a non-LR decision)
                 kwargs[key] = _unclean(kwargs[key])
         return cls(**kwargs)
 

@@ -21,6 +21,7 @@ from hdet_track.readers import RunNotFoundError, open_reader
 from hdet_track.readers.mlflow import MLflowReader
 from hdet_track.readers.wandb import WandbReader
 from hdet_track.tracking.mlflow import MLflowTracker
+from hdet_track.viz import plot_controller
 
 from .test_tracking_wandb import read_finished
 
@@ -142,6 +143,49 @@ def test_history_fallback_matches_archive(tmp_path):
     assert [c.step for c in fallback.converge] == [c.step for c in full.converge]
     np.testing.assert_allclose(fallback.controller_series("lr")["base"], full.controller_series("lr")["base"])
     np.testing.assert_allclose(fallback.controller_series("lr")["drift"], full.controller_series("lr")["drift"])
+
+
+def test_a_series_the_run_does_not_have_is_an_error_not_an_empty_series(tmp_path):
+    """A typo (``"los"``, replica 4 of 1) used to read as a run with no data; what the run has but
+    has not logged yet (a controller without auto-LR) still reads empty. The same from the metric
+    histories alone (no event archive), where the keys come from the series themselves."""
+    uri = f"sqlite:///{tmp_path / 'k.db'}"
+    tracker = MLflowTracker(tracking_uri=uri)
+    job(tracker, steps=20)
+    reader = MLflowReader(uri)
+    run = reader.read(tracker.run_id)
+    assert run.known_series_keys() == ["loss", "lr", "weight_decay", "dropout"]
+    with pytest.raises(ValueError, match=r"key to be 'loss' or one of .*\['lr', 'weight_decay', 'dropout'\].*'los'"):
+        run.replica_series("los", 0)
+    with pytest.raises(ValueError, match=r"replica to be an integer in \[0, 1\).* 4"):
+        run.replica_series("loss", 4)
+    with pytest.raises(ValueError, match=r"name to be one of .*\['lr', 'weight_decay', 'dropout'\].*'dropot'"):
+        run.controller_series("dropot")
+    with pytest.raises(ValueError, match=r"target to be an integer in \[0, 1\).*\['lr'\].* 1"):
+        run.controller_series("lr", 1)
+    with pytest.raises(ValueError, match="'lrr'"):
+        run.multiplier_grid("lrr")
+    dropout = run.controller_series("dropout")  # read back from the archive: onecycle was None, not NaN
+    assert dropout["step"].tolist() == [10, 20] and np.all(np.isnan(dropout["onecycle"]))
+    np.testing.assert_allclose(dropout["drift"], dropout["base"] / 0.2)  # against its initial value
+    assert plot_controller(run, "dropout", 0).data  # the dashboard's controller page for dropout
+    assert run.multiplier_grid("weight_decay")[1].shape == (1, 2)
+    artifacts = Path(urlparse(MlflowClient(uri).get_run(tracker.run_id).info.artifact_uri).path) / "hdet_events"
+    shutil.rmtree(artifacts)
+    fallback = reader.read(tracker.run_id)
+    assert fallback.start is None and "lr" in fallback.known_series_keys()
+    with pytest.raises(ValueError, match="'los'"):
+        fallback.replica_series("los", 0)
+
+    plain = MLflowTracker(tracking_uri=uri)
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = HDETScheduler(opt, 0.1, total_steps=10, sync_every=5, track=plain)  # no auto-LR: no decisions
+    for _ in range(10):
+        opt.step()
+        sched.step(1.0)
+    sched.close()
+    assert reader.read(plain.run_id).controller_series("lr")["step"].tolist() == []
 
 
 def test_wandb_history_fallback_rebuilds_the_syncs():

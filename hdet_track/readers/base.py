@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -224,6 +225,43 @@ class HDETRun:
                 return list(e.series_keys)
         return [k for k in self._value_keys() if names.parse_series_key(k)[0] == name]
 
+    def known_series_keys(self) -> list[str]:
+        """The per-replica series this run has: ``"loss"`` and each explored hyperparameter's keys
+        (``lr``, ``lr/pg1``, ``dropout``...); empty when the run says neither (no start, no step
+        rows: a run the readers know only by its metric histories)."""
+        keys = [k for e in self.explored for k in e.series_keys] + self._value_keys()
+        return ["loss", *dict.fromkeys(k for k in keys if k != "loss")] if keys else []
+
+    def _check_series(self, key: str, replica: int | None = None) -> None:
+        """A key or replica the run does not have is a typo, not a run without data: say so."""
+        known = self.known_series_keys()
+        if known and key not in known:
+            raise ValueError(
+                f"Expected key to be 'loss' or one of this run's hyperparameter series {known[1:]}, but got {key!r}"
+            )
+        if replica is not None and (
+            isinstance(replica, bool) or not isinstance(replica, numbers.Integral) or not 0 <= replica < self.world_size
+        ):
+            raise ValueError(
+                f"Expected replica to be an integer in [0, {self.world_size}) (the run's replicas), but got {replica!r}"
+            )
+
+    def _check_name(self, name: str, target: int | None = None) -> None:
+        known = list(dict.fromkeys([*self.explored_names(), *(d.name for d in self.controller)]))
+        if known and name not in known:
+            raise ValueError(
+                f"Expected name to be one of this run's explored hyperparameters {known}, but got {name!r}"
+            )
+        keys = self.series_keys(name)
+        if (
+            target is not None
+            and keys
+            and (isinstance(target, bool) or not isinstance(target, numbers.Integral) or not 0 <= target < len(keys))
+        ):
+            raise ValueError(
+                f"Expected target to be an integer in [0, {len(keys)}) ({name!r}'s targets: {keys}), but got {target!r}"
+            )
+
     def spread(self, name: str) -> float:
         """The spread hyperparameter ``name`` was explored with (0 when unknown)."""
         return next((e.spread for e in self.explored if e.name == name), 0.0)
@@ -241,7 +279,9 @@ class HDETRun:
         """(steps, values) of one replica; ``key`` is ``"loss"`` or a series key (``"lr"``...).
 
         In an overview, two points per bucket: its min at the bucket's first step and its max at its
-        last step (a bucket with a non-finite value starts with NaN, a gap)."""
+        last step (a bucket with a non-finite value starts with NaN, a gap). A key or replica this
+        run does not have (see :meth:`known_series_keys`) is a ValueError naming what it has."""
+        self._check_series(key, replica)
         if self.overview:
             return self._buckets().envelope(self._bucket_column(key), replica)
         mask = self.steps.replica == replica
@@ -284,7 +324,10 @@ class HDETRun:
             return steps, (lo + hi) / 2
 
     def controller_series(self, name: str = "lr", target: int = 0) -> dict[str, np.ndarray]:
-        """step, base, base_before, velocity, delta, onecycle and drift (= base / onecycle) per sync."""
+        """step, base, base_before, velocity, delta, onecycle and drift (= base / onecycle) per sync
+        (empty arrays for a run without auto-LR). A ``name`` this run did not explore, or a ``target``
+        past its param groups, is a ValueError naming what it has."""
+        self._check_name(name, target)
         rows = [d for d in self.controller if d.name == name and target < len(d.base_after)]
         out = {
             "step": np.array([d.step for d in rows], dtype=np.int64),
@@ -346,7 +389,9 @@ class HDETRun:
     def multiplier_grid(self, name: str = "lr") -> tuple[list[int], np.ndarray]:
         """(window start steps, multiplier [replica, window]) of hyperparameter ``name``. At full
         resolution: one window per sync (the multiplier each replica held from that step); in an
-        overview: one column per bucket (the multiplier each replica held at the bucket's first step)."""
+        overview: one column per bucket (the multiplier each replica held at the bucket's first step).
+        A ``name`` this run did not explore is a ValueError naming what it has."""
+        self._check_name(name)
         n = self.world_size
         if self.overview:
             t = self._buckets()
