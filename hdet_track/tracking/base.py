@@ -14,7 +14,21 @@ from typing import Any, ClassVar, NamedTuple
 from ..events import Event, RunEnd, RunStart
 from .archive import StepBlock
 
-__all__ = ["Point", "Batch", "Tracker", "get_tracker_class", "resolve_trackers", "is_secret", "TRACKERS"]
+__all__ = [
+    "Point",
+    "Batch",
+    "BatchRefused",
+    "Tracker",
+    "get_tracker_class",
+    "resolve_trackers",
+    "is_secret",
+    "TRACKERS",
+]
+
+
+class BatchRefused(Exception):
+    """The backend answered and refused what it was sent for its content (an invalid value, not an
+    outage): sending the same again cannot succeed. See :meth:`Tracker.refuses`."""
 
 
 class Point(NamedTuple):
@@ -113,6 +127,13 @@ class Tracker:
     def finish(self, run_end: RunEnd) -> None:
         """Flush what is archived and end the run with ``run_end.status``."""
         raise NotImplementedError
+
+    def refuses(self, exc: BaseException) -> bool:
+        """Whether ``exc``, raised by :meth:`log`, says the backend refused the batch for its
+        content (the hub then sends its parts one by one and sets aside only what is refused
+        again); False (the default) means the backend is down, and the batch waits in the spill
+        until it answers. Only a backend's own word counts: MLflow's ``INVALID_PARAMETER_VALUE``."""
+        return isinstance(exc, BatchRefused)
 
     def heartbeat(self, beat: dict[str, float]) -> None:
         """Record that the run's processes are alive (``beat``: :func:`hdet_track.owner.heartbeat`),

@@ -5,7 +5,10 @@ per sync (compact numpy arrays), user metrics, the end. A writer thread hands th
 expanded into metric points, events and archive rows (:mod:`hdet_track.tracking.expand`), or as they
 are to a tracker that runs in its own process (it expands them there, off the training process's GIL).
 A tracker that raises is considered down: its batches go to a spill file (JSON lines) in order and
-are replayed, oldest first, once a retry succeeds. Nothing raises into the training loop.
+are replayed, oldest first, once a retry succeeds. A batch the backend refuses for its content
+(``Tracker.refuses``) goes in parts instead, and what is refused again is set aside in a
+``refused-*.jsonl`` file with a warning (:func:`~hdet_track.tracking.spill.log_or_set_aside`): the
+rest of the run goes on. Nothing raises into the training loop.
 """
 
 from __future__ import annotations
@@ -28,12 +31,13 @@ from . import lifecycle
 from .base import Batch, Tracker
 from .expand import PointBudget, RecordItem, materialize, metric_points
 from .isolated import maybe_isolated
-from .spill import SpillFile, orphans, replay_file
+from .spill import SpillFile, describe_part, log_or_set_aside, orphans, refused_path, replay_file
 from .spill import header as spill_header
 
 __all__ = ["TrackingHub"]
 
 logger = logging.getLogger(__name__)
+_REFUSALS_TOLD = 5  # refused parts warned about one by one (a bad metric logged every step is one story)
 
 
 class _Sink:
@@ -45,6 +49,8 @@ class _Sink:
         directory = spill_dir if spill_dir is not None else tracker.spill_dir()
         name = f"spill-{tracker.name or type(tracker).__name__}-{os.getpid()}-{id(tracker)}.jsonl"
         self.spill = SpillFile(directory / name, {})
+        self.refused = SpillFile(refused_path(self.spill.path), {})
+        self.set_aside = 0  # parts the backend refused for their content
         self.retry_seconds = retry_seconds
         self.down_since: float | None = None
         self.next_retry = 0.0
@@ -76,9 +82,25 @@ class _Sink:
                 self._deliver_orphans()
         ends = [ev for ev in batch.events if isinstance(ev, RunEnd)]
         if batch.points or batch.steps or batch.records or len(ends) < len(batch.events):
-            self.tracker.log(batch)
+            log_or_set_aside(self.tracker, batch, self._set_aside)
         for ev in ends:
             self.tracker.finish(ev)
+
+    def _set_aside(self, part: Batch, exc: BaseException) -> None:
+        """A part the backend refused for its content: kept in the refused file, not retried."""
+        part = materialize(part)
+        self.refused.header = spill_header(self.tracker, self.run_start)
+        self.refused.append(part)
+        self.set_aside += 1
+        if self.set_aside <= _REFUSALS_TOLD:
+            logger.warning(
+                "hdet-track: %s refused %s for its content (%s); set aside in %s (not retried), the rest of the run goes on%s",
+                self.label,
+                describe_part(part),
+                exc,
+                self.refused.path,
+                "; further refused parts go there without a warning" if self.set_aside == _REFUSALS_TOLD else "",
+            )
 
     def _deliver_orphans(self) -> None:
         """The backend works: deliver what earlier processes left undelivered in the same place."""

@@ -270,6 +270,11 @@ class MLflowTracker(Tracker):
             if through is not None:
                 self._skip_until = max(self._skip_until, done)
 
+    def refuses(self, exc: BaseException) -> bool:
+        # what MLflow answers for a value it will never take (a sqlite store and a server alike);
+        # a locked database, a rate limit or a server error is not this
+        return super().refuses(exc) or getattr(exc, "error_code", None) == "INVALID_PARAMETER_VALUE"
+
     def heartbeat(self, beat: dict[str, float]) -> None:
         if self._run_id is not None and self._run_open:
             self._client.set_tag(self._run_id, names.MLFLOW_ALIVE_TAG, json.dumps(beat))

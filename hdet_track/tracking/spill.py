@@ -12,6 +12,11 @@ process that logs to the same store finds it, and delivers it (or ``hdet-track r
 
 The first line of a spill file says how to reach the run again: the backend, its settings, the run
 id (once created) and the run's start event; each further line is one batch.
+
+A part of a batch the backend refused for its content (:meth:`~hdet_track.tracking.base.Tracker.refuses`:
+a value it will never take, not an outage) is set aside in a ``refused-*.jsonl`` file of the same
+form beside the spills, with a warning naming it: it is evidence to read, not retried (neither by
+the next process nor by ``hdet-track recover``), and it no longer holds back the rest of the run.
 """
 
 from __future__ import annotations
@@ -20,16 +25,26 @@ import json
 import logging
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from .. import names
 from ..events import RunEnd, RunStart, event_from_dict
 from .archive import StepBlock
 from .base import Batch, Point, Tracker
 
-__all__ = ["SpillFile", "cache_dir", "store_spill_dir", "spill_dirs", "replay_file", "recover"]
+__all__ = [
+    "SpillFile",
+    "cache_dir",
+    "store_spill_dir",
+    "spill_dirs",
+    "replay_file",
+    "recover",
+    "log_or_set_aside",
+    "describe_part",
+]
 
 logger = logging.getLogger(__name__)
 DIRNAME = ".hdet-spill"
@@ -79,6 +94,54 @@ class SpillFile:
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text("".join(x + "\n" for x in rest))
         os.replace(tmp, self.path)
+
+
+def log_or_set_aside(tracker: Tracker, batch: Batch, set_aside: Callable[[Batch, BaseException], None]) -> None:
+    """``tracker.log(batch)``. When the backend refuses the batch for its content
+    (``tracker.refuses``), its parts that stand alone go one by one: HDET's own series, rows and
+    events, then the user's metrics one name at a time; a part refused again goes to ``set_aside``
+    with the backend's error, so one bad value costs its own part, not the run's data after it.
+    Any other failure raises: the backend is down, the caller keeps the whole batch, and nothing
+    was set aside (its parts are tried again with it)."""
+    try:
+        tracker.log(batch)
+        return
+    except Exception as exc:
+        if not tracker.refuses(exc):
+            raise
+    users: dict[str, list[Point]] = {}
+    for p in batch.points:
+        if not names.is_hdet_series(p.key):
+            users.setdefault(p.key, []).append(p)
+    own = Batch(
+        points=[p for p in batch.points if names.is_hdet_series(p.key)],
+        events=batch.events,
+        steps=batch.steps,
+        records=batch.records,
+    )
+    refused: list[tuple[Batch, BaseException]] = []
+    for part in [own, *(Batch(points=points) for points in users.values())]:
+        if not part:
+            continue
+        try:
+            tracker.log(part)
+        except Exception as exc:
+            if not tracker.refuses(exc):
+                raise
+            refused.append((part, exc))
+    for part, exc in refused:
+        set_aside(part, exc)
+
+
+def describe_part(part: Batch) -> str:
+    """What a set-aside part holds, for a warning (``part`` materialized)."""
+    steps = [p.step for p in part.points] + [int(b.step.max()) for b in part.steps if len(b)]
+    span = f" at steps {min(steps)}-{max(steps)}" if steps and min(steps) != max(steps) else ""
+    span = span or (f" at step {steps[0]}" if steps else "")
+    keys = sorted({p.key for p in part.points})
+    if keys and all(not names.is_hdet_series(k) for k in keys):
+        return f"the metric {', '.join(repr(k) for k in keys)}{span} ({len(part.points)} points)"
+    return f"HDET's own series, step rows and events{span}"
 
 
 def _encode(batch: Batch) -> dict[str, Any]:
@@ -159,9 +222,10 @@ def replay_file(path: Path) -> str:
             raise ValueError("the spill has no run start: nothing to attach its data to")
         sink.start(start)
         ended = False
+        refused: list[tuple[Batch, BaseException]] = []
         for batch in batches:
             events = [e for e in batch.events if not isinstance(e, (RunStart, RunEnd))]
-            sink.log(Batch(points=batch.points, events=events, steps=batch.steps))
+            log_or_set_aside(sink, Batch(points=batch.points, events=events, steps=batch.steps), _keep(refused))
             for end in (e for e in batch.events if isinstance(e, RunEnd)):
                 sink.finish(end)
                 ended = True
@@ -174,9 +238,26 @@ def replay_file(path: Path) -> str:
         return f"{path.name}: not delivered ({type(exc).__name__}: {exc}); kept"
     claimed.unlink()
     where = settings.get("tracking_uri") or settings.get("dir") or ""
-    return f"{path.name}: {len(batches)} batches delivered to {head['backend']} run {sink.run_id}" + (
+    line = f"{path.name}: {len(batches)} batches delivered to {head['backend']} run {sink.run_id}" + (
         f" in {where}" if where else ""
     )
+    if refused:  # written once the rest went through (a replay that stops half-way sets nothing aside)
+        aside = SpillFile(refused_path(path), head)
+        for part, _ in refused:
+            aside.append(part)
+        parts = "; ".join(f"{describe_part(part)}: {exc}" for part, exc in refused[:3])
+        line += f"; the backend refused {len(refused)} part(s) for their content ({parts}), set aside in {aside.path}"
+    return line
+
+
+def refused_path(spill: Path) -> Path:
+    """Where the parts of ``spill``'s batches that the backend refused are set aside (not a spill:
+    nothing replays them)."""
+    return spill.with_name("refused-" + spill.name.removeprefix("spill-"))
+
+
+def _keep(found: list[tuple[Batch, BaseException]]) -> Callable[[Batch, BaseException], None]:
+    return lambda part, exc: found.append((part, exc))
 
 
 def spill_dirs(source: str) -> list[Path]:
