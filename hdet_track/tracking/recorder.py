@@ -58,6 +58,7 @@ class Recorder(SchedulerCallback):
         self.started = False
         self._synced_through = 0  # the last step of the syncs handed over
         self._info: Callable[[], RunInfo] | None = None
+        self._early: list[tuple[dict[str, Any], int]] = []  # metrics logged before the run started
         self._pending: Callable[[], SyncRecord | None] | None = None
         if self.trackers:
             from .hub import check_environment
@@ -120,6 +121,9 @@ class Recorder(SchedulerCallback):
             start_step=info.start_step,
         )
         self.hub.start(start)
+        for metrics, step in self._early:  # behind the run's start: a backend gets nothing before it
+            self.hub.metrics(metrics, step)
+        self._early.clear()
 
     def _end_abandoned(self, run_ids: set[str]) -> None:
         """A scheduler of this process resumes a run that an earlier one left open (a retry loop that
@@ -159,6 +163,13 @@ class Recorder(SchedulerCallback):
 
     def on_close(self, status: str, error: str | None, step: int) -> None:
         if self.hub is not None:
+            if not self.started and self._info is not None:
+                info = self._info()
+                # closed before its first step: the run is created (or a resumed one reopened) for
+                # the metrics logged since, and for a resumed job with no steps left (it finished
+                # here); a job closed before it did anything gets no empty run
+                if self._early or 0 < info.total_steps <= info.start_step:
+                    self.on_start(info)
             self.hub.close(status, error, step=step)
             lifecycle.unregister(self)  # written and ended: the process's exit has nothing to do
 
@@ -172,7 +183,13 @@ class Recorder(SchedulerCallback):
         lifecycle.unregister(self)
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        if self.hub is not None:
+        """Into the run; before its first step (a restored checkpoint evaluated first) they wait
+        for the run's start, which comes with that step (after a ``load_state_dict``: the same run)."""
+        if self.hub is None:
+            return
+        if not self.started and not self.hub.ended:
+            self._early.append((dict(metrics), step))
+        else:
             self.hub.metrics(dict(metrics), step)
 
     def flush(self, timeout: float | None = 60.0) -> bool:
