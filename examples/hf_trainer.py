@@ -16,6 +16,7 @@ import os
 import signal
 import sysconfig
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -113,10 +114,7 @@ def main_worker(
                 if state.global_step in self.evaluated:
                     return
                 self.evaluated.add(state.global_step)
-                sched = trainer.lr_scheduler  # wrap(); the callback form keeps its own
-                if not isinstance(sched, hdet_track.HDETScheduler):
-                    sched = next(c.scheduler for c in trainer.callback_handler.callbacks if hasattr(c, "scheduler"))
-                last = sched.last_sync
+                last = hdet_scheduler(trainer).last_sync
                 complete = all(math.isfinite(d) for d in last.divergences)
                 with open(os.path.join(dump, f"eval{args.process_index}.jsonl"), "a") as f:
                     f.write(json.dumps([state.global_step, last.step, complete]) + "\n")
@@ -129,12 +127,19 @@ def main_worker(
         class Kill(TrainerCallback):
             def on_save(self, args, state, control, **kwargs):
                 if state.global_step == kill_at:
-                    trainer.lr_scheduler.flush()
+                    hdet_scheduler(trainer).flush()
                     dist.barrier()
                     os.kill(os.getpid(), signal.SIGKILL)
 
         trainer.add_callback(Kill())
     trainer.train(resume_from_checkpoint=True if resume else None)
+
+
+def hdet_scheduler(trainer: Any) -> hdet_track.HDETScheduler:
+    """The trainer's HDET scheduler: its own with wrap(); the callback form keeps it on the callback."""
+    if isinstance(trainer.lr_scheduler, hdet_track.HDETScheduler):
+        return trainer.lr_scheduler
+    return next(c.scheduler for c in trainer.callback_handler.callbacks if hasattr(c, "scheduler"))
 
 
 def _entry(steps: int, out_dir: str, dump: str | None, callback: bool, extra: dict) -> None:

@@ -108,7 +108,8 @@ def test_gradient_accumulation_counts_one_hdet_step_per_optimizer_step(tmp_path)
     assert sched.last_sync is not None and sched.last_sync.weights is not None  # fed with losses
 
 
-def test_resume_from_checkpoint_continues_the_schedule_and_the_run(tmp_path):
+@pytest.mark.parametrize("form", ["wrap", "callback"])
+def test_resume_from_checkpoint_continues_the_schedule_and_the_run(tmp_path, form):
     """Killed right after a mid-window checkpoint, resumed with resume_from_checkpoint: every
     replica's LR at every step is the uninterrupted job's, and one MLflow run holds each step once."""
     from mlflow.tracking import MlflowClient
@@ -116,6 +117,7 @@ def test_resume_from_checkpoint_continues_the_schedule_and_the_run(tmp_path):
     from hdet_track.readers.mlflow import MLflowReader
 
     args = ["--steps", "40", "--save-steps", "15"]  # sync every 10: the checkpoint at 15 is mid-window
+    args += ["--callback"] if form == "callback" else []
     full, part = tmp_path / "full", tmp_path / "part"
     full.mkdir(), part.mkdir()
     env = {"HF_REPORT_TO": "none"}  # HDET's own tracker (track=True) owns the run
@@ -241,3 +243,80 @@ def test_a_typo_in_hdets_arguments_fails_when_the_callback_is_built():
     with pytest.raises(TypeError, match=r"\['close_at_end'\]"):  # the callback decides that one
         HDETTrainerCallback(close_at_end=True)
     HDETTrainerCallback(spread=0.2, sync_every=100, auto_lr=True)
+
+
+def _tiny_trainer(out, callbacks=(), examples=40, **kwargs):
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=1, n_head=2))
+    gen = torch.Generator().manual_seed(1)
+    data = [
+        {"input_ids": torch.randint(0, 32, (8,), generator=gen), "labels": torch.randint(0, 32, (8,), generator=gen)}
+        for _ in range(examples)
+    ]
+    args = TrainingArguments(
+        output_dir=str(out), max_steps=10, per_device_train_batch_size=4, learning_rate=1e-2, report_to=[],
+        use_cpu=True, disable_tqdm=True, logging_strategy="no", **kwargs,
+    )  # fmt: skip
+    return Trainer(model=model, args=args, train_dataset=data, eval_dataset=data[:8], callbacks=list(callbacks))
+
+
+def _lr_recorder():
+    from transformers import TrainerCallback
+
+    class LRs(TrainerCallback):
+        seen: dict = {}
+
+        def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+            self.seen[state.global_step] = optimizer.param_groups[0]["lr"]
+
+    rec = LRs()
+    rec.seen = {}
+    return rec
+
+
+def test_callback_form_checkpoints_and_resumes_from_a_checkpoint_anywhere(tmp_path):
+    """The callback form used to fail at its first checkpoint (the Trainer's scheduler.pt pickled
+    the patched scheduler), and looked for HDET's state under its own output_dir. HDET's state now
+    rides in that scheduler.pt, converged: a resume from another directory's checkpoint continues the
+    schedule exactly."""
+    from hdet_track.integrations.transformers import HDETTrainerCallback
+
+    kwargs = dict(save_strategy="steps", save_steps=5)
+    full, rec = HDETTrainerCallback(sync_every=3, auto_lr=True, track=False), _lr_recorder()
+    _tiny_trainer(tmp_path / "a", [full, rec], **kwargs).train()
+    assert full.scheduler.last_epoch == 10 and sorted(rec.seen) == list(range(1, 11))
+    state = torch.load(tmp_path / "a" / "checkpoint-5" / "scheduler.pt", weights_only=True)
+    assert state["hdet_scheduler"]["onecycle"]["last_epoch"] == 5
+    assert len(state["hdet_scheduler"]["window"]["losses"]) == 0  # converged before the checkpoint
+
+    resumed, rec2 = HDETTrainerCallback(sync_every=3, auto_lr=True, track=False), _lr_recorder()
+    _tiny_trainer(tmp_path / "b", [resumed, rec2], **kwargs).train(
+        resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-5")
+    )
+    assert resumed.scheduler.last_epoch == 10
+    assert rec2.seen == {k: rec.seen[k] for k in range(6, 11)}  # the uninterrupted schedule, exactly
+
+
+@pytest.mark.parametrize("form", ["wrap", "callback"])
+@pytest.mark.parametrize("strategy", ["epoch", "best"])
+def test_a_checkpoint_at_an_epoch_end_or_a_new_best_holds_one_consensus(tmp_path, strategy, form):
+    """Checkpoints the Trainer decides on at an epoch's end or after an evaluation (a new best) are
+    converged first too, not only those of save_strategy="steps": 5 steps per epoch, syncs every 3,
+    so step 5 is mid-window."""
+    import hdet_track
+    from hdet_track.integrations.transformers import HDETTrainerCallback
+
+    kwargs = dict(save_strategy=strategy, examples=20)
+    if strategy == "best":
+        kwargs |= dict(eval_strategy="steps", eval_steps=5, metric_for_best_model="loss")
+    if form == "wrap":
+        trainer = hdet_track.wrap(_tiny_trainer(tmp_path, **kwargs), sync_every=3, auto_lr=True, track=False)
+    else:
+        trainer = _tiny_trainer(tmp_path, [HDETTrainerCallback(sync_every=3, auto_lr=True, track=False)], **kwargs)
+    trainer.train()
+    state = torch.load(tmp_path / "checkpoint-5" / "scheduler.pt", weights_only=True)
+    state = state if form == "wrap" else state["hdet_scheduler"]
+    assert state["onecycle"]["last_epoch"] == 5
+    assert len(state["window"]["losses"]) == 0

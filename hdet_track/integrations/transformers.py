@@ -19,7 +19,6 @@ error (KILLED for ``KeyboardInterrupt``) before it propagates unchanged.
 from __future__ import annotations
 
 import logging
-import os
 import traceback
 from typing import Any
 
@@ -49,33 +48,48 @@ class _LossFedScheduler(HDETScheduler):
         super().step(loss, epoch)
 
 
-def _state_path(args: Any, state: Any) -> str:
-    return os.path.join(args.output_dir, f"checkpoint-{state.global_step}", "hdet_scheduler.pt")
+# The key of HDET's state inside the Trainer's own scheduler.pt (the callback form; see _drive)
+_STATE_KEY = "hdet_scheduler"
 
 
 def before_pause(control: Any, sched: HDETScheduler) -> None:
     """A checkpoint is about to be written (rank 0's model and optimizer only): converge first, so
     that it holds the one consensus every replica resumes from. An evaluation is about to start:
-    hand the last sync's record to tracking first, so that it is in the tracker while it runs."""
+    hand the last sync's record to tracking first, so that it is in the tracker while it runs.
+    Called at each step's and each epoch's end (``save_strategy="steps"`` or ``"epoch"``)."""
     if control.should_save:
         sched.sync_now()
     elif control.should_evaluate:
         sched.gather_pending()
 
 
-def save_state(args: Any, state: Any, sched: HDETScheduler) -> None:
-    """The scheduler's state beside the checkpoint (the callback form's HDET scheduler is not the
-    Trainer's, which saves its own ``scheduler.pt``). Converged just before: one state for all ranks."""
-    if args.should_save:
-        path = _state_path(args, state)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        torch.save(sched.state_dict(), path)
+def after_evaluation(args: Any, sched: HDETScheduler) -> None:
+    """``save_strategy="best"``: the Trainer decides to save after the evaluation, with no callback
+    in between, so every evaluation converges first (every rank evaluates)."""
+    if str(getattr(args.save_strategy, "value", args.save_strategy)) == "best":
+        sched.sync_now()
 
 
-def load_state(args: Any, state: Any, sched: HDETScheduler) -> None:
-    """On ``resume_from_checkpoint``: the scheduler's state, if the checkpoint has it."""
-    if state.global_step > 0 and os.path.exists(path := _state_path(args, state)):
-        sched.load_state_dict(torch.load(path, weights_only=True))
+def _drive(lr_scheduler: Any, sched: HDETScheduler) -> None:
+    """The callback form: the Trainer keeps calling its own scheduler, so its ``step`` and
+    ``get_last_lr`` become HDET's. The Trainer also saves that object's ``state_dict()`` as the
+    checkpoint's ``scheduler.pt`` and loads it on ``resume_from_checkpoint`` (before
+    ``on_train_begin``): that state carries HDET's under ``hdet_scheduler``, so it lies in the
+    checkpoint the Trainer writes and comes back from the one it resumes, wherever that is."""
+    cls = type(lr_scheduler)
+    patched = ("step", "get_last_lr", "state_dict", "load_state_dict")
+
+    def state_dict() -> dict[str, Any]:  # its own state without these methods (it must pickle), plus HDET's
+        own = {k: v for k, v in cls.state_dict(lr_scheduler).items() if k not in patched}
+        return own | {_STATE_KEY: sched.state_dict()}
+
+    def load_state_dict(state: dict[str, Any]) -> None:
+        cls.load_state_dict(lr_scheduler, {k: v for k, v in state.items() if k not in patched})
+
+    lr_scheduler.step = sched.step
+    lr_scheduler.get_last_lr = sched.get_last_lr
+    lr_scheduler.state_dict = state_dict
+    lr_scheduler.load_state_dict = load_state_dict
 
 
 def end_of_training(sched: HDETScheduler) -> None:
@@ -137,8 +151,6 @@ class _TrackingCallback(TrainerCallback):
             self.scheduler.close()  # the previous train()'s run, left open for final metrics
         self.scheduler = sched if isinstance(sched, HDETScheduler) else None
         self.began = True
-        if isinstance(sched, HDETScheduler):
-            load_state(args, state, sched)
         if isinstance(sched, HDETScheduler) and not sched.tracking:
             track = _report_tracker(args, self.track)
             if track not in (False, None):
@@ -151,10 +163,12 @@ class _TrackingCallback(TrainerCallback):
         if isinstance(sched, HDETScheduler):
             before_pause(control, sched)
 
-    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    on_epoch_end = on_step_end
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         sched = self.trainer.lr_scheduler
-        if isinstance(sched, HDETScheduler):
-            save_state(args, state, sched)
+        if isinstance(sched, HDETScheduler) and state.global_step > 0:
+            after_evaluation(args, sched)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.scheduler is not None:
@@ -271,7 +285,9 @@ class HDETTrainerCallback(TrainerCallback):
             self.scheduler.close()  # the previous train()'s run, left open for final metrics
         sched = _hdet_for(args, optimizer, model, state.max_steps, self.hdet_kwargs)
         self.scheduler = sched
-        load_state(args, state, sched)
+        saved = lr_scheduler.__dict__.pop(_STATE_KEY, None) if lr_scheduler is not None else None
+        if saved is not None:  # resume_from_checkpoint: the Trainer loaded its scheduler.pt, HDET's inside
+            sched.load_state_dict(saved)
 
         def capture(module: Any, inputs: Any, output: Any) -> None:
             loss = getattr(output, "loss", None)
@@ -279,9 +295,8 @@ class HDETTrainerCallback(TrainerCallback):
                 sched.__dict__.setdefault("_fed", []).append(loss.detach() / max(args.gradient_accumulation_steps, 1))
 
         self._hook = model.register_forward_hook(capture)
-        if lr_scheduler is not None:  # the Trainer keeps calling its scheduler: let that be HDET's step
-            lr_scheduler.step = sched.step
-            lr_scheduler.get_last_lr = sched.get_last_lr
+        if lr_scheduler is not None:
+            _drive(lr_scheduler, sched)
         tracker = _report_tracker(args, self.track)
         if tracker not in (False, None):
             sched.start_tracking(
@@ -292,9 +307,11 @@ class HDETTrainerCallback(TrainerCallback):
         if self.scheduler is not None:
             before_pause(control, self.scheduler)
 
-    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.scheduler is not None:
-            save_state(args, state, self.scheduler)
+    on_epoch_end = on_step_end
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.scheduler is not None and state.global_step > 0:
+            after_evaluation(args, self.scheduler)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._hook is not None:
