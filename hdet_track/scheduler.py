@@ -527,13 +527,18 @@ class HDETScheduler(Reporting, OneCycleLR):
         self._refresh()
 
     def _resume_settings(self) -> dict[str, Any]:
-        """What a checkpoint must share with the job that loads it for the job to resume exactly."""
+        """What a checkpoint must share with the job that loads it for the job to resume exactly
+        (a checkpoint of an older version is compared on the keys it holds)."""
+        shape = ["pct_start", "anneal_strategy", "three_phase", "div_factor", "final_div_factor", "cycle_momentum"]
+        shape += ["base_momentum", "max_momentum"] if self._config.get("cycle_momentum") else []
         return {
             "max_lr": list(self._max_lrs),
             "total_steps": self.total_steps,
             "sync_every": self.sync_every,
             "spreads": dict(self._fanout.spreads),
             "param_groups": len(self.optimizer.param_groups),
+            **{k: self._config[k] for k in shape if k in self._config},
+            "lr_bounds": [[float(low), float(high)] for low, high in self._lr_bounds],
         }
 
     def _bind_controller(self) -> None:

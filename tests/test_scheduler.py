@@ -202,6 +202,14 @@ def test_load_state_dict_rejects_other_world_or_explore():
         ({"controller": DriftController(rollback=False)}, r"controller rollback is False here and True in"),
         ({"controller": DriftController(revert_unconfirmed=False)}, r"controller revert_unconfirmed is False here"),
         ({"auto_lr_warmup": 10}, r"controller warmup is 10 here and 0 in the checkpoint"),
+        # the schedule's shape: before, these loaded and silently changed the trajectory
+        ({"div_factor": 5.0}, r"div_factor is 5.0 here and 25.0 in the checkpoint"),
+        ({"final_div_factor": 100.0}, r"final_div_factor is 100.0 here and 10000.0 in the checkpoint"),
+        ({"lr_bounds": (1e-4, 0.5)}, r"lr_bounds is \[\[0.0001, 0.5\], .* here and \[\[4e-07, 1.0\], "),
+        ({"pct_start": 0.25}, r"pct_start is 0.25 here and 0.3 in the checkpoint"),
+        ({"anneal_strategy": "linear"}, r"anneal_strategy is 'linear' here and 'cos' in the checkpoint"),
+        ({"three_phase": True}, r"three_phase is True here and False in the checkpoint"),
+        ({"max_momentum": 0.9}, r"max_momentum is 0.9 here and 0.95 in the checkpoint"),
     ],
 )
 def test_load_state_dict_rejects_a_job_with_other_settings(other, pattern):
