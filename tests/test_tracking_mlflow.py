@@ -194,6 +194,46 @@ def test_env_defaults_tracking_uri_experiment_and_attach(tmp_path, monkeypatch):
     assert len(client.search_runs([exp.experiment_id])) == 2
 
 
+def test_a_given_run_ended_by_a_failed_attempt_is_reopened_by_the_resumed_job_and_ended_by_it(sqlite_uri):
+    """MLflowTracker(run_id=...) given the same run in both attempts (MLFLOW_RUN_ID alike): the
+    first fails at step 13 and ends it FAILED; the second resumes from the checkpoint at step 10.
+    Before, the run stayed FAILED with the first attempt's error (only checkpoint-resumed runs were
+    reopened, and a given run finished was left for its owner to end); every step was there."""
+    client = MlflowClient(sqlite_uri)
+    given = client.create_run(client.create_experiment("given")).info.run_id
+
+    def attempt(keep, state=None, fail_at=None):
+        torch.manual_seed(0)
+        model = nn.Linear(2, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        tracker = MLflowTracker(tracking_uri=sqlite_uri, run_id=given)
+        sched = HDETScheduler(opt, 0.1, total_steps=20, sync_every=5, model=model, track=tracker)
+        if state is not None:
+            sched.load_state_dict(state)
+        with sched:
+            for k in range(sched.last_epoch + 1, 21):
+                if k == fail_at:
+                    raise RuntimeError("boom at step 13")
+                opt.step()
+                sched.step(1.0 / k)
+                if k == 10:
+                    keep["state"] = sched.state_dict()
+                if state is not None and k == 15:
+                    sched.flush()
+                    keep["status"] = client.get_run(given).info.status
+
+    first, second = {}, {}
+    with pytest.raises(RuntimeError, match="boom"):
+        attempt(first, fail_at=13)
+    assert client.get_run(given).info.status == "FAILED"
+    attempt(second, state=first["state"])
+    assert second["status"] == "RUNNING"  # reopened while it trains
+    run = client.get_run(given)
+    assert run.info.status == "FINISHED"
+    assert "hdet.error" not in run.data.tags and "boom at step 13" in run.data.tags["hdet.resumed_after"]
+    assert MLflowReader(sqlite_uri).read(given).replica_series("loss", 0)[0].tolist() == list(range(1, 21))
+
+
 def test_nested_run_under_parent(sqlite_uri):
     client = MlflowClient(sqlite_uri)
     exp = client.create_experiment("nested")

@@ -71,6 +71,8 @@ class MLflowTracker(Tracker):
         run_name: the run's name.
         run_id: attach to this existing run (default ``$MLFLOW_RUN_ID``). An attached run is left
             open when training finishes (its owner ends it); a failure still marks it FAILED/KILLED.
+            A given run that has ended already (an earlier attempt failed in it) is reopened, RUNNING
+            while the job trains, and ended by the job (its earlier error moves to ``hdet.resumed_after``).
         parent_run_id: make the run a child of this run (nested runs).
         tags: extra tags.
         chunk_seconds: how often the event archive is written while the run is live.
@@ -188,11 +190,15 @@ class MLflowTracker(Tracker):
         attach = self._attach_id or os.environ.get("MLFLOW_RUN_ID")
         resumed = None if attach else self._resume_id
         self._attached = bool(attach)
+        reopen = False
         existing: dict[str, str] = {}
         start_index = 0
         if attach or resumed:
             run = client.get_run(attach or resumed)
             run_id = run.info.run_id
+            # a run of ours resumed from a checkpoint, or a given run that has ended already (an
+            # earlier attempt of this job ended it FAILED): RUNNING again, and ended by us
+            reopen = bool(resumed) or run.info.status != "RUNNING"
             existing = dict(run.data.params)
             chunks = [f.path for f in client.list_artifacts(run_id, ARTIFACT_DIR)]
             start_index = max((_chunk_index(p) for p in chunks), default=0)  # continue the archive's numbering
@@ -200,7 +206,7 @@ class MLflowTracker(Tracker):
                 self._skip_until = _logged_through(client, run)
                 self._archived = _archived_through(client, run_id, chunks)
                 self._user_steps = {}
-            if resumed:
+            if reopen:
                 if "hdet.error" in run.data.tags:  # the interrupted part's error; the run goes on
                     client.set_tag(run_id, "hdet.resumed_after", run.data.tags["hdet.error"][-4900:])
                     client.delete_tag(run_id, "hdet.error")
@@ -212,8 +218,9 @@ class MLflowTracker(Tracker):
         run_tags_list = [RunTag(k, v) for k, v in tags.items()]
         for i in range(0, max(len(params), 1), _MAX_PARAMS):
             client.log_batch(run_id, params=params[i : i + _MAX_PARAMS], tags=run_tags_list if i == 0 else [])
-        if resumed:  # RUNNING again once the tags name its new owner (not the earlier attempt's, with its heartbeat)
+        if reopen:  # RUNNING again once the tags name its new owner (not the earlier attempt's, with its heartbeat)
             client.update_run(run_id, status="RUNNING")
+        self._attached = self._attached and not reopen  # a given run we reopened is ours to end
         self._client = client
         self._run_id = run_id
         self._resume_id = None  # used up: a later run of this object is a new one unless resumed again
