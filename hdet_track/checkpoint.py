@@ -83,5 +83,14 @@ def _differences(prefix: str, mine: dict[str, Any], saved: dict[str, Any]) -> li
     return [
         f"{prefix}{key} is {mine[key]!r} here and {saved[key]!r} in the checkpoint"
         for key in sorted(set(mine) & set(saved))
-        if mine[key] != saved[key]
+        if _as_lists(mine[key]) != _as_lists(saved[key])
     ]
+
+
+def _as_lists(value: Any) -> Any:
+    """Tuples as lists, at any depth (``base_momentum=(0.85, 0.8)`` saved, ``[0.85, 0.8]`` given)."""
+    if isinstance(value, (list, tuple)):
+        return [_as_lists(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _as_lists(v) for k, v in value.items()}
+    return value

@@ -94,3 +94,39 @@ def test_a_job_closed_before_it_did_anything_makes_no_run(tmp_path):
     _, sched = _scheduler(tracker)
     sched.close()
     assert tracker.run_id is None and not (tmp_path / "mlflow.db").exists()
+
+
+EXIT_JOB = """
+import sys, torch
+from hdet_track import HDETScheduler
+from hdet_track.tracking.mlflow import MLflowTracker
+uri, ckpt = sys.argv[1:3]
+model = torch.nn.Linear(2, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+sched = HDETScheduler(opt, 0.1, total_steps=20, spread=0.0, sync_every=5, model=model,
+                      track=MLflowTracker(tracking_uri=uri, experiment="early"))
+sched.load_state_dict(torch.load(ckpt, weights_only=True))
+sched.log_metrics({"val_loss": 0.25})
+# no close(): the process's exit ends the run (as a Hugging Face run left open for final metrics)
+"""
+
+
+def test_a_resumed_job_with_no_steps_left_that_exits_without_closing_ends_finished(tmp_path):
+    """Before, the exit read it as a job that stopped at step 0 of 20: FAILED."""
+    import subprocess
+    import sys
+
+    tracker = _tracker("mlflow", tmp_path)
+    opt, sched = _scheduler(tracker)
+    with pytest.raises(RuntimeError, match="evaluation failed"), sched:
+        _steps(opt, sched, 1, 20)
+        torch.save(sched.state_dict(), tmp_path / "ckpt.pt")
+        raise RuntimeError("evaluation failed")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    job = subprocess.run(
+        [sys.executable, "-c", EXIT_JOB, uri, str(tmp_path / "ckpt.pt")], capture_output=True, text=True, timeout=120
+    )
+    assert job.returncode == 0, job.stderr[-2000:]
+    run = _read("mlflow", tmp_path, tracker.run_id)
+    assert run.status == "FINISHED", run.tags.get("hdet.error")
+    assert run.metrics["val_loss"][0].tolist() == [20] and run.metrics["val_loss"][1].tolist() == [0.25]

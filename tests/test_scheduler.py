@@ -230,6 +230,14 @@ def test_load_state_dict_rejects_a_job_with_other_settings(other, pattern):
     build(spread=0.3).load_state_dict(state)  # the same settings load
 
 
+def test_a_setting_given_as_a_tuple_or_a_list_resumes_alike():
+    def build(momentum):
+        return HDETScheduler(make(groups=3)[1], 0.1, total_steps=60, sync_every=5, base_momentum=momentum)
+
+    state = build((0.85, 0.8, 0.85)).state_dict()
+    build([0.85, 0.8, 0.85]).load_state_dict(state)  # refused before: "base_momentum is [...] here and (...)"
+
+
 def test_explored_bases_come_from_the_checkpoint_not_from_an_optimizer_loaded_first():
     # A rank whose optimizer state was loaded before the scheduler was built holds its own value
     # (base x its multiplier), not the base: the checkpoint's starting bases must win.

@@ -248,6 +248,7 @@ class TrackingHub:
     # ------------------------------------------------------------------ training thread
     def start(self, run_start: RunStart) -> None:
         self.total_steps = run_start.total_steps
+        self._last_step = max(self._last_step, run_start.start_step)  # a resumed job starts there
         self._window_start = run_start.time or time.time()
         self._put("start", run_start)
 

@@ -196,9 +196,10 @@ class MLflowTracker(Tracker):
         if attach or resumed:
             run = client.get_run(attach or resumed)
             run_id = run.info.run_id
-            # a run of ours resumed from a checkpoint, or a given run that has ended already (an
-            # earlier attempt of this job ended it FAILED): RUNNING again, and ended by us
-            reopen = bool(resumed) or run.info.status != "RUNNING"
+            # a run of ours resumed from a checkpoint, or a given run that a resumed job finds ended
+            # (its earlier attempt ended it FAILED): RUNNING again, and ended by us. A given run
+            # ended by its owner before a fresh job (Lightning between two fits) stays the owner's.
+            reopen = bool(resumed) or (run_start.start_step > 0 and run.info.status != "RUNNING")
             existing = dict(run.data.params)
             chunks = [f.path for f in client.list_artifacts(run_id, ARTIFACT_DIR)]
             start_index = max((_chunk_index(p) for p in chunks), default=0)  # continue the archive's numbering
@@ -279,8 +280,16 @@ class MLflowTracker(Tracker):
 
     def refuses(self, exc: BaseException) -> bool:
         # what MLflow answers for a value it will never take (a sqlite store and a server alike);
-        # a locked database, a rate limit or a server error is not this
-        return super().refuses(exc) or getattr(exc, "error_code", None) == "INVALID_PARAMETER_VALUE"
+        # a locked database, a rate limit or a server error is not this, and neither is a run that
+        # was deleted (the same code; everything waits in the spill until it is restored)
+        if super().refuses(exc):
+            return True
+        if getattr(exc, "error_code", None) != "INVALID_PARAMETER_VALUE" or self._run_id is None:
+            return False
+        try:
+            return self._client.get_run(self._run_id).info.lifecycle_stage == "active"
+        except Exception:  # noqa: BLE001 - cannot tell: not a refusal
+            return False
 
     def heartbeat(self, beat: dict[str, float]) -> None:
         if self._run_id is not None and self._run_open:

@@ -98,9 +98,11 @@ class SpillFile:
 
 def log_or_set_aside(tracker: Tracker, batch: Batch, set_aside: Callable[[Batch, BaseException], None]) -> None:
     """``tracker.log(batch)``. When the backend refuses the batch for its content
-    (``tracker.refuses``), its parts that stand alone go one by one: HDET's own series, rows and
-    events, then the user's metrics one name at a time; a part refused again goes to ``set_aside``
-    with the backend's error, so one bad value costs its own part, not the run's data after it.
+    (``tracker.refuses``), its parts that stand alone go one by one: the user's metrics one name at
+    a time, then HDET's own series, rows and events (last: once in, its rows are in the event
+    archive, and nothing after them can fail and send them again); a part refused again goes to
+    ``set_aside`` with the backend's error, so one bad value costs its own part, not the run's data
+    after it.
     Any other failure raises: the backend is down, the caller keeps the whole batch, and nothing
     was set aside (its parts are tried again with it)."""
     try:
@@ -120,7 +122,7 @@ def log_or_set_aside(tracker: Tracker, batch: Batch, set_aside: Callable[[Batch,
         records=batch.records,
     )
     refused: list[tuple[Batch, BaseException]] = []
-    for part in [own, *(Batch(points=points) for points in users.values())]:
+    for part in [*(Batch(points=points) for points in users.values()), own]:
         if not part:
             continue
         try:
