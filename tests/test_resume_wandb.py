@@ -79,11 +79,17 @@ def _session_dirs(tmp_path):
     return dirs
 
 
-def test_a_job_resumed_from_an_older_checkpoint_writes_no_step_twice(tmp_path):
+@pytest.mark.parametrize("suffixed", [False, True], ids=["plain", "suffixed"])
+def test_a_job_resumed_from_an_older_checkpoint_writes_no_step_twice(tmp_path, suffixed):
     """The first session is killed at step 21 (sync 18 and val_loss at 19 and 20 stored), the second
     resumes from step 17 and redoes 18-21: W&B's run files (what `wandb sync` uploads), the event
-    archive and the user metrics hold each step once, and the reader says so."""
+    archive and the user metrics hold each step once, and the reader says so. ``suffixed``: the
+    first session's folder is named as W&B names a second session started within the same second
+    (``...-<id>-1``), which the skip used to miss."""
     _job(tmp_path, "first", 21, "kill")
+    if suffixed:
+        (first,) = glob.glob(str(tmp_path / "store" / "wandb" / "offline-run-*"))
+        os.rename(first, first + "-1")
     _job(tmp_path, "second", 40, "close")
     lr, syncs, val, archived, user = Counter(), Counter(), Counter(), Counter(), Counter()
     for directory in _session_dirs(tmp_path):
@@ -137,3 +143,46 @@ def test_a_store_written_before_the_skip_reads_one_point_per_step(tmp_path):
     assert run.status == "KILLED"
     error = run.tags["hdet.error"]
     assert f"pid {pid} " in error and error.endswith("after its last logged step 25"), error
+
+
+def test_a_job_resumed_into_the_run_it_was_given_keeps_both_attempts_once(tmp_path):
+    """One W&B run given to hdet-track twice (WandbTracker(run=...): Hugging Face's or Lightning's
+    run across two train()/fit() calls): the first attempt fails at step 9, the second resumes from
+    the checkpoint at step 6 into the same run. Before, the second scheduler's event archive started
+    its chunk numbering again and overwrote the first's (steps 1-6 and the syncs at 3 and 6 were
+    gone), and steps 7-9 were written to W&B's rows twice (its run file had not been flushed yet)."""
+    import io
+
+    import torch
+    import wandb
+
+    from hdet_track import HDETScheduler
+    from hdet_track.tracking.wandb import WandbTracker
+
+    run = wandb.init(project="given", dir=str(tmp_path), mode="offline")
+    saved = io.BytesIO()
+    for attempt in range(2):
+        torch.manual_seed(0)
+        opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+        sched = HDETScheduler(opt, 0.1, total_steps=12, sync_every=3, track=WandbTracker(run=run))
+        if attempt:
+            saved.seek(0)
+            sched.load_state_dict(torch.load(saved, weights_only=True))
+        try:
+            for k in range(sched.last_epoch + 1, 13):
+                opt.step()
+                sched.step(1.0 / k)
+                if k == 6 and not attempt:
+                    torch.save(sched.state_dict(), saved)
+                if k == 9 and not attempt:
+                    raise RuntimeError("transient")
+            sched.close()
+        except RuntimeError:
+            sched.close("FAILED", "transient")
+    run.finish()
+    (path,) = glob.glob(str(tmp_path / "wandb" / "*run-*" / "run-*.wandb"))
+    rows = Counter(r["hdet/step"] for r in read_wandb_file(path).history if "hdet/replica_00/loss" in r)
+    assert rows == Counter(range(1, 13))  # each step's row once in what `wandb sync` uploads
+    read = WandbReader(str(tmp_path)).read(run.id)
+    assert read.steps.step.tolist() == list(range(1, 13))  # the archive: each step once, none lost
+    assert [c.step for c in read.converge] == [3, 6, 9, 12]

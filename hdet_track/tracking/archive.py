@@ -26,7 +26,7 @@ import numpy as np
 from ..events import Event, StepRecord
 from ..summaries import LEVELS, SUMMARY_DIR, BucketTable, part_name, rollup_name
 
-__all__ = ["EventArchive", "StepBlock", "ARTIFACT_DIR", "artifact_dir"]
+__all__ = ["EventArchive", "StepBlock", "ARTIFACT_DIR", "artifact_dir", "chunk_index"]
 
 ARTIFACT_DIR = "hdet_events"
 
@@ -86,6 +86,14 @@ class StepBlock:
             values={k: floats(v) for k, v in data["values"].items()},
             multipliers={k: floats(v) for k, v in data["multipliers"].items()},
         )
+
+
+def chunk_index(path: str) -> int:
+    """The number of a chunk (``.../steps-000012.parquet`` -> 12; 0 for another name): a run that
+    already holds chunks (a resumed or a shared run) continues the numbering, and overwrites none."""
+    stem = path.rsplit("/", 1)[-1].split(".")[0]
+    tail = stem.rsplit("-", 1)[-1]
+    return int(tail) if tail.isdigit() else 0
 
 
 def artifact_dir(path: str | os.PathLike) -> str:

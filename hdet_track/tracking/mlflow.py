@@ -20,7 +20,7 @@ from .._checks import check_number, check_str
 from ..events import RunEnd, RunStart
 from ..owner import process_identity
 from ._common import run_params, run_tags
-from .archive import ARTIFACT_DIR, EventArchive, artifact_dir
+from .archive import ARTIFACT_DIR, EventArchive, artifact_dir, chunk_index
 from .base import Batch, Point, Tracker
 
 __all__ = ["MLflowTracker", "DEFAULT_EXPERIMENT"]
@@ -32,12 +32,6 @@ _MAX_PARAMS = 100
 # The last step whose HDET metric points are all in the store (set with each log_batch): where a
 # resumed job's points begin (the thinned series cannot say, and the event archive may lag it).
 LOGGED_THROUGH_TAG = "hdet.logged_through"
-
-
-def _chunk_index(path: str) -> int:
-    stem = path.rsplit("/", 1)[-1].split(".")[0]
-    tail = stem.rsplit("-", 1)[-1]
-    return int(tail) if tail.isdigit() else 0
 
 
 _NEEDS_MLFLOW = "track='mlflow' needs MLflow: pip install 'hdet-track[mlflow]'"
@@ -202,7 +196,7 @@ class MLflowTracker(Tracker):
             reopen = bool(resumed) or (run_start.start_step > 0 and run.info.status != "RUNNING")
             existing = dict(run.data.params)
             chunks = [f.path for f in client.list_artifacts(run_id, ARTIFACT_DIR)]
-            start_index = max((_chunk_index(p) for p in chunks), default=0)  # continue the archive's numbering
+            start_index = max((chunk_index(p) for p in chunks), default=0)  # continue the archive's numbering
             if run_start.start_step > 0:  # a resumed job: what the run has already is not written twice
                 self._skip_until = _logged_through(client, run)
                 self._archived = _archived_through(client, run_id, chunks)
@@ -384,7 +378,7 @@ def _archived_through(client: Any, run_id: str, chunks: list[str]) -> tuple[int,
     for kind in ("steps", "events"):
         last = -1
         named = [p for p in chunks if p.rsplit("/", 1)[-1].startswith(f"{kind}-")]
-        for path in sorted(named, key=_chunk_index, reverse=True):
+        for path in sorted(named, key=chunk_index, reverse=True):
             with tempfile.TemporaryDirectory() as tmp:
                 local = client.download_artifacts(run_id, path, tmp)
                 table = pq.read_table(local, columns=["kind", "step"] if kind == "events" else ["step"]).to_pydict()

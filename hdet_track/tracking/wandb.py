@@ -8,23 +8,21 @@ import json
 import logging
 import math
 import os
+import re
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .. import names
 from .._checks import check_number, check_str
 from ..events import RunEnd, RunStart
 from ..owner import process_identity
-from ..wandb_store import OWNER_FILE, SYNC_PREFIXES, USER_METRICS_FILE
+from ..wandb_store import OWNER_FILE, SYNC_PREFIXES, USER_METRICS_FILE, StoredSteps
 from . import lifecycle
 from ._common import run_params, run_tags
-from .archive import ARTIFACT_DIR, EventArchive
+from .archive import ARTIFACT_DIR, EventArchive, chunk_index
 from .base import Batch, Tracker
-
-if TYPE_CHECKING:
-    from ..wandb_store import StoredSteps
 
 __all__ = ["WandbTracker", "DEFAULT_PROJECT", "DEFAULT_MODE", "SYNC_STEP", "STEP", "wait_until_written"]
 
@@ -86,14 +84,22 @@ def wait_until_written(path: str | os.PathLike, timeout: float) -> bool:
         pause = min(pause * 2, 0.5)
 
 
+# What the WandbTrackers of this process logged into each run (by id): a run given to several
+# schedulers in turn (Hugging Face's or Lightning's across train()/fit() calls) has it in its
+# current session's run file only once W&B flushes that (every 15 s by default for such a run)
+_LOGGED: dict[str, StoredSteps] = {}
+
+
 def _stored_before(run: Any) -> StoredSteps | None:
-    """What the earlier sessions of ``run`` hold (offline, W&B writes a directory per session of a
-    resumed run, beside this one); None when there are none."""
+    """What ``run`` holds already: its earlier sessions (offline, W&B writes a directory per session
+    of a resumed run, beside this one; ``...-<id>-1`` when two start within a second) and this one
+    (a run given to hdet-track, e.g. a Hugging Face or Lightning run across two ``train()``/``fit()``,
+    holds what an earlier scheduler logged into it). None when there is nothing."""
     from ..wandb_store import stored_steps
 
-    here = Path(run.dir).parent
-    earlier = sorted(d for d in here.parent.glob(f"*run-*-{run.id}") if d.is_dir() and d != here)
-    return stored_steps(earlier) if earlier else None
+    pattern = re.compile(rf".*run-.*-{re.escape(run.id)}(-\d+)?")
+    sessions = sorted(d for d in Path(run.dir).parent.parent.glob("*run-*") if d.is_dir() and pattern.fullmatch(d.name))
+    return stored_steps(sessions) if sessions else None
 
 
 def _import_wandb():
@@ -238,7 +244,9 @@ class WandbTracker(Tracker):
         for k, v in tags.items():
             run.summary[k] = v
         self._run = run
-        self._archive = EventArchive(Path(run.dir) / ARTIFACT_DIR, chunk_seconds=self.chunk_seconds)
+        folder = Path(run.dir) / ARTIFACT_DIR  # a given run may hold an earlier scheduler's chunks: none overwritten
+        start = max((chunk_index(p.name) for p in folder.glob("*.parquet")), default=0)
+        self._archive = EventArchive(folder, chunk_seconds=self.chunk_seconds, start_index=start)
         # Who owns the run: a reader on this host tells a live run from one whose process was killed
         # (SIGKILL, the OOM killer) before it could end the run; W&B's file says neither.
         self._owner = process_identity() | {"time": time.time()}
@@ -248,6 +256,10 @@ class WandbTracker(Tracker):
             logger.warning("hdet-track: could not record the W&B run's owner: %s", exc)
         if run_start.start_step > 0:  # a resumed job: what earlier sessions stored is not written twice
             self._stored = _stored_before(run)
+            logged = _LOGGED.get(run.id)  # this process's rows in this session, perhaps not in its file yet
+            if logged is not None:
+                stored = self._stored or StoredSteps()
+                self._stored = StoredSteps(stored.archive, max(stored.rows, logged.rows), stored.user | logged.user)
 
     def _write_owner(self) -> None:
         """The owner file, replaced whole (a reader never sees half of it)."""
@@ -278,6 +290,7 @@ class WandbTracker(Tracker):
     def log(self, batch: Batch) -> None:
         rows: dict[tuple[str, int], dict[str, float]] = defaultdict(dict)
         points, batch = self._new(batch)
+        logged = _LOGGED.setdefault(self._run.id, StoredSteps())
         for p in points:
             axis = SYNC_STEP if p.key.startswith(SYNC_PREFIXES) else STEP
             builtin = p.key in (names.LOSS, names.LR) or p.key.startswith("hdet/replica_")
@@ -286,6 +299,9 @@ class WandbTracker(Tracker):
                 self._defined.add(p.key)
             if not names.is_hdet_series(p.key):
                 self._user_points.append({"key": p.key, "step": p.step, "value": p.value})
+                logged.user.add((p.key, p.step))
+            else:
+                logged.rows = max(logged.rows, p.step)
             rows[(axis, p.step)][p.key] = p.value
         for (axis, step), row in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][0])):
             row[axis] = step
