@@ -113,8 +113,8 @@ class Reporting:
         too); ``step`` defaults to the scheduler's. Checked on every rank, here: a bad name or value
         raises at this call and never reaches the run."""
         recorder = self._callbacks.recorder
-        mlflow = recorder is not None and any(getattr(t, "name", "") == "mlflow" for t in recorder.trackers)
-        values = checked_metrics(metrics, mlflow_names=mlflow)
+        backends = {getattr(t, "name", "") for t in recorder.trackers} if recorder is not None else set()
+        values = checked_metrics(metrics, mlflow_names="mlflow" in backends, wandb_names="wandb" in backends)
         if step is not None:
             whole = isinstance(step, numbers.Integral) or (isinstance(step, float) and step.is_integer())
             if isinstance(step, bool) or not whole or not 0 <= step < 2**63:
@@ -180,9 +180,10 @@ class Reporting:
             self.close("KILLED" if issubclass(exc_type, KeyboardInterrupt) else "FAILED", text)
 
 
-def checked_metrics(metrics: Any, mlflow_names: bool = True) -> dict[str, Any]:
-    """``metrics`` checked: a mapping of non-empty names, none of them HDET's own series (and, with
-    ``mlflow_names``, each one MLflow takes), to real numbers (made floats) or one-element real
+def checked_metrics(metrics: Any, mlflow_names: bool = True, wandb_names: bool = True) -> dict[str, Any]:
+    """``metrics`` checked: a mapping of non-empty names, none of them HDET's own series (with
+    ``mlflow_names``, each one MLflow takes; with ``wandb_names``, none with a ``*``, which W&B
+    reads as a pattern), to real numbers (made floats) or one-element real
     tensors or arrays (a tensor is kept as it is, detached: reading it would wait for its device
     here, in the training loop; the tracking writer reads it). Raises ``TypeError``/``ValueError``
     naming the metric and its value."""
@@ -197,6 +198,8 @@ def checked_metrics(metrics: Any, mlflow_names: bool = True) -> dict[str, Any]:
             raise ValueError(f"Expected metric names to be non-empty strings, but got {key!r}")
         if mlflow_names and (problem := names.name_problem(key)) is not None:
             raise ValueError(f"Expected a metric name MLflow takes, but got {key!r}: {problem}")
+        if wandb_names and "*" in key:
+            raise ValueError(f"Expected a metric name W&B takes, but got {key!r}: W&B reads '*' as a pattern")
         if names.is_hdet_series(key):
             raise ValueError(
                 f"Expected metric names other than HDET's own series ('loss', 'lr' and 'hdet/...'), but got "

@@ -541,3 +541,25 @@ def test_a_torn_steps_chunk_falls_back_to_the_run_files_loss(tmp_path):
     assert any("steps-" in w for w in run.warnings) and not len(run.steps)
     assert run.final_loss() == pytest.approx(1 / 30)
     assert run.metrics["lr"][0].tolist()[-1] == 30
+
+
+def test_a_metric_name_w_and_b_reads_as_a_pattern_fails_at_the_call(tmp_path):
+    """'loss*scale' used to fail W&B's define_metric in the writer: the tracker was taken for down,
+    every later batch (HDET's own series too) waited in the spill, and the run read FINISHED with
+    nothing in it. Now it raises at the call; the names W&B takes (which MLflow may not) still go."""
+    from hdet_track.readers.wandb import WandbReader
+    from hdet_track.tracking.wandb import WandbTracker
+
+    opt = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)
+    tracker = WandbTracker(dir=str(tmp_path))
+    with HDETScheduler(opt, 0.1, total_steps=10, sync_every=5, track=tracker) as sched:
+        for k in range(1, 11):
+            opt.step()
+            sched.step(1.0 / k)
+            if k == 2:
+                with pytest.raises(ValueError, match=r"a metric name W&B takes, but got 'loss\*scale'"):
+                    sched.log_metrics({"loss*scale": 3.0})
+                sched.log_metrics({"acc@1": 0.5})
+    run = WandbReader(str(tmp_path)).read(tracker.run_id)
+    assert run.status == "FINISHED" and [c.step for c in run.converge] == [5, 10]
+    assert run.metrics["acc@1"][1].tolist() == [0.5]
