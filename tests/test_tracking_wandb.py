@@ -563,3 +563,25 @@ def test_a_metric_name_w_and_b_reads_as_a_pattern_fails_at_the_call(tmp_path):
     run = WandbReader(str(tmp_path)).read(tracker.run_id)
     assert run.status == "FINISHED" and [c.step for c in run.converge] == [5, 10]
     assert run.metrics["acc@1"][1].tolist() == [0.5]
+
+
+def test_a_given_run_keeps_its_owners_config(tmp_path):
+    """WandbTracker(run=...) used to overwrite the owner's config keys that HDET also logs (seed,
+    optimizer, max_lr...: a Hugging Face run's seed=42 became HDET's seed). HDET's value of such a
+    key now goes under hdet/<key>; its other settings as they are."""
+    import wandb
+
+    from hdet_track.tracking.wandb import WandbTracker
+
+    run = wandb.init(project="cfg", dir=str(tmp_path), mode="offline", config={"seed": 42, "optimizer": "AdamW"})
+    opt = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)
+    with HDETScheduler(opt, 0.1, total_steps=4, sync_every=2, seed=3, track=WandbTracker(run=run)) as sched:
+        for k in range(1, 5):
+            opt.step()
+            sched.step(1.0 / k)
+    run.finish()
+    (path,) = glob.glob(str(tmp_path / "wandb" / "*run-*" / "run-*.wandb"))
+    config = read_finished(path, timeout=10).config
+    assert config["seed"] == 42 and config["optimizer"] == "AdamW"  # the owner's
+    assert str(config["hdet/seed"]) == "3" and str(config["hdet/optimizer"]) == "SGD"  # HDET's, beside them
+    assert str(config["sync_every"]) == "2"  # a key the owner does not have: as in a run of HDET's own

@@ -195,8 +195,13 @@ class WandbTracker(Tracker):
         self._stored = None
         wandb = _import_wandb()
         tags = run_tags(run_start)
-        if self._existing is not None:
-            self._existing.config.update(run_params(run_start), allow_val_change=True)
+        if self._existing is not None:  # the owner's config stays: a key it holds otherwise goes as hdet/<key>
+            config = self._existing.config
+            params = {
+                k if k not in config or str(config[k]) == str(v) else f"hdet/{k}": v
+                for k, v in run_params(run_start).items()
+            }
+            config.update(params, allow_val_change=True)
             self._setup(self._existing, tags, run_start)
             return
         run = wandb.init(
