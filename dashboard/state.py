@@ -2,7 +2,7 @@
 
 Readers are cached per source (``st.cache_resource``), run lists for a few seconds
 (``st.cache_data``), and runs in the session: a RUNNING run is re-read incrementally (only new
-archive chunks), a finished one is kept as is. A huge run is read as an overview (the archive's
+archive chunks), an ended one is kept as is until the run list shows it otherwise (a resumed run). A huge run is read as an overview (the archive's
 summaries); a zoomed step range is read at full resolution, one range per run kept at a time.
 """
 
@@ -42,6 +42,12 @@ def load_run(run_id: str, steps: tuple[int, int] | None = None) -> HDETRun:
     cache: dict[tuple[str, str, tuple[int, int] | None], HDETRun] = st.session_state.setdefault("_runs", {})
     key = (source, run_id, steps)
     previous = cache.get(key)
+    listed = next((r.status for r in st.session_state.get("runs", []) if r.run_id == run_id), None)
+    if previous is not None and not previous.live and listed not in (None, previous.status):
+        # an ended run that the run list shows otherwise now (resumed, or ended since): read afresh
+        for stale in [k for k in cache if k[:2] == key[:2]]:
+            del cache[stale]
+        previous = None
     if previous is None or previous.live:
         if previous is None and steps is not None:  # a new range: start from the whole run's read
             for other in [k for k in cache if k[:2] == key[:2] and k[2] is not None]:

@@ -176,3 +176,58 @@ def test_a_failed_run_shows_why_and_compare_shows_read_warnings(monkeypatch, tmp
     at.switch_page("app_pages/compare.py").run()
     assert not at.exception
     assert any(w.value.startswith("broken: ") for w in at.warning), at.warning
+
+
+def test_an_ended_run_resumed_later_is_read_again(monkeypatch, tmp_path):
+    """The page of a run that failed at step 12 is open; the job is resumed from its checkpoint at
+    step 10 into the same run and finishes. Before, the session kept showing the failed run (a run
+    read once as ended was never read again); the run list already said FINISHED."""
+    import time
+
+    uri = f"sqlite:///{tmp_path / 'resumed.db'}"
+
+    def job(state=None, fail_at=None):
+        opt = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)
+        track = MLflowTracker(tracking_uri=uri, experiment="resumed", run_name="again")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            sched = HDETScheduler(opt, 0.1, total_steps=20, sync_every=5, track=track)
+        if state is not None:
+            sched.load_state_dict(state)
+        saved = {}
+        with sched:
+            for k in range(sched.last_epoch + 1, 21):
+                if k == fail_at:
+                    saved["error"] = "a bad batch at step 12"
+                    break
+                opt.step()
+                sched.step(1.0 / k)
+                if k == 10:
+                    saved["state"] = sched.state_dict()
+            if fail_at is not None:
+                sched.close("FAILED", saved["error"])
+        return saved
+
+    first = job(fail_at=12)
+    at = app(monkeypatch, uri)
+    at.switch_page("app_pages/fanout.py").run()
+    assert any(e.value.startswith("FAILED: a bad batch at step 12") for e in at.error), at.error
+    assert _last_x(figures(at)[0]) == 10  # a failed job keeps its rows up to its last sync
+
+    job(state=first["state"])
+    time.sleep(3.5)  # the run list is cached for 3 s
+    at.run()
+    assert not at.exception and not any(e.value.startswith("FAILED") for e in at.error), at.error
+    assert _last_x(figures(at)[0]) == 20
+
+
+def _last_x(figure):
+    """The last x of a figure's first trace (plotly may write it as a typed array)."""
+    import base64
+
+    import numpy as np
+
+    x = figure["data"][0]["x"]
+    if isinstance(x, dict):
+        x = np.frombuffer(base64.b64decode(x["bdata"]), dtype=x["dtype"])
+    return int(max(x))
