@@ -186,3 +186,38 @@ def test_a_job_resumed_into_the_run_it_was_given_keeps_both_attempts_once(tmp_pa
     read = WandbReader(str(tmp_path)).read(run.id)
     assert read.steps.step.tolist() == list(range(1, 13))  # the archive: each step once, none lost
     assert [c.step for c in read.converge] == [3, 6, 9, 12]
+
+
+def test_a_resumed_run_keeps_the_failed_attempts_error_as_resumed_after(tmp_path):
+    """As an MLflow run does (hdet.resumed_after): a W&B run whose first attempt failed and whose
+    second, resumed from a checkpoint, finished reads FINISHED with the first attempt's error beside."""
+    import torch
+
+    from hdet_track import HDETScheduler
+    from hdet_track.tracking.wandb import WandbTracker
+
+    saved = {}
+
+    def attempt(state=None, fail_at=None):
+        opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+        sched = HDETScheduler(opt, 0.1, total_steps=20, sync_every=5, track=WandbTracker(dir=str(tmp_path)))
+        if state is not None:
+            sched.load_state_dict(state)
+        with sched:
+            for k in range(sched.last_epoch + 1, 21):
+                if k == fail_at:
+                    raise RuntimeError("boom at step 12")
+                opt.step()
+                sched.step(1.0 / k)
+                if k == 10:
+                    saved["state"] = sched.state_dict()
+
+    with pytest.raises(RuntimeError, match="boom"):
+        attempt(fail_at=12)
+    attempt(state=saved["state"])
+    reader = WandbReader(str(tmp_path))
+    (summary,) = reader.list_runs()
+    run = reader.read(summary.run_id)
+    assert run.status == "FINISHED" and "hdet.error" not in run.tags
+    assert "boom at step 12" in run.tags["hdet.resumed_after"]
+    assert run.replica_series("loss", 0)[0].tolist() == list(range(1, 21))

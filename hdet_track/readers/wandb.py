@@ -109,6 +109,7 @@ class WandbReader:
         run = HDETRun(run_id=run_id, source=str(dirs[run_id][-1]), backend=self.backend)
         history: list[dict] = []
         sessions: list[tuple[list[dict], list[tuple[str, int, float]]]] = []  # per directory: history, user metrics
+        earlier_error = ""  # the error an earlier session (attempt) of a resumed run ended with
         for directory in dirs[run_id]:
             wandb_file = sorted(directory.glob("run-*.wandb"))[0]
             sessions.append(([], read_user_metrics(directory)))
@@ -124,8 +125,10 @@ class WandbReader:
             history += contents.history
             run.name = contents.name or run_id
             run.tags = {k: str(v) for k, v in contents.summary.items() if k.startswith("hdet.")}
+            if earlier_error:  # as MLflow keeps it: the run went on after that attempt's error
+                run.tags["hdet.resumed_after"] = earlier_error
             if contents.summary.get("hdet/error"):
-                run.tags["hdet.error"] = str(contents.summary["hdet/error"])
+                run.tags["hdet.error"] = earlier_error = str(contents.summary["hdet/error"])
             run.tags["project"] = contents.project
             if contents.group:
                 run.tags.setdefault("hdet.compare_group", contents.group)
