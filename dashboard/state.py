@@ -42,12 +42,16 @@ def load_run(run_id: str, steps: tuple[int, int] | None = None) -> HDETRun:
     cache: dict[tuple[str, str, tuple[int, int] | None], HDETRun] = st.session_state.setdefault("_runs", {})
     key = (source, run_id, steps)
     previous = cache.get(key)
+    # the run list's status for it when it was last read: an ended run that the list shows otherwise
+    # since then (resumed) is read afresh; a list that merely lags a read (a live page's fragment
+    # reruns keep the list of the last full rerun) is not a change
+    seen: dict[tuple[str, str, tuple[int, int] | None], str | None] = st.session_state.setdefault("_listed", {})
     listed = next((r.status for r in st.session_state.get("runs", []) if r.run_id == run_id), None)
-    if previous is not None and not previous.live and listed not in (None, previous.status):
-        # an ended run that the run list shows otherwise now (resumed, or ended since): read afresh
+    if previous is not None and not previous.live and listed not in (None, seen.get(key), previous.status):
         for stale in [k for k in cache if k[:2] == key[:2]]:
             del cache[stale]
         previous = None
+    seen[key] = listed
     if previous is None or previous.live:
         if previous is None and steps is not None:  # a new range: start from the whole run's read
             for other in [k for k in cache if k[:2] == key[:2] and k[2] is not None]:

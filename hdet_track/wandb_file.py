@@ -167,6 +167,8 @@ def _apply(out: WandbFileContents, rec: Any) -> None:
     elif kind == "summary":
         for item in rec.summary.update:
             out.summary[_item_key(item)] = _loads(item.value_json)
+        for item in rec.summary.remove:  # del run.summary[key]
+            out.summary.pop(_item_key(item), None)
     elif kind == "metric":
         m = rec.metric
         name = m.name or m.glob_name

@@ -186,6 +186,8 @@ def test_a_job_resumed_into_the_run_it_was_given_keeps_both_attempts_once(tmp_pa
     read = WandbReader(str(tmp_path)).read(run.id)
     assert read.steps.step.tolist() == list(range(1, 13))  # the archive: each step once, none lost
     assert [c.step for c in read.converge] == [3, 6, 9, 12]
+    assert read.status == "FINISHED" and "hdet.error" not in read.tags  # the first attempt's, moved aside
+    assert read.tags["hdet.resumed_after"] == "transient"
 
 
 def test_a_resumed_run_keeps_the_failed_attempts_error_as_resumed_after(tmp_path):
@@ -221,3 +223,39 @@ def test_a_resumed_run_keeps_the_failed_attempts_error_as_resumed_after(tmp_path
     assert run.status == "FINISHED" and "hdet.error" not in run.tags
     assert "boom at step 12" in run.tags["hdet.resumed_after"]
     assert run.replica_series("loss", 0)[0].tolist() == list(range(1, 21))
+
+
+def test_a_resumed_run_skips_only_its_own_sessions_not_a_run_whose_id_extends_its_own(tmp_path):
+    """Run 'trial' fails at step 8 (checkpoint at 5); run 'trial-2', another run in the same
+    directory, logs 20 steps; 'trial' is resumed. Its skip must read its own sessions only (the run
+    file's exact id), not 'trial-2''s folder, whose steps would have hidden 6-20 of 'trial'."""
+    import torch
+
+    from hdet_track import HDETScheduler
+    from hdet_track.tracking.wandb import WandbTracker
+
+    saved = {}
+
+    def job(run_id, state=None, fail_at=None):
+        tracker = WandbTracker(dir=str(tmp_path))
+        tracker.resume(run_id)  # a run of this id (W&B creates it when there is none)
+        opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+        sched = HDETScheduler(opt, 0.1, total_steps=20, sync_every=5, track=tracker)
+        if state is not None:
+            sched.load_state_dict(state)
+        with sched:
+            for k in range(sched.last_epoch + 1, 21):
+                if k == fail_at:
+                    raise RuntimeError("boom")
+                opt.step()
+                sched.step(1.0 / k)
+                if k == 5:
+                    saved[run_id] = sched.state_dict()
+
+    with pytest.raises(RuntimeError):
+        job("trial", fail_at=8)
+    job("trial-2")
+    job("trial", state=saved["trial"])
+    run = WandbReader(str(tmp_path)).read("trial")
+    assert run.status == "FINISHED" and run.replica_series("loss", 0)[0].tolist() == list(range(1, 21))
+    assert [c.step for c in run.converge] == [5, 10, 15, 20]

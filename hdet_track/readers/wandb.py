@@ -125,8 +125,9 @@ class WandbReader:
             history += contents.history
             run.name = contents.name or run_id
             run.tags = {k: str(v) for k, v in contents.summary.items() if k.startswith("hdet.")}
-            if earlier_error:  # as MLflow keeps it: the run went on after that attempt's error
-                run.tags["hdet.resumed_after"] = earlier_error
+            if earlier_error or contents.summary.get("hdet/resumed_after"):  # as MLflow keeps it: the run
+                # went on after that attempt's error (an earlier session's, or one this session moved aside)
+                run.tags["hdet.resumed_after"] = str(contents.summary.get("hdet/resumed_after") or earlier_error)
             if contents.summary.get("hdet/error"):
                 run.tags["hdet.error"] = earlier_error = str(contents.summary["hdet/error"])
             run.tags["project"] = contents.project

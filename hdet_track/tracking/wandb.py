@@ -8,9 +8,9 @@ import json
 import logging
 import math
 import os
-import re
 import time
 from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -84,10 +84,19 @@ def wait_until_written(path: str | os.PathLike, timeout: float) -> bool:
         pause = min(pause * 2, 0.5)
 
 
-# What the WandbTrackers of this process logged into each run (by id): a run given to several
-# schedulers in turn (Hugging Face's or Lightning's across train()/fit() calls) has it in its
-# current session's run file only once W&B flushes that (every 15 s by default for such a run)
-_LOGGED: dict[str, StoredSteps] = {}
+@dataclass
+class _Logged:
+    """What this process's trackers logged into a run given to them (W&B accepted it): the last
+    step of HDET's rows and of each user metric."""
+
+    rows: int = -1
+    user: dict[str, int] = field(default_factory=dict)
+
+
+# Per run id, for runs given to hdet-track (WandbTracker(run=...)): such a run, handed to several
+# schedulers in turn (Hugging Face's or Lightning's across train()/fit() calls), holds an earlier
+# scheduler's rows in its run file only once W&B flushes that (every 15 s by default for such a run)
+_LOGGED: dict[str, _Logged] = {}
 
 
 def _stored_before(run: Any) -> StoredSteps | None:
@@ -97,8 +106,8 @@ def _stored_before(run: Any) -> StoredSteps | None:
     holds what an earlier scheduler logged into it). None when there is nothing."""
     from ..wandb_store import stored_steps
 
-    pattern = re.compile(rf".*run-.*-{re.escape(run.id)}(-\d+)?")
-    sessions = sorted(d for d in Path(run.dir).parent.parent.glob("*run-*") if d.is_dir() and pattern.fullmatch(d.name))
+    name = f"run-{run.id}.wandb"  # a session folder holds its run's file under the exact id
+    sessions = sorted(d for d in Path(run.dir).parent.parent.glob("*run-*") if (d / name).is_file())
     return stored_steps(sessions) if sessions else None
 
 
@@ -164,6 +173,7 @@ class WandbTracker(Tracker):
         self._defined: set[str] = set()
         self._user_points: list[dict[str, Any]] = []  # user metrics not yet in user_metrics.jsonl
         self._stored: StoredSteps | None = None  # a resumed run: what its earlier sessions hold
+        self._user_through: dict[str, int] = {}  # a given run resumed: each user metric's last step logged
         self._owner: dict[str, Any] = {}  # the owner file's record (process_identity, heartbeat)
 
     @property
@@ -192,14 +202,15 @@ class WandbTracker(Tracker):
 
     def _start(self, run_start: RunStart) -> None:
         self._run, self._archive, self._defined, self._user_points = None, None, set(), []
-        self._stored = None
+        self._stored, self._user_through = None, {}
         wandb = _import_wandb()
         tags = run_tags(run_start)
         if self._existing is not None:  # the owner's config stays: a key it holds otherwise goes as hdet/<key>
             config = self._existing.config
             params = {
-                k if k not in config or str(config[k]) == str(v) else f"hdet/{k}": v
+                k if k not in config else f"hdet/{k}": v
                 for k, v in run_params(run_start).items()
+                if k not in config or str(config[k]) != str(v)  # one it holds already, equal: left as it is
             }
             config.update(params, allow_val_change=True)
             self._setup(self._existing, tags, run_start)
@@ -260,11 +271,13 @@ class WandbTracker(Tracker):
         except OSError as exc:  # pragma: no cover - an unwritable run directory fails later anyway
             logger.warning("hdet-track: could not record the W&B run's owner: %s", exc)
         if run_start.start_step > 0:  # a resumed job: what earlier sessions stored is not written twice
-            self._stored = _stored_before(run)
-            logged = _LOGGED.get(run.id)  # this process's rows in this session, perhaps not in its file yet
-            if logged is not None:
-                stored = self._stored or StoredSteps()
-                self._stored = StoredSteps(stored.archive, max(stored.rows, logged.rows), stored.user | logged.user)
+            stored = _stored_before(run) or StoredSteps()
+            logged = _LOGGED.get(run.id, _Logged()) if self._existing is not None else _Logged()
+            stored.rows = max(stored.rows, logged.rows)  # what its file may not hold yet
+            self._stored, self._user_through = stored, dict(logged.user)
+            if "hdet/error" in run.summary.keys():  # a given run or a server's: the failed attempt's error goes aside
+                run.summary["hdet/resumed_after"] = run.summary["hdet/error"]
+                del run.summary["hdet/error"]
 
     def _write_owner(self) -> None:
         """The owner file, replaced whole (a reader never sees half of it)."""
@@ -288,14 +301,17 @@ class WandbTracker(Tracker):
         points = [
             p
             for p in batch.points
-            if (p.step > stored.rows if names.is_hdet_series(p.key) else (p.key, p.step) not in stored.user)
+            if (
+                p.step > stored.rows
+                if names.is_hdet_series(p.key)
+                else (p.key, p.step) not in stored.user and p.step > self._user_through.get(p.key, -1)
+            )
         ]
         return points, batch.after(stored.archive)
 
     def log(self, batch: Batch) -> None:
         rows: dict[tuple[str, int], dict[str, float]] = defaultdict(dict)
         points, batch = self._new(batch)
-        logged = _LOGGED.setdefault(self._run.id, StoredSteps())
         for p in points:
             axis = SYNC_STEP if p.key.startswith(SYNC_PREFIXES) else STEP
             builtin = p.key in (names.LOSS, names.LR) or p.key.startswith("hdet/replica_")
@@ -304,13 +320,17 @@ class WandbTracker(Tracker):
                 self._defined.add(p.key)
             if not names.is_hdet_series(p.key):
                 self._user_points.append({"key": p.key, "step": p.step, "value": p.value})
-                logged.user.add((p.key, p.step))
-            else:
-                logged.rows = max(logged.rows, p.step)
             rows[(axis, p.step)][p.key] = p.value
+        logged = _LOGGED.setdefault(self._run.id, _Logged()) if self._existing is not None else None
         for (axis, step), row in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][0])):
             row[axis] = step
             self._run.log(row)
+            if logged is not None:  # once W&B took it
+                for key in row:
+                    if names.is_hdet_series(key):
+                        logged.rows = max(logged.rows, step)
+                    elif key not in (STEP, SYNC_STEP):
+                        logged.user[key] = max(logged.user.get(key, -1), step)
         assert self._archive is not None
         self._archive.add(batch.events)
         for block in batch.steps:
