@@ -193,30 +193,14 @@ def test_a_job_resumed_into_the_run_it_was_given_keeps_both_attempts_once(tmp_pa
 def test_a_resumed_run_keeps_the_failed_attempts_error_as_resumed_after(tmp_path):
     """As an MLflow run does (hdet.resumed_after): a W&B run whose first attempt failed and whose
     second, resumed from a checkpoint, finished reads FINISHED with the first attempt's error beside."""
-    import torch
-
-    from hdet_track import HDETScheduler
     from hdet_track.tracking.wandb import WandbTracker
 
+    from .attempts import attempt
+
     saved = {}
-
-    def attempt(state=None, fail_at=None):
-        opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
-        sched = HDETScheduler(opt, 0.1, total_steps=20, sync_every=5, track=WandbTracker(dir=str(tmp_path)))
-        if state is not None:
-            sched.load_state_dict(state)
-        with sched:
-            for k in range(sched.last_epoch + 1, 21):
-                if k == fail_at:
-                    raise RuntimeError("boom at step 12")
-                opt.step()
-                sched.step(1.0 / k)
-                if k == 10:
-                    saved["state"] = sched.state_dict()
-
     with pytest.raises(RuntimeError, match="boom"):
-        attempt(fail_at=12)
-    attempt(state=saved["state"])
+        attempt(WandbTracker(dir=str(tmp_path)), saved, fail_at=12)
+    attempt(WandbTracker(dir=str(tmp_path)), {}, state=saved["state"])
     reader = WandbReader(str(tmp_path))
     (summary,) = reader.list_runs()
     run = reader.read(summary.run_id)
@@ -229,33 +213,20 @@ def test_a_resumed_run_skips_only_its_own_sessions_not_a_run_whose_id_extends_it
     """Run 'trial' fails at step 8 (checkpoint at 5); run 'trial-2', another run in the same
     directory, logs 20 steps; 'trial' is resumed. Its skip must read its own sessions only (the run
     file's exact id), not 'trial-2''s folder, whose steps would have hidden 6-20 of 'trial'."""
-    import torch
-
-    from hdet_track import HDETScheduler
     from hdet_track.tracking.wandb import WandbTracker
 
+    from .attempts import attempt
+
+    def tracker(run_id):
+        track = WandbTracker(dir=str(tmp_path))
+        track.resume(run_id)  # a run of this id (W&B creates it when there is none)
+        return track
+
     saved = {}
-
-    def job(run_id, state=None, fail_at=None):
-        tracker = WandbTracker(dir=str(tmp_path))
-        tracker.resume(run_id)  # a run of this id (W&B creates it when there is none)
-        opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
-        sched = HDETScheduler(opt, 0.1, total_steps=20, sync_every=5, track=tracker)
-        if state is not None:
-            sched.load_state_dict(state)
-        with sched:
-            for k in range(sched.last_epoch + 1, 21):
-                if k == fail_at:
-                    raise RuntimeError("boom")
-                opt.step()
-                sched.step(1.0 / k)
-                if k == 5:
-                    saved[run_id] = sched.state_dict()
-
     with pytest.raises(RuntimeError):
-        job("trial", fail_at=8)
-    job("trial-2")
-    job("trial", state=saved["trial"])
+        attempt(tracker("trial"), saved, fail_at=8, save_at=5)
+    attempt(tracker("trial-2"), {})
+    attempt(tracker("trial"), {}, state=saved["state"])
     run = WandbReader(str(tmp_path)).read("trial")
     assert run.status == "FINISHED" and run.replica_series("loss", 0)[0].tolist() == list(range(1, 21))
     assert [c.step for c in run.converge] == [5, 10, 15, 20]

@@ -202,31 +202,21 @@ def test_a_given_run_ended_by_a_failed_attempt_is_reopened_by_the_resumed_job_an
     client = MlflowClient(sqlite_uri)
     given = client.create_run(client.create_experiment("given")).info.run_id
 
-    def attempt(keep, state=None, fail_at=None):
-        torch.manual_seed(0)
-        model = nn.Linear(2, 1)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        tracker = MLflowTracker(tracking_uri=sqlite_uri, run_id=given)
-        sched = HDETScheduler(opt, 0.1, total_steps=20, sync_every=5, model=model, track=tracker)
-        if state is not None:
-            sched.load_state_dict(state)
-        with sched:
-            for k in range(sched.last_epoch + 1, 21):
-                if k == fail_at:
-                    raise RuntimeError("boom at step 13")
-                opt.step()
-                sched.step(1.0 / k)
-                if k == 10:
-                    keep["state"] = sched.state_dict()
-                if state is not None and k == 15:
-                    sched.flush()
-                    keep["status"] = client.get_run(given).info.status
+    from .attempts import attempt
+
+    def track():
+        return MLflowTracker(tracking_uri=sqlite_uri, run_id=given)
+
+    def status_at_15(k, sched):
+        if k == 15:
+            sched.flush()
+            second["status"] = client.get_run(given).info.status
 
     first, second = {}, {}
     with pytest.raises(RuntimeError, match="boom"):
-        attempt(first, fail_at=13)
+        attempt(track(), first, fail_at=13)
     assert client.get_run(given).info.status == "FAILED"
-    attempt(second, state=first["state"])
+    attempt(track(), second, state=first["state"], during=status_at_15)
     assert second["status"] == "RUNNING"  # reopened while it trains
     run = client.get_run(given)
     assert run.info.status == "FINISHED"
