@@ -224,6 +224,29 @@ def test_a_given_run_ended_by_a_failed_attempt_is_reopened_by_the_resumed_job_an
     assert MLflowReader(sqlite_uri).read(given).replica_series("loss", 0)[0].tolist() == list(range(1, 21))
 
 
+def test_two_stores_of_one_backend_each_resume_their_own_run(tmp_path):
+    """One scheduler tracked to two MLflow stores: a checkpoint keeps both runs' ids (the second as
+    mlflow#2), and a resumed job continues each run in its own store. Before, both were saved under
+    'mlflow', so the resume sent both trackers to one id: one store got a new run."""
+    from .attempts import attempt
+
+    uris = [f"sqlite:///{tmp_path / name}" for name in ("a.db", "b.db")]
+
+    def track():
+        return [MLflowTracker(tracking_uri=uri, experiment="two") for uri in uris]
+
+    first = {}
+    with pytest.raises(RuntimeError, match="boom"):
+        attempt(track(), first, fail_at=13)
+    assert set(first["state"]["runs"]) == {"mlflow", "mlflow#2"}
+    sched = attempt(track(), {}, state=first["state"])
+    assert sched.run_ids == first["state"]["runs"]
+    for uri in uris:
+        (run,) = MLflowReader(uri).list_runs("two")  # one run per store: the resumed job continued it
+        read = MLflowReader(uri).read(run.run_id)
+        assert read.status == "FINISHED" and read.replica_series("loss", 0)[0].tolist() == list(range(1, 21))
+
+
 def test_nested_run_under_parent(sqlite_uri):
     client = MlflowClient(sqlite_uri)
     exp = client.create_experiment("nested")

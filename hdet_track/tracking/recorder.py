@@ -94,11 +94,11 @@ class Recorder(SchedulerCallback):
         self.started = True
         from .. import _version
 
-        for t in self.trackers:
+        for key, t in zip(tracker_keys(self.trackers), self.trackers):
             if self.run_name and hasattr(t, "run_name") and not t.run_name:
                 t.run_name = self.run_name
-            if t.name in info.resumed_runs:
-                t.resume(info.resumed_runs[t.name])
+            if key in info.resumed_runs:
+                t.resume(info.resumed_runs[key])
         self._end_abandoned(set(info.resumed_runs.values()))
         import torch
 
@@ -202,4 +202,17 @@ class Recorder(SchedulerCallback):
             return {}
         if wait > 0 and self.started:
             self.hub.started.wait(wait)
-        return {t.name or type(t).__name__: t.run_id for t in self.hub.trackers}
+        return {key: t.run_id for key, t in zip(tracker_keys(self.hub.trackers), self.hub.trackers)}
+
+
+def tracker_keys(trackers: Any) -> list[str]:
+    """Each tracker's key in ``run_ids`` and in a checkpoint's runs: its backend's name (``mlflow``,
+    ``wandb``), and ``wandb#2``... for a second tracker of the same backend (two stores), so that a
+    resumed job continues each run in its own store."""
+    seen: dict[str, int] = {}
+    keys = []
+    for t in trackers:
+        name = t.name or type(t).__name__
+        seen[name] = seen.get(name, 0) + 1
+        keys.append(name if seen[name] == 1 else f"{name}#{seen[name]}")
+    return keys
