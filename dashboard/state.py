@@ -2,8 +2,9 @@
 
 Readers are cached per source (``st.cache_resource``), run lists for a few seconds
 (``st.cache_data``), and runs in the session: a RUNNING run is re-read incrementally (only new
-archive chunks), an ended one is kept as is until the run list shows it otherwise (a resumed run). A huge run is read as an overview (the archive's
-summaries); a zoomed step range is read at full resolution, one range per run kept at a time.
+archive chunks), an ended one is kept as is until the run list shows it otherwise (a resumed
+run). A huge run is read as an overview (the archive's summaries); a zoomed step range is read at
+full resolution, one range per run kept at a time.
 """
 
 from __future__ import annotations

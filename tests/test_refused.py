@@ -1,5 +1,5 @@
 """A part of a batch the backend refuses for its content (MLflow's INVALID_PARAMETER_VALUE, a
-fault injected into a real MLflow client: tests/jobs/trackers.py) is set aside, and the rest of the
+fault injected into a real MLflow client: tests/jobs/refusing.py) is set aside, and the rest of the
 run reaches the store: live, and when an orphaned spill is recovered. Before, such a batch was
 "down" for good: it and everything behind it waited in the spill, the run never ended."""
 
@@ -17,7 +17,7 @@ from hdet_track.tracking import base
 from hdet_track.tracking.mlflow import MLflowTracker
 from hdet_track.tracking.spill import SpillFile, recover, replay_file
 
-from .jobs import trackers
+from .jobs.refusing import RefusingMLflowTracker, refusing_tracker
 
 ROOT = str(Path(__file__).resolve().parent.parent)
 
@@ -55,7 +55,7 @@ def _aside(directory: Path) -> list[tuple[str, float, int]]:
 def test_a_metric_mlflow_refuses_is_set_aside_and_the_run_goes_on(tmp_path, monkeypatch, caplog, isolate):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    tracker = trackers.refusing_mlflow_tracker(uri, "refused", isolate=isolate)
+    tracker = refusing_tracker(uri, "refused", isolate=isolate)
     with caplog.at_level("WARNING", logger="hdet_track"):
         _job(tracker)
     assert "refused the metric 'refused' at step 8 (1 points) for its content" in caplog.text, caplog.text
@@ -74,10 +74,10 @@ def test_recovering_a_spill_sets_aside_what_the_backend_refuses(tmp_path, monkey
     monkeypatch.setenv("HDET_TRACK_SHUTDOWN_TIMEOUT", "0")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    _job(trackers.refusing_mlflow_tracker(uri, "refused", isolate=False, down=True))
+    _job(refusing_tracker(uri, "refused", isolate=False, down=True))
     spills = tmp_path / ".hdet-spill"
     (spill,) = spills.glob("spill-*.jsonl")  # this process wrote it and lives on: replayed by hand
-    monkeypatch.setattr(base, "get_tracker_class", lambda name: trackers.RefusingMLflowTracker)
+    monkeypatch.setattr(base, "get_tracker_class", lambda name: RefusingMLflowTracker)
     line = replay_file(spill)
     assert "delivered" in line and "refused 1 part(s) for their content (the metric 'refused' at step 8" in line, line
     assert not spill.exists() and _aside(spills) == [("refused", 1.0, 8)]
@@ -90,7 +90,7 @@ def test_an_outage_while_the_parts_go_writes_nothing_twice(tmp_path, caplog):
     user's val_loss): the whole batch waits in the spill and is sent again once it is back. Every
     step's row, sync and metric must be in the run once, and the refused part set aside once."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    tracker = trackers.refusing_mlflow_tracker(uri, "refused", isolate=False, fail_once="val_loss")
+    tracker = refusing_tracker(uri, "refused", isolate=False, fail_once="val_loss")
     opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
     sched = HDETScheduler(opt, 0.1, total_steps=20, spread=0.0, sync_every=5, track=tracker)
     with caplog.at_level("WARNING", logger="hdet_track"):

@@ -232,36 +232,6 @@ class HDETRun:
         keys = [k for e in self.explored for k in e.series_keys] + self._value_keys()
         return ["loss", *dict.fromkeys(k for k in keys if k != "loss")] if keys else []
 
-    def _check_series(self, key: str, replica: int | None = None) -> None:
-        """A key or replica the run does not have is a typo, not a run without data: say so."""
-        known = self.known_series_keys()
-        if known and key not in known:
-            raise ValueError(
-                f"Expected key to be 'loss' or one of this run's hyperparameter series {known[1:]}, but got {key!r}"
-            )
-        if replica is not None and (
-            isinstance(replica, bool) or not isinstance(replica, numbers.Integral) or not 0 <= replica < self.world_size
-        ):
-            raise ValueError(
-                f"Expected replica to be an integer in [0, {self.world_size}) (the run's replicas), but got {replica!r}"
-            )
-
-    def _check_name(self, name: str, target: int | None = None) -> None:
-        known = list(dict.fromkeys([*self.explored_names(), *(d.name for d in self.controller)]))
-        if known and name not in known:
-            raise ValueError(
-                f"Expected name to be one of this run's explored hyperparameters {known}, but got {name!r}"
-            )
-        keys = self.series_keys(name)
-        if (
-            target is not None
-            and keys
-            and (isinstance(target, bool) or not isinstance(target, numbers.Integral) or not 0 <= target < len(keys))
-        ):
-            raise ValueError(
-                f"Expected target to be an integer in [0, {len(keys)}) ({name!r}'s targets: {keys}), but got {target!r}"
-            )
-
     def spread(self, name: str) -> float:
         """The spread hyperparameter ``name`` was explored with (0 when unknown)."""
         return next((e.spread for e in self.explored if e.name == name), 0.0)
@@ -281,7 +251,7 @@ class HDETRun:
         In an overview, two points per bucket: its min at the bucket's first step and its max at its
         last step (a bucket with a non-finite value starts with NaN, a gap). A key or replica this
         run does not have (see :meth:`known_series_keys`) is a ValueError naming what it has."""
-        self._check_series(key, replica)
+        _check_series(self, key, replica)
         if self.overview:
             return self._buckets().envelope(self._bucket_column(key), replica)
         mask = self.steps.replica == replica
@@ -327,7 +297,7 @@ class HDETRun:
         """step, base, base_before, velocity, delta, onecycle and drift (= base / onecycle) per sync
         (empty arrays for a run without auto-LR). A ``name`` this run did not explore, or a ``target``
         past its param groups, is a ValueError naming what it has."""
-        self._check_name(name, target)
+        _check_name(self, name, target)
         rows = [d for d in self.controller if d.name == name and target < len(d.base_after)]
         out = {
             "step": np.array([d.step for d in rows], dtype=np.int64),
@@ -391,7 +361,7 @@ class HDETRun:
         resolution: one window per sync (the multiplier each replica held from that step); in an
         overview: one column per bucket (the multiplier each replica held at the bucket's first step).
         A ``name`` this run did not explore is a ValueError naming what it has."""
-        self._check_name(name)
+        _check_name(self, name)
         n = self.world_size
         if self.overview:
             t = self._buckets()
@@ -429,6 +399,32 @@ class HDETRun:
             final_loss=self.final_loss(),
             start_time=self.start_time,
         )
+
+
+def _check_series(run: HDETRun, key: str, replica: int) -> None:
+    """A series key or replica the run does not have is a typo, not a run without data: say so
+    (a run that says nothing of its series takes any key)."""
+    known = run.known_series_keys()
+    if known and key not in known:
+        raise ValueError(
+            f"Expected key to be 'loss' or one of this run's hyperparameter series {known[1:]}, but got {key!r}"
+        )
+    _check_index("replica", replica, run.world_size, "the run's replicas")
+
+
+def _check_name(run: HDETRun, name: str, target: int | None = None) -> None:
+    """Likewise for an explored hyperparameter's name, and one of its targets."""
+    known = list(dict.fromkeys([*run.explored_names(), *(d.name for d in run.controller)]))
+    if known and name not in known:
+        raise ValueError(f"Expected name to be one of this run's explored hyperparameters {known}, but got {name!r}")
+    keys = run.series_keys(name)
+    if target is not None and keys:
+        _check_index("target", target, len(keys), f"{name!r}'s targets: {keys}")
+
+
+def _check_index(what: str, value: Any, n: int, of: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= value < n:
+        raise ValueError(f"Expected {what} to be an integer in [0, {n}) ({of}), but got {value!r}")
 
 
 def converge_from_series(
