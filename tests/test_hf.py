@@ -320,3 +320,35 @@ def test_a_checkpoint_at_an_epoch_end_or_a_new_best_holds_one_consensus(tmp_path
     state = state if form == "wrap" else state["hdet_scheduler"]
     assert state["onecycle"]["last_epoch"] == 5
     assert len(state["window"]["losses"]) == 0
+
+
+@pytest.mark.parametrize("form", ["wrap", "callback"])
+def test_save_strategy_best_evaluates_the_consensus_it_would_save(tmp_path, form):
+    """With save_strategy="best" the Trainer decides to save from the evaluation just before the
+    save. The evaluation used to run on the replicas' weights before the sync and the save on those
+    after it, so the metric that picked the checkpoint was not the checkpoint's. Now the sync comes
+    first: at every evaluation step the window is empty (syncs every 3 steps, evaluations at 5, 10)."""
+    from transformers import TrainerCallback
+
+    import hdet_track
+    from hdet_track.integrations.transformers import HDETTrainerCallback
+
+    class Windows(TrainerCallback):
+        seen: list
+
+        def on_prediction_step(self, args, state, control, **kwargs):
+            self.seen.append((state.global_step, len(scheduler()._converger.losses)))
+
+    probe = Windows()
+    probe.seen = []
+    kwargs = dict(save_strategy="best", eval_strategy="steps", eval_steps=5, metric_for_best_model="loss", examples=20)
+    if form == "wrap":
+        trainer = hdet_track.wrap(_tiny_trainer(tmp_path, [probe], **kwargs), sync_every=3, auto_lr=True, track=False)
+        scheduler = lambda: trainer.lr_scheduler  # noqa: E731
+    else:
+        callback = HDETTrainerCallback(sync_every=3, auto_lr=True, track=False)
+        trainer = _tiny_trainer(tmp_path, [callback, probe], **kwargs)
+        scheduler = lambda: callback.scheduler  # noqa: E731
+    trainer.train()
+    assert {step for step, _ in probe.seen} == {5, 10}
+    assert [n for _, n in probe.seen] == [0] * len(probe.seen)

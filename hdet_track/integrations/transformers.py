@@ -52,22 +52,28 @@ class _LossFedScheduler(HDETScheduler):
 _STATE_KEY = "hdet_scheduler"
 
 
-def before_pause(control: Any, sched: HDETScheduler) -> None:
+def before_pause(args: Any, control: Any, sched: HDETScheduler) -> None:
     """A checkpoint is about to be written (rank 0's model and optimizer only): converge first, so
-    that it holds the one consensus every replica resumes from. An evaluation is about to start:
-    hand the last sync's record to tracking first, so that it is in the tracker while it runs.
-    Called at each step's and each epoch's end (``save_strategy="steps"`` or ``"epoch"``)."""
-    if control.should_save:
+    that it holds the one consensus every replica resumes from. With ``save_strategy="best"`` an
+    evaluation decides whether a checkpoint follows, with no callback in between: converge before
+    it, so that the metric that picks the best checkpoint is the weights that checkpoint holds. Any
+    other evaluation: hand the last sync's record to tracking first, so that it is in the tracker
+    while it runs. Called at each step's and each epoch's end."""
+    if control.should_save or (control.should_evaluate and _saves_best(args)):
         sched.sync_now()
     elif control.should_evaluate:
         sched.gather_pending()
 
 
 def after_evaluation(args: Any, sched: HDETScheduler) -> None:
-    """``save_strategy="best"``: the Trainer decides to save after the evaluation, with no callback
-    in between, so every evaluation converges first (every rank evaluates)."""
-    if str(getattr(args.save_strategy, "value", args.save_strategy)) == "best":
+    """``save_strategy="best"`` and an evaluation that :func:`before_pause` did not see coming (a
+    callback after this one asked for it): converge before the save that may follow."""
+    if _saves_best(args):
         sched.sync_now()
+
+
+def _saves_best(args: Any) -> bool:
+    return str(getattr(args.save_strategy, "value", args.save_strategy)) == "best"
 
 
 def _drive(lr_scheduler: Any, sched: HDETScheduler) -> None:
@@ -161,7 +167,7 @@ class _TrackingCallback(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         sched = self.trainer.lr_scheduler
         if isinstance(sched, HDETScheduler):
-            before_pause(control, sched)
+            before_pause(args, control, sched)
 
     on_epoch_end = on_step_end
 
@@ -305,7 +311,7 @@ class HDETTrainerCallback(TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.scheduler is not None:
-            before_pause(control, self.scheduler)
+            before_pause(args, control, self.scheduler)
 
     on_epoch_end = on_step_end
 
