@@ -31,6 +31,16 @@ class BatchRefused(Exception):
     outage): sending the same again cannot succeed. See :meth:`Tracker.refuses`."""
 
 
+class BackendBroken(Exception):
+    """The backend cannot work in this process (its library failed to import): retrying it until
+    the shutdown timeout cannot help, so the writer leaves the data in the spill at once."""
+
+
+def broken_backend(exc: BaseException) -> bool:
+    """Whether ``exc`` says the backend's library cannot be used in this process."""
+    return isinstance(exc, (ImportError, BackendBroken))
+
+
 class Point(NamedTuple):
     """One metric point: key (a name from the metric contract), value, step, wall time in ms."""
 

@@ -28,7 +28,7 @@ from .. import owner
 from ..events import RunEnd, RunStart
 from ..record import SyncRecord
 from . import lifecycle
-from .base import Batch, Tracker
+from .base import Batch, Tracker, broken_backend
 from .expand import PointBudget, RecordItem, materialize, metric_points
 from .isolated import maybe_isolated
 from .spill import SpillFile, describe_part, log_or_set_aside, orphans, refused_path, replay_file
@@ -53,6 +53,7 @@ class _Sink:
         self.set_aside = 0  # parts the backend refused for their content
         self.retry_seconds = retry_seconds
         self.down_since: float | None = None
+        self.broken = False  # its library cannot be used in this process: no waiting for it at shutdown
         self.next_retry = 0.0
         self.spilled = 0
         self.run_start: RunStart | None = None
@@ -108,6 +109,7 @@ class _Sink:
             logger.warning("hdet-track: %s", replay_file(path))
 
     def _went_down(self, exc: BaseException) -> None:
+        self.broken = broken_backend(exc)
         if self.down_since is None:
             self.down_since = time.monotonic()
             logger.warning(
@@ -148,9 +150,10 @@ class _Sink:
         return True
 
     def drain(self, deadline: float) -> None:
-        """At shutdown: retry the spill until it is empty or the deadline passes."""
+        """At shutdown: retry the spill until it is empty or the deadline passes (a backend whose
+        library cannot be imported is tried once: it cannot come back in this process)."""
         while self.down_since is not None and time.monotonic() < deadline:
-            if self._replay():
+            if self._replay() or self.broken:
                 return
             time.sleep(min(self.retry_seconds, max(0.0, deadline - time.monotonic())))
 

@@ -27,7 +27,7 @@ from typing import Any
 
 from ..events import RunEnd, RunStart
 from ..owner import process_identity
-from .base import Batch, BatchRefused, Tracker
+from .base import BackendBroken, Batch, BatchRefused, Tracker, broken_backend
 from .expand import materialize
 
 __all__ = ["IsolatedTracker", "maybe_isolated"]
@@ -62,7 +62,8 @@ def _serve(conn_in: Connection, conn_out: Connection) -> None:
             result = getattr(inner, method)(*args)
             reply = (True, inner.run_id if method == "start" else result)
         except Exception as exc:  # noqa: BLE001 - sent back and raised in the parent
-            reply = (False, (f"{type(exc).__name__}: {exc}", method == "log" and inner.refuses(exc)))
+            text = f"{type(exc).__name__}: {exc}"
+            reply = (False, (text, method == "log" and inner.refuses(exc), broken_backend(exc)))
         try:
             conn_out.send(reply)
         except OSError:  # the training process died while this call ran
@@ -124,8 +125,8 @@ class IsolatedTracker(Tracker):
             self._dead = True
             raise ConnectionError(f"the {self.name} tracker process died: {exc}") from None
         if not ok:
-            text, refused = value
-            raise (BatchRefused if refused else RuntimeError)(text)
+            text, refused, broken = value
+            raise (BatchRefused if refused else BackendBroken if broken else RuntimeError)(text)
         return value
 
     def resume(self, run_id: str) -> None:
