@@ -221,6 +221,48 @@ def test_an_ended_run_resumed_later_is_read_again(monkeypatch, tmp_path):
     assert _last_x(figures(at)[0]) == 20
 
 
+def test_a_run_that_ends_while_the_run_list_lags_is_not_read_again_and_again(monkeypatch, tmp_path):
+    """A live page reads a RUNNING run; the run ends; the run list still says RUNNING (a live page's
+    fragment reruns keep the list of the last full rerun; a fault injected here by holding the
+    reader's list). The read that found the run ended is kept: a review found an earlier version
+    took "listed RUNNING, read FINISHED" for a resume and read the whole run again at every rerun."""
+    from hdet_track.dashboard import state
+
+    uri = f"sqlite:///{tmp_path / 'lag.db'}"
+    opt = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sched = HDETScheduler(
+            opt, 0.1, total_steps=20, sync_every=5, track=MLflowTracker(tracking_uri=uri, experiment="lag")
+        )
+    for k in range(1, 11):
+        opt.step()
+        sched.step(1.0 / k)
+    assert sched.flush()
+    at = app(monkeypatch, uri)
+    at.switch_page("app_pages/fanout.py").run()
+    assert not at.exception and _last_x(figures(at)[0]) == 10
+    (listed,) = at.session_state["runs"]
+    assert listed.status == "RUNNING"
+    reader = state.get_reader(uri)
+    monkeypatch.setattr(reader, "list_runs", lambda *args, **kwargs: [listed])  # the list lags from here on
+    sched.close()
+
+    def kept():
+        at.run()
+        assert not at.exception, at.exception
+        ((key, run),) = at.session_state["_runs"].items()
+        return run
+
+    ended = kept()
+    assert ended.status == "FINISHED" and not ended.live  # the live read found the end
+    assert kept() is ended and kept() is ended  # and is kept while the list still says RUNNING
+    monkeypatch.undo()  # the list catches up: nothing changed for the page either
+    monkeypatch.setenv("HDET_DASHBOARD_SOURCE", uri)
+    state.list_runs.clear()
+    assert kept() is ended
+
+
 def _last_x(figure):
     """The last x of a figure's first trace (plotly may write it as a typed array)."""
     import base64
