@@ -8,19 +8,140 @@ and constructor ``settings``), ``settings`` (max_lr, total_steps, sync_every, sp
 job must share with the checkpoint to resume exactly), ``window`` (this rank's partial window;
 ``windows``: every rank's), ``averager`` (the kept consensus) and ``runs`` (the tracked runs' ids).
 Checkpoints without ``settings``/``references`` (older ones) still load.
+
+:class:`Checkpointing` is the half of :class:`~hdet_track.scheduler.HDETScheduler` that saves and
+restores it. It expects the scheduler's OneCycle state (``__dict__``'s ``_onecycle_keys``),
+``_fanout``, ``_controller``, ``_converger``, ``_callbacks``, ``_group``, ``_rank``, ``_world_size``,
+``_config``, ``_max_lrs``, ``_lr_bounds``, ``optimizer``, ``total_steps``, ``sync_every``, and its
+``_deliver`` and ``_refresh``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Sequence
-from typing import Any
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
+from . import collectives
 from .errors import CheckpointMismatchError
 
-__all__ = ["FORMAT", "upgrade", "check_compatible"]
+if TYPE_CHECKING:
+    import torch
+
+    from .callbacks import CallbackList
+    from .controller import Controller
+    from .converge import Converger
+    from .fanout import FanOut
+
+__all__ = ["FORMAT", "Checkpointing", "upgrade", "check_compatible"]
 
 FORMAT = 2
+
+
+class Checkpointing:
+    """``state_dict`` and ``load_state_dict`` for :class:`~hdet_track.scheduler.HDETScheduler` (a mixin)."""
+
+    _fanout: FanOut
+    _controller: Controller | None
+    _converger: Converger
+    _callbacks: CallbackList
+    _onecycle_keys: frozenset[str]
+    _config: dict[str, Any]
+    _max_lrs: list[float]
+    _lr_bounds: list[tuple[float, float]]
+    _resumed_runs: dict[str, str]
+    _group: Any
+    _rank: int
+    _world_size: int
+    optimizer: torch.optim.Optimizer
+    total_steps: int
+    sync_every: int
+    _deliver: Callable[..., None]  # Reporting's: hand a waiting record to the callbacks
+    _refresh: Callable[[], None]  # the scheduler's: re-apply this rank's values for the current step
+
+    def state_dict(self, all_ranks: bool = False) -> dict[str, Any]:
+        """Everything needed to resume exactly: OneCycle's state, the permutations and their
+        generators, the controller's state, this rank's partial window, the kept consensus (with
+        the drift controller's rollback: one copy of the parameters), and the tracked runs' ids
+        (so that a resumed job continues the same run). Tracking flags are never saved. The format
+        is :mod:`hdet_track.checkpoint`'s.
+
+        Args:
+            all_ranks: gather every rank's partial window too (a collective: call it on every
+                rank), for checkpoints that only rank 0 writes; each rank then resumes its own.
+
+        Only plain Python values and tensors, so ``torch.load(weights_only=True)`` reads it.
+        """
+        self._deliver(force=True)  # a record waiting for the next sync's gather goes without its divergences
+        window = self._converger.window_state()
+        runs = self._callbacks.run_ids(wait=30.0)
+        controller = self._controller
+        state = {
+            "format": FORMAT,
+            "onecycle": {k: self.__dict__[k] for k in sorted(self._onecycle_keys)},
+            "world_size": self._world_size,
+            "explored": list(self._fanout.names),
+            **self._fanout.state_dict(),
+            "controller": None
+            if controller is None
+            else {"name": controller.name, "state": controller.state_dict(), "settings": controller.settings()},
+            "settings": self._resume_settings(),
+            "window": window,
+            "averager": self._converger.averager.state_dict(),
+            "runs": {k: v for k, v in runs.items() if v},
+        }
+        if all_ranks:
+            state["windows"] = {r: w for r, w in enumerate(collectives.all_gather_objects(window, self._group))}
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output (or hdet-track 0.1's) and re-apply this rank's values.
+
+        A checkpoint of any rank loads on any rank of a job with the same replicas and explored
+        hyperparameters (each rank keeps its identity; the partial window is exact when every rank
+        loads its own). Call before the first ``step`` so that a tracked job continues its run.
+
+        Raises:
+            CheckpointMismatchError: the replica count, explored names or controller differ.
+        """
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(
+                f"Expected state_dict to be a dict from HDETScheduler.state_dict(), but got {type(state_dict).__name__}"
+            )
+        self._deliver(force=True)  # a record of the run so far goes over before its state is replaced
+        state = upgrade(state_dict, self._onecycle_keys, len(self.optimizer.param_groups))
+        controller = self._controller
+        check_compatible(
+            state,
+            world_size=self._world_size,
+            explored=self._fanout.names,
+            controller=None if controller is None else controller.name,
+            settings=self._resume_settings(),
+            controller_settings=None if controller is None else controller.settings(),
+        )
+        self.__dict__.update({k: v for k, v in state["onecycle"].items() if k in self._onecycle_keys})
+        self._fanout.load_state_dict(state)
+        if controller is not None:
+            controller.load_state_dict(state["controller"]["state"])
+        self._converger.load_window(state.get("windows", {}).get(self._rank, state["window"]))  # its own, if saved
+        self._converger.averager.load_state_dict(state.get("averager", {}))
+        self._resumed_runs = dict(state.get("runs", {}))
+        self._refresh()
+
+    def _resume_settings(self) -> dict[str, Any]:
+        """What a checkpoint must share with the job that loads it for the job to resume exactly
+        (a checkpoint of an older version is compared on the keys it holds)."""
+        shape = ["pct_start", "anneal_strategy", "three_phase", "div_factor", "final_div_factor", "cycle_momentum"]
+        shape += ["base_momentum", "max_momentum"] if self._config.get("cycle_momentum") else []
+        return {
+            "max_lr": list(self._max_lrs),
+            "total_steps": self.total_steps,
+            "sync_every": self.sync_every,
+            "spreads": dict(self._fanout.spreads),
+            "param_groups": len(self.optimizer.param_groups),
+            **{k: self._config[k] for k in shape if k in self._config},
+            "lr_bounds": [[float(low), float(high)] for low, high in self._lr_bounds],
+        }
 
 
 def upgrade(state: dict[str, Any], onecycle_keys: Collection[str], num_groups: int) -> dict[str, Any]:

@@ -10,7 +10,8 @@ The scheduler owns OneCycle's schedule and wires the parts:
 - its callbacks (:mod:`hdet_track.callbacks`), which receive one :class:`~hdet_track.record.SyncRecord`
   per sync (tracking is one: :class:`hdet_track.tracking.recorder.Recorder`, built when ``track`` is set);
   what they receive and when is the :class:`~hdet_track.reporting.Reporting` half of the class,
-- its checkpoint format (:mod:`hdet_track.checkpoint`).
+- its checkpoints (:mod:`hdet_track.checkpoint`: the format, and the
+  :class:`~hdet_track.checkpoint.Checkpointing` half of the class: ``state_dict``, ``load_state_dict``).
 """
 
 from __future__ import annotations
@@ -28,10 +29,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.lr_scheduler import OneCycleLR, _enable_get_lr_call
 
-from . import checkpoint, collectives
+from . import collectives
 from ._checks import check_bool, check_int, check_number
 from .averager import ReplicaAverager
 from .callbacks import CallbackList, check_track_settings, resolve_track
+from .checkpoint import Checkpointing
 from .controller import Controller, ControllerContext, PaperController, make_controller
 from .converge import Converger
 from .explore import Hyperparam, resolve_explore
@@ -45,7 +47,7 @@ __all__ = ["HDETScheduler", "SyncReport"]
 SyncReport = SyncRecord  # the name of hdet-track 0.1
 
 
-class HDETScheduler(Reporting, OneCycleLR):
+class HDETScheduler(Reporting, Checkpointing, OneCycleLR):
     r"""OneCycleLR for data-parallel replicas that explore their hyperparameters.
 
     The N ranks of the process group train with learning rates spread around one shared
@@ -455,91 +457,6 @@ class HDETScheduler(Reporting, OneCycleLR):
             hostnames=[str(h) for h in collectives.all_gather_objects(host, self._group)] if gather else [host],
             resumed_runs=dict(self._resumed_runs),
         )
-
-    # ------------------------------------------------------------------ checkpoints
-    def state_dict(self, all_ranks: bool = False) -> dict[str, Any]:
-        """Everything needed to resume exactly: OneCycle's state, the permutations and their
-        generators, the controller's state, this rank's partial window, the kept consensus (with
-        the drift controller's rollback: one copy of the parameters), and the tracked runs' ids
-        (so that a resumed job continues the same run). Tracking flags are never saved. The format
-        is :mod:`hdet_track.checkpoint`'s.
-
-        Args:
-            all_ranks: gather every rank's partial window too (a collective: call it on every
-                rank), for checkpoints that only rank 0 writes; each rank then resumes its own.
-
-        Only plain Python values and tensors, so ``torch.load(weights_only=True)`` reads it.
-        """
-        self._deliver(force=True)  # a record waiting for the next sync's gather goes without its divergences
-        window = self._converger.window_state()
-        runs = self._callbacks.run_ids(wait=30.0)
-        controller = self._controller
-        state = {
-            "format": checkpoint.FORMAT,
-            "onecycle": {k: self.__dict__[k] for k in sorted(self._onecycle_keys)},
-            "world_size": self._world_size,
-            "explored": list(self._fanout.names),
-            **self._fanout.state_dict(),
-            "controller": None
-            if controller is None
-            else {"name": controller.name, "state": controller.state_dict(), "settings": controller.settings()},
-            "settings": self._resume_settings(),
-            "window": window,
-            "averager": self._converger.averager.state_dict(),
-            "runs": {k: v for k, v in runs.items() if v},
-        }
-        if all_ranks:
-            state["windows"] = {r: w for r, w in enumerate(collectives.all_gather_objects(window, self._group))}
-        return state
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output (or hdet-track 0.1's) and re-apply this rank's values.
-
-        A checkpoint of any rank loads on any rank of a job with the same replicas and explored
-        hyperparameters (each rank keeps its identity; the partial window is exact when every rank
-        loads its own). Call before the first ``step`` so that a tracked job continues its run.
-
-        Raises:
-            CheckpointMismatchError: the replica count, explored names or controller differ.
-        """
-        if not isinstance(state_dict, Mapping):
-            raise TypeError(
-                f"Expected state_dict to be a dict from HDETScheduler.state_dict(), but got {type(state_dict).__name__}"
-            )
-        self._deliver(force=True)  # a record of the run so far goes over before its state is replaced
-        state = checkpoint.upgrade(state_dict, self._onecycle_keys, len(self.optimizer.param_groups))
-        controller = self._controller
-        checkpoint.check_compatible(
-            state,
-            world_size=self._world_size,
-            explored=self._fanout.names,
-            controller=None if controller is None else controller.name,
-            settings=self._resume_settings(),
-            controller_settings=None if controller is None else controller.settings(),
-        )
-        self.__dict__.update({k: v for k, v in state["onecycle"].items() if k in self._onecycle_keys})
-        self._fanout.load_state_dict(state)
-        if controller is not None:
-            controller.load_state_dict(state["controller"]["state"])
-        self._converger.load_window(state.get("windows", {}).get(self._rank, state["window"]))  # its own, if saved
-        self._converger.averager.load_state_dict(state.get("averager", {}))
-        self._resumed_runs = dict(state.get("runs", {}))
-        self._refresh()
-
-    def _resume_settings(self) -> dict[str, Any]:
-        """What a checkpoint must share with the job that loads it for the job to resume exactly
-        (a checkpoint of an older version is compared on the keys it holds)."""
-        shape = ["pct_start", "anneal_strategy", "three_phase", "div_factor", "final_div_factor", "cycle_momentum"]
-        shape += ["base_momentum", "max_momentum"] if self._config.get("cycle_momentum") else []
-        return {
-            "max_lr": list(self._max_lrs),
-            "total_steps": self.total_steps,
-            "sync_every": self.sync_every,
-            "spreads": dict(self._fanout.spreads),
-            "param_groups": len(self.optimizer.param_groups),
-            **{k: self._config[k] for k in shape if k in self._config},
-            "lr_bounds": [[float(low), float(high)] for low, high in self._lr_bounds],
-        }
 
     def _bind_controller(self) -> None:
         if self._controller is None:
