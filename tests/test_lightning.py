@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
+
+from hdet_track.record import SchedulerCallback
 
 from .examples_helpers import assert_synced_only_at, dumped_lrs, run_example
 
@@ -174,6 +177,224 @@ def test_a_fit_that_reached_its_last_step_keeps_the_run_open_for_final_metrics(t
     assert [r.status for r in runs] == ["FINISHED", "FINISHED", "FINISHED"]
     assert [list(r.metrics["val_loss"][1]) if "val_loss" in r.metrics else [] for r in runs] == [[0.5], [0.25], []]
     assert [[c.step for c in r.converge] for r in runs[:2]] == [[4, 8], [4, 8]]
+
+
+def test_ddp_checkpoints_and_an_early_stop_hold_the_consensus(tmp_path):
+    """2 ranks, syncs every 5 steps. Before: a weights-only checkpoint (no callback hook runs for
+    it) held rank 0's unaveraged replica; the val_loss that picks a monitored checkpoint was the
+    replicas' mix before the sync, not the saved weights'; a fit stopped at step 14 left the
+    replicas apart and its steps 11-14 out of the run. Now every save and that validation converge
+    first, and the early stop converges before it ends the run."""
+    import subprocess
+    import sys
+
+    from hdet_track.readers.mlflow import MLflowReader
+
+    from .jobs import lightning_saves
+
+    uri = f"sqlite:///{tmp_path / 'pl.db'}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "HDET_", "WANDB_"))}
+    proc = subprocess.run(
+        [sys.executable, lightning_saves.__file__, str(tmp_path)],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env | {"MLFLOW_TRACKING_URI": uri},
+    )  # fmt: skip
+    assert "fit done at step 14" in proc.stdout, proc.stderr[-4000:]
+    params = [{}, {}]
+    for rank in (0, 1):
+        for kind, step, flat in map(json.loads, (tmp_path / f"params{rank}.jsonl").read_text().splitlines()):
+            params[rank][kind, step] = flat
+
+    def weights(path):
+        return torch.cat([v.reshape(-1) for v in torch.load(path, weights_only=False)["state_dict"].values()]).tolist()
+
+    for step in (6, 12):  # mid-window: the save converged both ranks, and holds what they hold
+        assert (
+            weights(tmp_path / "weights" / f"step={step}.ckpt") == params[0]["start", step] == params[1]["start", step]
+        )
+    module = lightning_saves.Module()
+    validations = [json.loads(line) for line in (tmp_path / "val.jsonl").read_text().splitlines()]
+    assert [step for step, _ in validations] == [4, 8, 12, 14]
+    for step, val_loss in validations:  # the monitored metric is the checkpoint's own weights' loss
+        module.load_state_dict(torch.load(tmp_path / "best" / f"step={step}.ckpt", weights_only=False)["state_dict"])
+        x, y = next(iter(lightning_saves.data(32, 32)))
+        with torch.no_grad():
+            assert torch.nn.functional.mse_loss(module.net(x), y).item() == pytest.approx(val_loss, rel=1e-5)
+    assert params[0]["end", 14] == params[1]["end", 14]  # the early stop converged the replicas
+    reader = MLflowReader(uri)
+    (summary,) = reader.list_runs()
+    run = reader.read(summary.run_id)
+    assert run.status == "FINISHED"
+    assert list(run.replica_series("lr", 1)[0]) == list(range(1, 15))
+    assert [c.step for c in run.converge] == [4, 5, 6, 8, 10, 12, 14]
+
+
+class _Syncs(SchedulerCallback):
+    """Keeps every sync's record."""
+
+    def __init__(self):
+        self.records = []
+
+    def on_sync(self, record):
+        self.records.append(record)
+
+
+class _Tiny:
+    """A one-process Lightning module and trainer for the tests below (built lazily: Lightning is optional)."""
+
+    @staticmethod
+    def module(**kwargs):
+        import lightning.pytorch as pl
+
+        class Module(pl.LightningModule):
+            def __init__(self, fail_in=None, interval="step"):
+                super().__init__()
+                torch.manual_seed(0)
+                self.net = torch.nn.Linear(4, 1)
+                self.fail_in, self.interval = fail_in, interval
+                self.losses = []
+
+            def training_step(self, batch, batch_idx):
+                loss = torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+                self.losses.append(loss.item())
+                return loss
+
+            def validation_step(self, batch, batch_idx):
+                if self.fail_in == "validation":
+                    raise RuntimeError("a bad validation_step")
+                self.log("val_loss", torch.nn.functional.mse_loss(self.net(batch[0]), batch[1]))
+
+            def test_step(self, batch, batch_idx):
+                raise RuntimeError("a bad test_step")
+
+            def configure_optimizers(self):
+                opt = torch.optim.SGD(self.parameters(), lr=0.01)
+                onecycle = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=8)
+                return {"optimizer": opt, "lr_scheduler": {"scheduler": onecycle, "interval": self.interval}}
+
+        return Module(**kwargs)
+
+    @staticmethod
+    def data(n=64):
+        from torch.utils.data import DataLoader, TensorDataset
+
+        g = torch.Generator().manual_seed(0)
+        return DataLoader(TensorDataset(torch.randn(n, 4, generator=g), torch.randn(n, 1, generator=g)), batch_size=8)
+
+    @staticmethod
+    def trainer(root, callbacks, **kwargs):
+        import lightning.pytorch as pl
+
+        saves = any(type(c).__name__ == "ModelCheckpoint" for c in callbacks)
+        kwargs = dict(max_steps=8, logger=False, enable_checkpointing=saves) | kwargs
+        return pl.Trainer(
+            accelerator="cpu", devices=1, callbacks=callbacks, enable_progress_bar=False,
+            enable_model_summary=False, default_root_dir=root, num_sanity_val_steps=1, **kwargs,
+        )  # fmt: skip
+
+
+def test_only_a_failing_fit_fails_its_run(tmp_path, monkeypatch):
+    """A test() that raises after a finished fit, or a next fit that raises in its sanity check
+    (before its training starts), used to end the finished fit's run FAILED: Lightning calls
+    on_exception for any stage. That run ends FINISHED; a fit failing in training still fails its own."""
+    from hdet_track.integrations.lightning import HDETCallback
+    from hdet_track.readers.mlflow import MLflowReader
+
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    callback = HDETCallback(sync_every=4)
+    _Tiny.trainer(tmp_path, [callback]).fit(_Tiny.module(), _Tiny.data())
+    with pytest.raises(RuntimeError, match="a bad test_step"):
+        _Tiny.trainer(tmp_path, [callback]).test(_Tiny.module(), _Tiny.data())
+    with pytest.raises(RuntimeError, match="a bad validation_step"):
+        _Tiny.trainer(tmp_path, [callback]).fit(_Tiny.module(fail_in="validation"), _Tiny.data(), _Tiny.data(16))
+    reader = MLflowReader(uri)
+    (summary,) = reader.list_runs()
+    assert summary.status == "FINISHED" and "hdet.error" not in reader.read(summary.run_id).tags
+
+
+def test_gradient_accumulation_steps_hdet_with_the_mean_loss_of_the_step(tmp_path):
+    """Lightning hands on_train_batch_end each micro-batch's loss divided by
+    accumulate_grad_batches; HDET used to get (and log, and weigh replicas by) the last one's."""
+    from hdet_track.integrations.lightning import HDETCallback
+
+    syncs = _Syncs()
+    callback, module = HDETCallback(sync_every=2, track=False, callbacks=[syncs]), _Tiny.module()
+    _Tiny.trainer(tmp_path, [callback], max_steps=4, accumulate_grad_batches=4).fit(module, _Tiny.data())
+    means = [sum(module.losses[k : k + 4]) / 4 for k in range(0, 16, 4)]
+    assert [s for r in syncs.records for s in r.steps] == [1, 2, 3, 4]
+    assert [v for r in syncs.records for v in r.losses.reshape(-1)] == pytest.approx(means, rel=1e-6)
+
+
+def test_wrap_steps_hdet_before_the_trainers_checkpoint_callbacks(tmp_path):
+    """wrap() appended the callback after Lightning had put ModelCheckpoint last, so a step
+    checkpoint was saved before HDET stepped: it held HDET one step behind, and a resume from it
+    ran the schedule one step late."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    import hdet_track
+    from hdet_track.integrations.lightning import HDETCallback
+
+    saves = ModelCheckpoint(tmp_path / "ckpt", filename="{step}", every_n_train_steps=3, save_top_k=-1)
+    trainer = hdet_track.wrap(_Tiny.trainer(tmp_path, [saves]), sync_every=4, track=False)
+    assert [type(c).__name__ for c in trainer.callbacks][-2:] == ["HDETCallback", "ModelCheckpoint"]
+    trainer.fit(_Tiny.module(), _Tiny.data())
+    state = torch.load(tmp_path / "ckpt" / "step=3.ckpt", weights_only=False)
+    (hdet,) = [v for k, v in state["callbacks"].items() if k.startswith("HDETCallback")]
+    assert state["global_step"] == 3 and hdet["scheduler"]["onecycle"]["last_epoch"] == 3
+    resumed = HDETCallback(sync_every=4, track=False)
+    saves = ModelCheckpoint(tmp_path / "again", every_n_train_steps=100)
+    _Tiny.trainer(tmp_path, [saves, resumed]).fit(
+        _Tiny.module(), _Tiny.data(), ckpt_path=tmp_path / "ckpt" / "step=3.ckpt"
+    )
+    assert resumed.scheduler.last_epoch == 8 and resumed.scheduler.last_sync.step == 8
+
+
+def test_state_restored_by_validate_is_not_resumed_by_the_next_fit(tmp_path):
+    """validate(ckpt_path=...) restores the callbacks' state too; the next fresh fit used to resume
+    HDET's schedule from it (starting at the checkpoint's step 6 of 8)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from hdet_track.integrations.lightning import HDETCallback
+
+    syncs = _Syncs()
+    callback = HDETCallback(sync_every=4, track=False, callbacks=[syncs])
+    saves = ModelCheckpoint(tmp_path / "ckpt", filename="{step}", every_n_train_steps=6, save_top_k=-1)
+    _Tiny.trainer(tmp_path, [callback, saves]).fit(_Tiny.module(), _Tiny.data())
+    _Tiny.trainer(tmp_path, [callback]).validate(
+        _Tiny.module(), _Tiny.data(16), ckpt_path=tmp_path / "ckpt" / "step=6.ckpt"
+    )
+    syncs.records.clear()
+    _Tiny.trainer(tmp_path, [callback]).fit(_Tiny.module(), _Tiny.data())
+    assert [list(r.steps) for r in syncs.records] == [[1, 2, 3, 4], [5, 6, 7, 8]]  # from the start
+
+
+def test_a_subclass_of_lightnings_mlflow_logger_gets_hdets_rows_in_its_run(tmp_path, monkeypatch):
+    """The logger was recognised by its exact class name: a subclass got a second, separate run."""
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    from hdet_track.integrations.lightning import HDETCallback
+    from hdet_track.readers.mlflow import MLflowReader
+
+    class TeamLogger(MLFlowLogger):
+        pass
+
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # where HDET's own run would go
+    logger = TeamLogger(experiment_name="hdet", tracking_uri=uri)
+    callback = HDETCallback(sync_every=4)
+    _Tiny.trainer(tmp_path, [callback], logger=logger).fit(_Tiny.module(), _Tiny.data())
+    callback.scheduler.close()
+    reader = MLflowReader(uri)
+    (summary,) = reader.list_runs()
+    assert summary.run_id == logger.run_id
+    assert list(reader.read(summary.run_id).replica_series("lr", 0)[0]) == list(range(1, 9))
+
+
+def test_a_onecycle_stepped_per_epoch_is_refused(tmp_path):
+    from hdet_track.integrations.lightning import HDETCallback
+
+    with pytest.raises(ValueError, match=r"interval='step', frequency=1\), but got interval='epoch', frequency=1"):
+        _Tiny.trainer(tmp_path, [HDETCallback(track=False)]).fit(_Tiny.module(interval="epoch"), _Tiny.data())
 
 
 def test_a_typo_in_hdets_arguments_fails_when_the_callback_is_built():

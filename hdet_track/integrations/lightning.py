@@ -19,9 +19,11 @@ from ..scheduler import HDETScheduler, check_hdet_kwargs
 
 try:
     import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Checkpoint
 except ImportError:  # pragma: no cover - the standalone package name
     try:
         import pytorch_lightning as pl  # type: ignore[no-redef]
+        from pytorch_lightning.callbacks import Checkpoint  # type: ignore[no-redef]
     except ImportError as exc:
         raise ImportError(
             "hdet_track.integrations.lightning needs Lightning: pip install 'hdet-track[lightning]'"
@@ -31,18 +33,18 @@ __all__ = ["HDETCallback", "wrap_trainer"]
 
 
 def _tracker_for(trainer: Any, track: Any) -> Any:
-    """Lightning's own logger's run when there is one, else ``track`` as given."""
+    """Lightning's own logger's run when there is one (its class or a subclass), else ``track``."""
     if track is False or track is None:
         return False
     loggers = getattr(trainer, "loggers", []) or []
     for logger in loggers:
-        name = type(logger).__name__
-        if name == "MLFlowLogger":
+        kinds = {cls.__name__ for cls in type(logger).__mro__}
+        if "MLFlowLogger" in kinds:
             from ..tracking.mlflow import MLflowTracker
 
             run_id = logger.run_id if trainer.global_rank == 0 else None
             return MLflowTracker(tracking_uri=getattr(logger, "_tracking_uri", None), run_id=run_id)
-        if name == "WandbLogger":
+        if "WandbLogger" in kinds:
             from ..tracking.wandb import WandbTracker
 
             return WandbTracker(run=logger.experiment if trainer.global_rank == 0 else None)
@@ -58,9 +60,13 @@ class HDETCallback(pl.Callback):
             wins when configured.
         **hdet_kwargs: HDET's arguments (``spread``, ``sync_every``, ``auto_lr``, ...).
 
-    Its state is part of Lightning's checkpoints: the replicas converge when a checkpoint is taken
-    (Lightning keeps rank 0's weights), and ``trainer.fit(..., ckpt_path=...)`` resumes the
-    schedule where it stopped.
+    HDET steps once per optimizer step with that step's training loss (with gradient accumulation:
+    the mean over its micro-batches). Every checkpoint the fit writes (``ModelCheckpoint``, any
+    ``trainer.save_checkpoint``, weights-only ones included) is converged first, so it holds the
+    consensus every replica resumes from; with a ``ModelCheckpoint(monitor=...)`` the validation
+    that decides the save is converged first too, so the metric is the saved weights'. HDET's state
+    is part of Lightning's checkpoints, and ``trainer.fit(..., ckpt_path=...)`` resumes the
+    schedule where it stopped. A fit stopped early converges before it ends its run.
 
     Example:
         >>> trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp",
@@ -74,12 +80,25 @@ class HDETCallback(pl.Callback):
         self.track = track
         self.hdet_kwargs = hdet_kwargs
         self.scheduler: HDETScheduler | None = None
+        self._fitting = False  # a fit's training owns self.scheduler's run (from on_train_start)
         self._last_global_step = 0
+        self._losses: list[torch.Tensor | float] = []  # this optimizer step's micro-batch losses
         self._restored: dict[str, Any] | None = None
 
-    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage != "fit":
+            return
         if self.scheduler is not None:
-            self.scheduler.close()  # the previous fit's run, left open for final metrics
+            self.scheduler.close()  # the previous fit's run, left open for final metrics (idempotent)
+        _run_before_checkpoints(trainer, self)
+        _converge_before_saves(trainer, self)
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        # state restored by validate/test/predict(ckpt_path=...) is not the next fit's to resume
+        self._restored = None
+        trainer.__dict__.pop("save_checkpoint", None)
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         kwargs = dict(self.hdet_kwargs)
         kwargs.setdefault("model", pl_module)
         kwargs["track"] = _tracker_for(trainer, self.track)
@@ -87,9 +106,16 @@ class HDETCallback(pl.Callback):
         configs = list(trainer.lr_scheduler_configs)
         onecycle = [c for c in configs if isinstance(c.scheduler, OneCycleLR)]
         if onecycle:
-            self.scheduler = HDETScheduler.from_onecycle(onecycle[0].scheduler, **kwargs)
+            config = onecycle[0]
+            if config.interval != "step" or config.frequency != 1:
+                raise ValueError(
+                    "Expected the OneCycleLR from configure_optimizers to step every optimizer step "
+                    f"(interval='step', frequency=1), but got interval={config.interval!r}, "
+                    f"frequency={config.frequency!r}: HDET steps once per optimizer step"
+                )
+            self.scheduler = HDETScheduler.from_onecycle(config.scheduler, **kwargs)
             # Lightning must not step it too: HDET steps once per optimizer step, with the loss.
-            trainer.strategy.lr_scheduler_configs = [c for c in configs if c is not onecycle[0]]
+            trainer.strategy.lr_scheduler_configs = [c for c in configs if c is not config]
         elif self.max_lr is not None:
             optimizer = trainer.optimizers[0]
             self.scheduler = HDETScheduler(
@@ -99,57 +125,112 @@ class HDETCallback(pl.Callback):
             raise ValueError(
                 "Expected configure_optimizers to return a OneCycleLR, or HDETCallback(max_lr=...), but got neither"
             )
+        self._fitting = True
         if self._restored is not None:  # resuming from a Lightning checkpoint (ckpt_path=...)
             self.scheduler.load_state_dict(self._restored)
             self._restored = None
         self._last_global_step = trainer.global_step
+        self._losses = []
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self.scheduler is None or trainer.global_step == self._last_global_step:
-            return  # no optimizer step in this batch (gradient accumulation)
-        self._last_global_step = trainer.global_step
+        if self.scheduler is None or not self._fitting:
+            return
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, torch.Tensor):
-            loss = loss.detach()
+            self._losses.append(loss.detach())
+        elif loss is not None:
+            self._losses.append(float(loss))
+        if trainer.global_step == self._last_global_step:
+            return  # no optimizer step in this batch (gradient accumulation)
+        self._last_global_step = trainer.global_step
+        step_loss = _step_loss(self._losses, trainer, pl_module)
+        self._losses = []
         if self.scheduler.last_epoch < self.scheduler.total_steps:
-            self.scheduler.step(loss)
+            self.scheduler.step(step_loss)
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
-        # Every rank validates after the same step: the last sync's record goes to tracking first.
-        if self.scheduler is not None:
+        # Every rank validates after the same step. A validation whose metric picks a checkpoint
+        # runs on the consensus that checkpoint will hold; any other gets the last sync's record
+        # into tracking first.
+        if self.scheduler is None or not self._fitting:
+            return
+        if not trainer.sanity_checking and any(getattr(c, "monitor", None) for c in trainer.checkpoint_callbacks):
+            self.scheduler.sync_now()
+        else:
             self.scheduler.gather_pending()
 
     def state_dict(self) -> dict[str, Any]:
-        # Lightning asks every rank while it checkpoints and writes rank 0's model and optimizer:
-        # converge first (every rank is here), so the checkpoint holds the consensus all resume from.
+        # Lightning asks every rank while it checkpoints (the saves converge first, see
+        # _converge_before_saves; this covers a dump that bypasses trainer.save_checkpoint).
         if self.scheduler is None:
             return {}
-        self.scheduler.sync_now()
+        if self._fitting:
+            self.scheduler.sync_now()
         return {"scheduler": self.scheduler.state_dict()}
-
-    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
-        # The model's weights were collected before state_dict() converged the replicas.
-        if self.scheduler is not None and "state_dict" in checkpoint:
-            checkpoint["state_dict"] = trainer.strategy.lightning_module_state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._restored = state_dict.get("scheduler")
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        # A fit that reached the schedule's last step leaves the run open for final metrics
-        # (callback.scheduler.log_metrics(...)), as a plain scheduler does: it ends FINISHED at the
-        # next fit, close() or the process's exit. A fit stopped early (max_epochs, early stopping)
-        # ends it now: the process's exit would take the unfinished schedule for a failure.
+        # A fit that reached the schedule's last step (synced there) leaves the run open for final
+        # metrics (callback.scheduler.log_metrics(...)), as a plain scheduler does: it ends FINISHED
+        # at the next fit, close() or the process's exit. A fit stopped early (max_epochs, early
+        # stopping) converges the replicas it leaves (a collective: every rank is here) and ends the
+        # run now: the process's exit would take the unfinished schedule for a failure.
+        self._fitting = False
         if self.scheduler is not None and self.scheduler.last_epoch < self.scheduler.total_steps:
+            self.scheduler.sync_now()
             self.scheduler.close()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        if self.scheduler is not None:
+        # Lightning calls this for an exception in fit, validate, test or predict; only a failing
+        # fit's training ends its run FAILED (a failed test() after a finished fit does not).
+        self._restored = None
+        trainer.__dict__.pop("save_checkpoint", None)  # Lightning calls no teardown hook here
+        if self._fitting and self.scheduler is not None:
+            self._fitting = False
             status = "KILLED" if isinstance(exception, KeyboardInterrupt) else "FAILED"
             self.scheduler.close(status, f"{type(exception).__name__}: {exception}")
 
 
+def _step_loss(losses: list[torch.Tensor | float], trainer: Any, pl_module: Any) -> torch.Tensor | float | None:
+    """The optimizer step's training loss: the mean of its micro-batches' losses. Under automatic
+    optimization Lightning hands each as its loss divided by ``accumulate_grad_batches``."""
+    if not losses:
+        return None
+    scale = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
+    if all(isinstance(v, torch.Tensor) for v in losses):
+        return torch.stack([v.reshape(()).float() for v in losses]).mean() * scale
+    return sum(float(v) for v in losses) / len(losses) * scale
+
+
+def _run_before_checkpoints(trainer: Any, callback: HDETCallback) -> None:
+    """HDET steps before any checkpoint callback saves at the same step (Lightning puts its own
+    checkpoint callbacks last at construction; one added later, e.g. by ``wrap``, is not)."""
+    callbacks = trainer.callbacks
+    first = next((i for i, c in enumerate(callbacks) if isinstance(c, Checkpoint)), None)
+    mine = callbacks.index(callback) if callback in callbacks else None
+    if first is not None and mine is not None and mine > first:
+        callbacks.insert(first, callbacks.pop(mine))
+
+
+def _converge_before_saves(trainer: Any, callback: HDETCallback) -> None:
+    """Every checkpoint written during the fit (every rank calls ``trainer.save_checkpoint``)
+    converges first: the model's weights, collected before any callback hook runs, and weights-only
+    checkpoints (which call no callback hook) then hold the consensus."""
+    save = type(trainer).save_checkpoint.__get__(trainer)
+
+    def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
+        if callback._fitting and callback.scheduler is not None:
+            callback.scheduler.sync_now()
+        return save(*args, **kwargs)
+
+    trainer.save_checkpoint = save_checkpoint
+
+
 def wrap_trainer(trainer: Any, **hdet_kwargs: Any) -> Any:
-    """Add an :class:`HDETCallback` to a ``pl.Trainer``; returns the trainer."""
-    trainer.callbacks.append(HDETCallback(**hdet_kwargs))
+    """Add an :class:`HDETCallback` to a ``pl.Trainer`` (before its checkpoint callbacks); returns the trainer."""
+    callback = HDETCallback(**hdet_kwargs)
+    trainer.callbacks.append(callback)
+    _run_before_checkpoints(trainer, callback)
     return trainer
