@@ -24,7 +24,7 @@ def _number(kind: type, what: str, ok) -> object:
 
 
 _positive_int = _number(int, "a positive integer", lambda v: v >= 1)
-_positive_float = _number(float, "a positive number", lambda v: v > 0)
+_positive_float = _number(float, "a positive finite number", lambda v: 0 < v < float("inf"))
 _spread = _number(float, "a number in [0, 1)", lambda v: 0.0 <= v < 1.0)
 _port = _number(int, "a port in 1..65535", lambda v: 1 <= v <= 65535)
 
@@ -275,28 +275,46 @@ def closing_hints(source: str, tracker: str) -> list[str]:
 
     source = shlex.quote(source)
     lines = [f"Open the dashboard:  {command_for('hdet-track', 'hdet_track.cli')} dashboard {source}"]
-    if tracker == "mlflow":
+    if tracker == "mlflow" and source.startswith(("http://", "https://")):
+        lines.append(f"Open MLflow's UI:    {source} (the server's own page)")
+    elif tracker == "mlflow":
         mlflow = command_for("mlflow", "mlflow")
         lines.append(f"Open MLflow's UI:    {mlflow} ui --backend-store-uri {source} --host 127.0.0.1")
     return lines
+
+
+def _store(given: str | None) -> str:
+    """``--tracking-uri`` / SOURCE of compare and recover: as given, else ``$MLFLOW_TRACKING_URI``,
+    else ``sqlite:///mlflow.db`` (``$HDET_DASHBOARD_SOURCE`` is the dashboard's alone)."""
+    import os
+
+    return given or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
 
 
 def run_compare(tracking_uri: str | None, experiment: str | None, group: str | None, fmt: str) -> int:
     import os
 
     from .compare import comparison_rows, format_rows
-    from .readers import ReaderError, open_reader
+    from .readers import ReaderError, open_reader, resolve_source
 
-    experiment = experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or "hdet"
+    tracking_uri = _store(tracking_uri)
     try:
+        wandb = "://" not in resolve_source(tracking_uri)
+        default = os.environ.get("WANDB_PROJECT" if wandb else "MLFLOW_EXPERIMENT_NAME")
+        experiment = experiment or default or "hdet"
         reader = open_reader(tracking_uri)
-        summaries = reader.list_runs(experiment)
-        if group is None:
-            group = next((r.compare_group for r in summaries if r.compare_group), None)
-        chosen = [r for r in summaries if group is None or r.compare_group == group]
+        if group is None:  # the newest run's group
+            newest = reader.list_runs(experiment)
+            group = next((r.compare_group for r in newest if r.compare_group), None)
+        chosen = reader.list_runs(experiment, compare_group=group, limit=None)
         if not chosen:
-            return _fail(f"no runs in experiment {experiment!r}" + (f" with compare group {group!r}" if group else ""))
-        runs = [reader.read(r.run_id) for r in reversed(chosen)]  # oldest first: the order they ran
+            where = f" in {tracking_uri} (read as a W&B directory: it holds no mlflow.db)" if wandb else ""
+            kind = "W&B project" if wandb else "experiment"
+            return _fail(
+                f"no runs in {kind} {experiment!r}" + (f" with compare group {group!r}" if group else "") + where
+            )
+        # every row at full resolution: a run read as an overview has bucket means, not its last values
+        runs = [reader.read(r.run_id, max_rows=sys.maxsize) for r in reversed(chosen)]  # oldest first
     except ReaderError as exc:
         return _fail(str(exc))
     except Exception as exc:  # noqa: BLE001 - MLflow's or SQLAlchemy's own errors: name the argument
@@ -442,16 +460,20 @@ def run_recover(source: str | None) -> int:
     ``source`` (a directory, or a sqlite store with no spill beside it) does not exist."""
     from pathlib import Path
 
-    from .readers import default_source
+    from .readers import ReaderError, resolve_source
     from .readers.mlflow import sqlite_file
     from .tracking.spill import recover, spill_dirs, store_spill_dir
 
-    source = source or default_source()
+    source = _store(source)
     if "://" not in source and not Path(source).exists():
         return _fail(
             f"recover: {source} does not exist; expected an MLflow tracking URI, a W&B directory or a "
             ".hdet-spill directory"
         )
+    try:
+        source = resolve_source(source)  # a bare sqlite file: its sqlite:/// URI, as compare takes it
+    except ReaderError as exc:
+        return _fail(f"recover: {exc}")
     db = sqlite_file(source)
     if db is not None and not db.exists() and not store_spill_dir(source).exists():
         return _fail(f"recover: no MLflow store at {source} ({db.absolute()} does not exist) and no spill beside it")

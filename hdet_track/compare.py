@@ -56,9 +56,9 @@ def _finite(values: np.ndarray) -> np.ndarray:
 
 
 def _last(run: HDETRun, key: str) -> float:
+    """The last logged value (nan, shown as ``-``, when it is not finite: not an earlier finite one)."""
     _, values = run.metrics.get(key, (np.zeros(0), np.zeros(0)))
-    finite = _finite(values)
-    return float(finite[-1]) if len(finite) else math.nan
+    return float(values[-1]) if len(values) else math.nan
 
 
 def _row(run: HDETRun) -> ComparisonRow:
@@ -136,7 +136,7 @@ def format_rows(rows: Sequence[ComparisonRow], fmt: str = "table") -> str:
     ]
     if fmt == "markdown":
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        lines += ["| " + " | ".join(cells) + " |" for cells in body]
+        lines += ["| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |" for cells in body]
         return "\n".join(lines)
     if fmt != "table":
         raise ValueError(f"Expected format in {FORMATS}, but got {fmt!r}")

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
 
@@ -116,7 +118,8 @@ def test_compare_without_runs_is_a_one_line_error(tmp_path):
         (["demo", "--steps", "10", "--sync-every", "25"], "at least --sync-every"),
         (["demo", "--dataset", "cifar"], "invalid choice: 'cifar'"),
         (["demo", "--tracker", "tensorboard"], "invalid choice: 'tensorboard'"),
-        (["demo", "--high-lr", "-1"], "positive number"),
+        (["demo", "--high-lr", "-1"], "positive finite number"),
+        (["demo", "--high-lr", "inf"], "positive finite number"),  # accepted, then every worker failed
         (["dashboard", "--port", "70000"], "1..65535"),
         (["nope"], "invalid choice"),
     ],
@@ -473,6 +476,102 @@ def test_compare_reads_a_wandb_directory(tmp_path, capsys):
     assert row["final_train_loss"] == pytest.approx(0.1)
     killed = ComparisonRow(**(row | {"status": "KILLED"}))
     assert format_rows([killed]).splitlines()[-1].startswith("wb (KILLED)")
+
+
+def test_compare_reads_a_wandb_project_and_says_where_it_looked(tmp_path, capsys, monkeypatch):
+    """On a W&B directory the experiment is the W&B project: $WANDB_PROJECT was ignored (compare
+    looked for 'hdet'). An empty directory says it was read as a W&B directory."""
+    (tmp_path / "job.py").write_text(WANDB_RUN.replace('project="hdet"', 'project="proj2"'))
+    proc = subprocess.run(
+        [sys.executable, str(tmp_path / "job.py"), str(tmp_path / "wb")],
+        env=dict(os.environ, WANDB_SILENT="true"), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    monkeypatch.setenv("WANDB_PROJECT", "proj2")
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "other")
+    assert main(["compare", "--tracking-uri", str(tmp_path / "wb"), "--format", "json"]) == 0
+    assert [r["name"] for r in json.loads(capsys.readouterr().out)] == ["wb"]
+    (tmp_path / "empty").mkdir()
+    assert main(["compare", "--tracking-uri", str(tmp_path / "empty")]) == 2
+    err = capsys.readouterr().err
+    assert "no runs in W&B project 'proj2'" in err and "read as a W&B directory: it holds no mlflow.db" in err
+
+
+def test_compare_and_recover_ignore_the_dashboards_source_variable(demo_store, tmp_path, capsys, monkeypatch):
+    """$HDET_DASHBOARD_SOURCE (the dashboard's) overrode $MLFLOW_TRACKING_URI for compare and recover,
+    whose --help name only the latter."""
+    uri, _, _, root = demo_store
+    (tmp_path / "wb").mkdir()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("HDET_DASHBOARD_SOURCE", str(tmp_path / "wb"))
+    assert main(["compare", "--format", "json"]) == 0
+    assert [r["name"] for r in json.loads(capsys.readouterr().out)] == ["baseline-high", "hdet"]
+    assert main(["recover"]) == 0
+    assert str(root / ".hdet-spill") in capsys.readouterr().out
+
+
+def test_compare_of_a_run_read_as_an_overview_gives_its_own_numbers(demo_store, capsys, monkeypatch):
+    """A run with more rows than $HDET_FULL_ROWS is read as an overview (bucket means): compare used
+    those for the final loss, the divergence and the highest stable LR."""
+    uri, _, _, _ = demo_store
+    assert main(["compare", "--tracking-uri", uri, "--format", "json"]) == 0
+    full = json.loads(capsys.readouterr().out)
+    monkeypatch.setenv("HDET_FULL_ROWS", "20")
+    assert main(["compare", "--tracking-uri", uri, "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out) == full
+
+
+def test_compare_finds_a_group_among_more_runs_than_one_page(tmp_path, capsys):
+    """compare --group listed the newest 1000 runs and looked for the group among them; a group with
+    a quote in its name made MLflow's filter fail."""
+    from hdet_track.readers.mlflow import MLflowReader
+
+    uri = f"sqlite:///{tmp_path / 'many.db'}"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("hdet")
+    client.create_run(exp, run_name="old", tags={"hdet.compare_group": "it's old"}, start_time=1000)
+    for k in range(1000):
+        client.create_run(exp, run_name=f"new{k}", tags={"hdet.compare_group": "new"}, start_time=2000 + k)
+    (found,) = MLflowReader(uri).list_runs("hdet", compare_group="it's old", limit=None)
+    assert found.name == "old"
+    assert len(MLflowReader(uri).list_runs("hdet", limit=None)) == 1001
+    assert len(MLflowReader(uri).list_runs("hdet")) == 1000
+
+
+def test_markdown_escapes_a_pipe_and_a_last_val_loss_that_is_not_finite_is_shown_as_such():
+    from hdet_track.compare import ComparisonRow, _last, format_rows
+
+    row = ComparisonRow(
+        run_id="r", name="a|b", schedule="hdet", world_size=2, status="FINISHED", mean_lr=0.1,
+        final_train_loss=0.5, best_train_loss=0.4, highest_stable_lr=0.2, best_val_loss=0.4,
+        final_val_loss=float("nan"), val_accuracy=0.9, diverged=False, diverged_at_step=None,
+    )  # fmt: skip
+    assert format_rows([row], "markdown").splitlines()[-1].count(" | ") == 7
+    assert "a\\|b" in format_rows([row], "markdown")
+
+    class Run:
+        metrics = {"val_loss": (np.array([1, 2, 3]), np.array([0.5, 0.4, np.nan]))}
+
+    assert math.isnan(_last(Run(), "val_loss"))  # not the 0.4 before it
+
+
+def test_the_demos_hint_for_a_server_is_its_page_not_a_command_that_fails():
+    from hdet_track.cli import closing_hints
+
+    (_, ui) = closing_hints("http://127.0.0.1:5000", "mlflow")
+    assert ui.endswith("http://127.0.0.1:5000 (the server's own page)") and "backend-store-uri" not in ui
+    (_, ui) = closing_hints("sqlite:///mlflow.db", "mlflow")
+    assert "ui --backend-store-uri sqlite:///mlflow.db" in ui
+
+
+def test_recover_takes_a_bare_sqlite_file_as_its_store(tmp_path, capsys):
+    """recover /path/mlflow.db looked for spills in /path/mlflow.db/.hdet-spill."""
+    import sqlite3
+
+    sqlite3.connect(tmp_path / "mlflow.db").close()
+    (tmp_path / "mlflow.db").write_bytes(b"SQLite format 3\x00" + bytes(84))
+    assert main(["recover", str(tmp_path / "mlflow.db")]) == 0
+    assert f"looked in {tmp_path / '.hdet-spill'}" in capsys.readouterr().out
 
 
 def test_dashboard_on_an_address_of_no_machine_names_host(capsys):

@@ -474,8 +474,11 @@ def _reference(decision: ControllerDecision, target: int) -> float:
 class RunReader(Protocol):
     """What every backend reader provides."""
 
-    def list_runs(self, experiment: str | None = None) -> list[RunSummary]:
-        """Runs at the source (newest first), with enough facts for a run list."""
+    def list_runs(
+        self, experiment: str | None = None, compare_group: str | None = None, limit: int | None = 1000
+    ) -> list[RunSummary]:
+        """Runs at the source (newest first), with enough facts for a run list: those of
+        ``compare_group`` when given, at most ``limit`` (None: all)."""
 
     def read(
         self,

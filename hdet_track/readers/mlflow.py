@@ -16,6 +16,7 @@ import tempfile
 from collections import defaultdict
 from contextlib import closing
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -103,6 +104,17 @@ def check_store_exists(uri: str) -> None:
         )
 
 
+def _quoted(argument: str, value: str) -> str:
+    """``value`` as a string literal of MLflow's search filter."""
+    if "'" not in value:
+        return f"'{value}'"
+    if '"' not in value:
+        return f'"{value}"'
+    raise ReaderError(
+        f"Expected {argument} without both kinds of quote (MLflow's filter cannot hold it), but got {value!r}"
+    )
+
+
 class MLflowReader:
     """Read HDET runs from an MLflow tracking URI. Read-only: a ``sqlite:`` URI whose file does not
     exist raises :class:`ReaderError` instead of creating an empty store.
@@ -137,14 +149,29 @@ class MLflowReader:
             raise RunNotFoundError(f"Expected an experiment named {experiment!r} at {self.uri}, but there is none")
         return [exp.experiment_id]
 
-    def list_runs(self, experiment: str | None = None, compare_group: str | None = None) -> list[RunSummary]:
+    def list_runs(
+        self, experiment: str | None = None, compare_group: str | None = None, limit: int | None = 1000
+    ) -> list[RunSummary]:
+        """Runs of ``experiment`` (all experiments when None), newest first: those of
+        ``compare_group`` when given (filtered by the store), at most ``limit`` (None: all, page by page)."""
         ids = self._experiment_ids(experiment)
         if not ids:
             return []
-        filt = f"tags.`hdet.compare_group` = '{compare_group}'" if compare_group else ""
-        runs = self.client.search_runs(
-            ids, filter_string=filt, order_by=["attributes.start_time DESC"], max_results=1000
-        )
+        filt = f"tags.`hdet.compare_group` = {_quoted('compare_group', compare_group)}" if compare_group else ""
+        runs: list[Any] = []
+        token = None
+        while limit is None or len(runs) < limit:
+            page = self.client.search_runs(
+                ids,
+                filter_string=filt,
+                order_by=["attributes.start_time DESC"],
+                max_results=1000 if limit is None else min(1000, limit - len(runs)),
+                page_token=token,
+            )
+            runs += list(page)
+            token = page.token
+            if not token:
+                break
         names = {e.experiment_id: e.name for e in self.client.search_experiments()}
         out = []
         for r in runs:

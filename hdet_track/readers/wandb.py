@@ -79,7 +79,9 @@ class WandbReader:
             out.setdefault(_run_id(d), []).append(d)
         return out
 
-    def list_runs(self, experiment: str | None = None, compare_group: str | None = None) -> list[RunSummary]:
+    def list_runs(
+        self, experiment: str | None = None, compare_group: str | None = None, limit: int | None = 1000
+    ) -> list[RunSummary]:
         out = []
         for run_id in self._dirs():
             run = self.read(run_id, summary_only=True)
@@ -90,7 +92,7 @@ class WandbReader:
             s = run.summary()
             s.experiment = run.tags.get("project", "")
             out.append(s)
-        return sorted(out, key=lambda s: s.start_time, reverse=True)
+        return sorted(out, key=lambda s: s.start_time, reverse=True)[:limit]
 
     def read(
         self,

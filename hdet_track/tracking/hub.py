@@ -137,6 +137,7 @@ class _Sink:
                 self._send(batch)
             except Exception as exc:  # noqa: BLE001
                 self._went_down(exc)
+                self.spill.header = spill_header(self.tracker, self.run_start)  # the run, if created since
                 self.spill.keep_from(i)
                 return False
         self.spill.path.unlink()

@@ -54,6 +54,9 @@ def _serve(conn_in: Connection, conn_out: Connection) -> None:
         except (EOFError, OSError):
             _vanished(inner, started, last_step)
             return
+        if method == "detach":  # the caller gives up on this run for now and leaves it as it is
+            conn_out.send((True, None))
+            return
         try:
             if method == "log":
                 args = (materialize(args[0]),)
@@ -77,7 +80,10 @@ def _vanished(inner: Tracker, started: bool, last_step: int) -> None:
     """The training process is gone: end the run it never ended KILLED (writing what ``inner`` holds)."""
     if started:
         text = f"the training process vanished after step {last_step} without ending its run"
-        inner.finish(RunEnd(status="KILLED", step=last_step, error=text, time=time.time()))
+        try:
+            inner.finish(RunEnd(status="KILLED", step=last_step, error=text, time=time.time()))
+        except Exception as exc:  # noqa: BLE001 - the backend is down too: the reader's owner check tells
+            print(f"hdet-track: could not end the run KILLED ({type(exc).__name__}: {exc})", file=sys.stderr)
 
 
 class IsolatedTracker(Tracker):
@@ -157,12 +163,26 @@ class IsolatedTracker(Tracker):
     def heartbeat(self, beat: dict[str, float]) -> None:
         self._call("heartbeat", beat)
 
+    def detach(self) -> None:
+        """Let the writer process go without ending the run (a replay that stops half-way leaves
+        the run for the next one); the run stays as it is."""
+        if self._proc is not None and not self._dead:
+            try:
+                self._call("detach")
+            except ConnectionError:
+                pass
+            self._dead = True
+            self._close_child()
+
     def finish(self, run_end: RunEnd) -> None:
         self._call("finish", run_end)
         self._dead = True
         ended = getattr(self.inner, "_adopt_run_end", None)
         if ended is not None:
             ended()  # the caller's tracker object is free for a later scheduler's run
+        self._close_child()
+
+    def _close_child(self) -> None:
         if self._proc is not None:
             try:
                 self._proc.wait(30)

@@ -32,6 +32,7 @@ from urllib.parse import urlparse
 
 from .. import names
 from ..events import RunEnd, RunStart, event_from_dict
+from ..owner import owner_alive, process_identity
 from .archive import StepBlock
 from .base import Batch, Point, Tracker
 
@@ -82,17 +83,48 @@ class SpillFile:
             f.write(json.dumps(_encode(batch)) + "\n")
 
     def batches(self) -> list[Batch]:
-        return [_decode(json.loads(line)) for line in self.path.read_text().splitlines()[1:] if line.strip()]
+        """The batches, in order. A last line cut short (the writer was killed while appending) is
+        moved to ``torn-<name>`` beside the spill, with a warning, so that it does not hold back the
+        batches before it."""
+        lines = [line for line in self.path.read_text().splitlines()[1:] if line.strip()]
+        out = []
+        for i, line in enumerate(lines):
+            try:
+                out.append(_decode(json.loads(line)))
+            except ValueError:
+                if i + 1 < len(lines):
+                    raise
+                torn = self.path.with_name("torn-" + self.path.name.split(".jsonl")[0] + ".jsonl")
+                with open(torn, "a") as f:
+                    f.write(line + "\n")
+                self.keep_lines(len(lines) - 1)
+                logger.warning(
+                    "hdet-track: the last batch of %s was cut short (its writer was killed while writing "
+                    "it); moved to %s, the %d batches before it go on",
+                    self.path.name,
+                    torn,
+                    len(out),
+                )
+        return out
 
     def keep_from(self, index: int) -> None:
-        """Drop the first ``index`` batches (they reached the backend)."""
+        """Drop the first ``index`` batches (they reached the backend); the header becomes
+        :attr:`header` when it is set (a run created since the file began)."""
         lines = self.path.read_text().splitlines()
-        rest = [lines[0]] + lines[1 + index :]
-        if len(rest) == 1:
+        head = json.dumps(self.header) if self.header else lines[0]
+        self._write([head] + lines[1 + index :])
+
+    def keep_lines(self, count: int) -> None:
+        """Keep the header and the first ``count`` batches."""
+        lines = self.path.read_text().splitlines()
+        self._write(lines[: 1 + count], keep_empty=True)
+
+    def _write(self, lines: list[str], keep_empty: bool = False) -> None:
+        if len(lines) == 1 and not keep_empty:
             self.path.unlink()
             return
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(x + "\n" for x in rest))
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(x + "\n" for x in lines))
         os.replace(tmp, self.path)
 
 
@@ -169,32 +201,53 @@ def header(tracker: Tracker, run_start: RunStart | None) -> dict[str, Any]:
         "run_id": tracker.run_id,
         "run_start": run_start.to_dict() if run_start is not None else None,
         "pid": os.getpid(),
+        "owner": process_identity(),  # host, pid and start time: a reused pid is not its writer
     }
 
 
-def _alive(pid: int) -> bool:
+def _writer_alive(head: dict[str, Any]) -> bool:
+    """Whether the process that wrote a spill may still be writing it (when this host cannot tell,
+    e.g. a spill written on another host of a shared filesystem: yes)."""
+    owner = head.get("owner")
+    if isinstance(owner, dict):
+        return owner_alive(owner) is not False
+    pid = int(head.get("pid", -1))  # a spill of an older version: the pid alone
     if pid == os.getpid():
         return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
+    except (PermissionError, OSError):
         return True
     return True
 
 
-def orphans(directory: Path) -> Iterator[Path]:
-    """Spill files in ``directory`` whose writer process is gone."""
+_REPLAYING = re.compile(r"^(spill-.*\.jsonl)\.replaying-(\d+)$")
+
+
+def orphans(directory: Path, held: list[Path] | None = None) -> Iterator[Path]:
+    """Spill files in ``directory`` whose writer process is gone (``held``, when given, collects
+    those a live process still holds). A replay whose process died (``*.replaying-<pid>``) is
+    given back its name first."""
     if not directory.is_dir():
         return
+    for path in sorted(directory.glob("spill-*.jsonl.replaying-*")):
+        match = _REPLAYING.match(path.name)
+        if match and not _writer_alive({"pid": int(match[2])}) and not (directory / match[1]).exists():
+            try:
+                os.rename(path, directory / match[1])
+            except OSError:
+                continue
     for path in sorted(directory.glob("spill-*.jsonl")):
         try:
             head = json.loads(path.open().readline())
         except (OSError, ValueError):
             continue
-        if not _alive(int(head.get("pid", -1))):
+        if not _writer_alive(head):
             yield path
+        elif held is not None:
+            held.append(path)
 
 
 def replay_file(path: Path) -> str:
@@ -210,6 +263,8 @@ def replay_file(path: Path) -> str:
         return f"{path.name}: taken by another process"
     spill = SpillFile(claimed, json.loads(claimed.open().readline()))
     head = spill.header
+    sink: Tracker | None = None
+    delivered, batches = 0, []
     try:
         settings = _anchored(head["backend"], head.get("settings", {}), path.parent)
         tracker = get_tracker_class(head["backend"])(**settings)
@@ -231,11 +286,13 @@ def replay_file(path: Path) -> str:
             for end in (e for e in batch.events if isinstance(e, RunEnd)):
                 sink.finish(end)
                 ended = True
+            delivered += 1
         if not ended:
             last = max((p.step for b in batches for p in b.points), default=0)
             text = "recovered from a spill: the job ended without ending its run"
             sink.finish(RunEnd(status="FAILED", step=last, error=text))
     except Exception as exc:  # noqa: BLE001 - the backend is still down: keep the spill
+        _keep_undelivered(spill, sink, min(delivered, max(len(batches) - 1, 0)) if sink is not None else 0)
         os.rename(claimed, path)
         return f"{path.name}: not delivered ({type(exc).__name__}: {exc}); kept"
     claimed.unlink()
@@ -250,6 +307,21 @@ def replay_file(path: Path) -> str:
         parts = "; ".join(f"{describe_part(part)}: {exc}" for part, exc in refused[:3])
         line += f"; the backend refused {len(refused)} part(s) for their content ({parts}), set aside in {aside.path}"
     return line
+
+
+def _keep_undelivered(spill: SpillFile, sink: Tracker | None, delivered: int) -> None:
+    """A replay that stopped half-way: the spill keeps only what did not go through, under the run
+    it went to (a rerun continues that run), and that run is left as it is (not ended KILLED by a
+    writer process that takes the replay's exit for its training process's)."""
+    if sink is None:
+        return
+    run_id = sink.run_id
+    if delivered or (run_id and not spill.header.get("run_id")):
+        spill.header = dict(spill.header, run_id=run_id or spill.header.get("run_id"))
+        spill.keep_from(delivered)
+    detach = getattr(sink, "detach", None)
+    if detach is not None:
+        detach()
 
 
 def refused_path(spill: Path) -> Path:
@@ -276,7 +348,18 @@ def spill_dirs(source: str) -> list[Path]:
 def recover(source: str) -> list[str]:
     """Deliver every orphaned spill of the store ``source`` (an MLflow URI, a W&B directory, or a
     spill directory itself)."""
-    return [replay_file(path) for directory in spill_dirs(source) for path in orphans(directory)]
+    lines: list[str] = []
+    held: list[Path] = []
+    for directory in spill_dirs(source):
+        lines += [replay_file(path) for path in orphans(directory, held)]
+    for path in held:
+        try:
+            owner = json.loads(path.open().readline()).get("owner") or {}
+        except (OSError, ValueError):
+            owner = {}
+        who = f"process {owner.get('pid')} on {owner.get('host')}" if owner else "a live process"
+        lines.append(f"{path.name}: held by {who}, which may still be writing it; not touched")
+    return lines
 
 
 def _anchored(backend: str, settings: dict[str, Any], directory: Path) -> dict[str, Any]:

@@ -1,0 +1,141 @@
+"""Spills that an outage or a kill left half-replayed, stranded or torn still reach their one run
+(found by an audit of `hdet-track recover`). The backend's outages are injected into a real
+MLflow tracker on a real sqlite store (tests/jobs/outage.py)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from hdet_track.events import RunStart
+from hdet_track.tracking import base
+from hdet_track.tracking.base import Batch, Point
+from hdet_track.tracking.hub import _Sink
+from hdet_track.tracking.spill import orphans, recover, replay_file
+
+from .jobs.outage import OutageMLflowTracker
+
+
+@pytest.fixture
+def outage(monkeypatch):
+    OutageMLflowTracker.reset()
+    monkeypatch.setitem(base.TRACKERS, "mlflow", "tests.jobs.outage:OutageMLflowTracker")
+    yield OutageMLflowTracker
+    OutageMLflowTracker.reset()
+
+
+def _start():
+    return RunStart(
+        config={}, world_size=1, schedule="hdet", param_groups=["pg0"], explored=[], versions={}, hostnames=[]
+    )
+
+
+def _batch(step, start=False):
+    return Batch(points=[Point("val_loss", float(step), step, 0)], events=[_start()] if start else [])
+
+
+def _spill_while_down(outage, uri, directory, count):
+    """A sink whose backend is down from the start: ``count`` batches, the run never created."""
+    outage.reset(down=True)
+    sink = _Sink(outage(tracking_uri=uri, experiment="out"), directory, retry_seconds=0.0)
+    for step in range(1, count + 1):
+        sink.deliver(_batch(step, start=step == 1))
+    assert json.loads(sink.spill_path.open().readline())["run_id"] is None
+    return sink
+
+
+def _val_steps(uri):
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("out").experiment_id])
+    return [sorted(m.step for m in client.get_metric_history(r.info.run_id, "val_loss")) for r in runs]
+
+
+def _dead_identity():
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(proc.stdout)
+
+
+def _orphaned(path, pid):
+    """The spill as its writer left it when killed: the header names a process that is gone."""
+    lines = path.read_text().splitlines()
+    head = json.loads(lines[0])
+    head["pid"], head["owner"] = pid, dict(head["owner"], pid=pid)
+    path.write_text("\n".join([json.dumps(head), *lines[1:]]) + "\n")
+
+
+def test_a_replay_cut_short_by_an_outage_keeps_the_run_it_created(tmp_path, outage):
+    """The backend came back, the replay created the run and delivered a batch, and went down again:
+    the spill kept the header it began with (no run), so the rest went to a second run."""
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    sink = _spill_while_down(outage, uri, tmp_path / ".hdet-spill", 3)
+    outage.reset(logs_left=1)  # back for the start and one batch, then down again
+    sink.deliver(_batch(4))
+    head = json.loads(sink.spill_path.open().readline())
+    assert head["run_id"] is not None and head["run_id"] == sink.tracker.run_id
+    outage.reset()
+    assert "4 batches delivered" not in replay_file(sink.spill_path)  # the 3 left: steps 2-4
+    assert _val_steps(uri) == [[1, 2, 3, 4]]  # one run
+
+
+def test_recover_cut_short_then_rerun_continues_one_run(tmp_path, outage):
+    """recover went down half-way and kept the whole spill without the run it had created, so a
+    rerun made a second run with the first batches twice."""
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    sink = _spill_while_down(outage, uri, tmp_path / ".hdet-spill", 4)
+    _orphaned(sink.spill_path, _dead_identity())
+    outage.reset(logs_left=2)
+    (line,) = recover(str(tmp_path / ".hdet-spill"))
+    assert line.endswith("; kept")
+    head, *rest = sink.spill_path.read_text().splitlines()
+    assert json.loads(head)["run_id"] is not None and len(rest) == 2  # what did not go through
+    outage.reset()
+    (line,) = recover(str(tmp_path / ".hdet-spill"))
+    assert "2 batches delivered" in line
+    assert _val_steps(uri) == [[1, 2, 3, 4]]
+
+
+def test_a_replay_killed_mid_way_is_found_again(tmp_path, outage):
+    """A recover killed while it replayed left `spill-*.jsonl.replaying-<pid>`, which nothing looked at again."""
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    sink = _spill_while_down(outage, uri, tmp_path / ".hdet-spill", 2)
+    dead = _dead_identity()
+    _orphaned(sink.spill_path, dead)
+    stranded = sink.spill_path.with_name(sink.spill_path.name + f".replaying-{dead}")
+    sink.spill_path.rename(stranded)
+    assert list(orphans(tmp_path / ".hdet-spill")) == [sink.spill_path]
+    outage.reset()
+    (line,) = recover(str(tmp_path / ".hdet-spill"))
+    assert "2 batches delivered" in line and _val_steps(uri) == [[1, 2]]
+
+
+def test_a_torn_last_batch_is_set_aside_and_the_rest_delivered(tmp_path, outage, caplog):
+    """A writer killed while appending leaves a cut last line: it used to fail every replay."""
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    sink = _spill_while_down(outage, uri, tmp_path / ".hdet-spill", 3)
+    _orphaned(sink.spill_path, _dead_identity())
+    text = sink.spill_path.read_text()
+    sink.spill_path.write_text(text[: len(text) - 20])
+    outage.reset()
+    with caplog.at_level(logging.WARNING):
+        (line,) = recover(str(tmp_path / ".hdet-spill"))
+    assert "2 batches delivered" in line and _val_steps(uri) == [[1, 2]]
+    assert "was cut short" in caplog.text
+    (torn,) = (tmp_path / ".hdet-spill").glob("torn-*.jsonl")
+    assert torn.read_text() == text[: len(text) - 20].splitlines()[-1] + "\n"
+
+
+def test_a_spill_is_orphaned_when_its_writer_is_gone_even_if_its_pid_lives_again(tmp_path, outage):
+    """Ownership was the pid alone: a reused pid (pid 1 in a container) held a dead job's spill forever."""
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    sink = _spill_while_down(outage, uri, tmp_path / ".hdet-spill", 2)
+    assert list(orphans(tmp_path / ".hdet-spill")) == []  # this process wrote it and is alive
+    lines = sink.spill_path.read_text().splitlines()
+    head = json.loads(lines[0])
+    head["owner"]["start"] = "1"  # the same pid, another process (started at another time)
+    sink.spill_path.write_text("\n".join([json.dumps(head), *lines[1:]]) + "\n")
+    assert list(orphans(tmp_path / ".hdet-spill")) == [sink.spill_path]
