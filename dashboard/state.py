@@ -15,7 +15,7 @@ from typing import Any
 import streamlit as st
 
 from hdet_track.readers import HDETRun, ReaderError, RunSummary, default_source, open_reader
-from hdet_track.readers.mlflow import pending_store
+from hdet_track.readers.mlflow import StoreNotReady, check_store_exists, pending_store
 from hdet_track.summaries import full_rows_limit
 
 LIVE_SECONDS = 2.0
@@ -43,12 +43,18 @@ def load_run(run_id: str, steps: tuple[int, int] | None = None) -> HDETRun:
     cache: dict[tuple[str, str, tuple[int, int] | None], HDETRun] = st.session_state.setdefault("_runs", {})
     key = (source, run_id, steps)
     previous = cache.get(key)
-    # the run list's status for it when it was last read: an ended run that the list shows otherwise
-    # since then (resumed) is read afresh; a list that merely lags a read (a live page's fragment
-    # reruns keep the list of the last full rerun) is not a change
-    seen: dict[tuple[str, str, tuple[int, int] | None], str | None] = st.session_state.setdefault("_listed", {})
-    listed = next((r.status for r in st.session_state.get("runs", []) if r.run_id == run_id), None)
-    if previous is not None and not previous.live and listed not in (None, seen.get(key), previous.status):
+    # the run list's status and final loss for it when it was last read: an ended run that the list
+    # shows otherwise since then (resumed, and ended again) is read afresh; a list that merely lags a
+    # read (a live page's fragment reruns keep the list of the last full rerun) is not a change
+    seen: dict[tuple[str, str, tuple[int, int] | None], Any] = st.session_state.setdefault("_listed", {})
+    listed = next(
+        (_state(r.status, r.final_loss) for r in st.session_state.get("runs", []) if r.run_id == run_id), None
+    )
+    if (
+        previous is not None
+        and not previous.live
+        and listed not in (None, seen.get(key), _state(previous.status, previous.final_loss()))
+    ):
         for stale in [k for k in cache if k[:2] == key[:2]]:
             del cache[stale]
         previous = None
@@ -60,6 +66,22 @@ def load_run(run_id: str, steps: tuple[int, int] | None = None) -> HDETRun:
             previous = cache.get((source, run_id, None))
         cache[key] = get_reader(source).read(run_id, previous=previous, steps=steps)
     return cache[key]
+
+
+def load_full(run_id: str) -> HDETRun:
+    """The run with every row, however many (for the comparison table's exact values), kept for the session."""
+    import sys
+
+    source = current_source()
+    cache: dict[tuple[str, str], HDETRun] = st.session_state.setdefault("_full_runs", {})
+    if (source, run_id) not in cache:
+        cache[(source, run_id)] = get_reader(source).read(run_id, max_rows=sys.maxsize)
+    return cache[(source, run_id)]
+
+
+def _state(status: str, final_loss: float) -> tuple[str, float | None]:
+    """What the run list says of a run that changes with every attempt that trains."""
+    return status, round(final_loss, 9) if final_loss == final_loss and abs(final_loss) != float("inf") else None
 
 
 def step_range(run: HDETRun) -> tuple[int, int] | None:
@@ -109,12 +131,19 @@ def sidebar() -> None:
             with st.sidebar:
                 _wait_for_store(str(pending.absolute()))
             return
+        if isinstance(exc, StoreNotReady):  # being created by a job (or made by an older MLflow): wait, never migrate
+            st.sidebar.info(str(exc))
+            with st.sidebar:
+                _wait_for_schema(st.session_state["source"])
+            return
         st.sidebar.error(f"Cannot read {st.session_state['source']}: {type(exc).__name__}: {exc}")
         return
     experiment = None
     if experiments:
         default = "hdet" if "hdet" in experiments else experiments[0]
-        experiment = st.sidebar.selectbox("Experiment", ["(all)"] + experiments, index=experiments.index(default) + 1)
+        experiment = st.sidebar.selectbox(
+            "Experiment", ["(all)"] + experiments, index=experiments.index(default) + 1, key="experiment"
+        )  # keyed: a new experiment in the list does not reset the choice
         experiment = None if experiment == "(all)" else experiment
     try:
         runs = list_runs(st.session_state["source"], experiment)
@@ -134,6 +163,16 @@ def _wait_for_store(path: str) -> None:
     """Rerun the app once the store a job is about to create exists (the dashboard never creates it)."""
     if os.path.exists(path):
         st.rerun()
+
+
+@st.fragment(run_every=LIVE_SECONDS)
+def _wait_for_schema(source: str) -> None:
+    """Rerun the app once the store a job is creating has its whole schema (read-only checks)."""
+    try:
+        check_store_exists(source)
+    except ReaderError:
+        return
+    st.rerun()
 
 
 def label(r: RunSummary) -> str:

@@ -151,6 +151,38 @@ def test_a_missing_sqlite_store_is_shown_and_never_created(monkeypatch, tmp_path
     assert not (tmp_path / "nowhere").exists()
 
 
+def test_a_store_of_another_schema_is_waited_for_and_never_migrated(monkeypatch, tmp_path):
+    """A store one schema revision behind this MLflow (an older MLflow made it, or a job is still
+    creating it): MLflow's client migrated it on the first read, and during a job's own creation of
+    the store that concurrent migration could leave it unopenable. The readers refuse it and the
+    dashboard waits, leaving the file as it is."""
+    import hashlib
+
+    import sqlalchemy
+    from alembic import command
+    from mlflow.store.db.utils import _get_alembic_config
+
+    from hdet_track.readers import open_reader
+    from hdet_track.readers.mlflow import StoreNotReady
+
+    db = tmp_path / "old.db"
+    uri = f"sqlite:///{db}"
+    MlflowClient(uri).create_experiment("hdet")
+    engine = sqlalchemy.create_engine(uri)
+    with engine.begin() as conn:
+        config = _get_alembic_config(uri)
+        config.attributes["connection"] = conn
+        command.downgrade(config, "-1")
+    engine.dispose()
+    before = hashlib.sha256(db.read_bytes()).hexdigest()
+    with pytest.raises(StoreNotReady, match="mlflow db upgrade"):
+        open_reader(uri).list_runs()
+    at = app(monkeypatch, uri)
+    assert not at.exception and not at.sidebar.error
+    assert any("a job is still creating it" in i.value for i in at.sidebar.info)
+    assert hashlib.sha256(db.read_bytes()).hexdigest() == before
+
+
 def test_a_failed_run_shows_why_and_compare_shows_read_warnings(monkeypatch, tmp_path):
     """A FAILED run's error is on the page (its last line, the whole text in an expander), and the
     Compare page says when a run was read with warnings (here a torn event-archive chunk)."""
@@ -178,10 +210,12 @@ def test_a_failed_run_shows_why_and_compare_shows_read_warnings(monkeypatch, tmp
     assert any(w.value.startswith("broken: ") for w in at.warning), at.warning
 
 
-def test_an_ended_run_resumed_later_is_read_again(monkeypatch, tmp_path):
+@pytest.mark.parametrize("again", [None, 18])
+def test_an_ended_run_resumed_later_is_read_again(monkeypatch, tmp_path, again):
     """The page of a run that failed at step 12 is open; the job is resumed from its checkpoint at
-    step 10 into the same run and finishes. Before, the session kept showing the failed run (a run
-    read once as ended was never read again); the run list already said FINISHED."""
+    step 10 into the same run and finishes (or fails again, at step 18). Before, the session kept
+    showing the first failure (a run read once as ended was never read again; then, only when the
+    run list's status changed, so not for a second failure)."""
     import time
 
     uri = f"sqlite:///{tmp_path / 'resumed.db'}"
@@ -205,7 +239,7 @@ def test_an_ended_run_resumed_later_is_read_again(monkeypatch, tmp_path):
                 if k == 10:
                     saved["state"] = sched.state_dict()
             if fail_at is not None:
-                sched.close("FAILED", saved["error"])
+                sched.close("FAILED", f"a bad batch at step {fail_at}")
         return saved
 
     first = job(fail_at=12)
@@ -214,11 +248,16 @@ def test_an_ended_run_resumed_later_is_read_again(monkeypatch, tmp_path):
     assert any(e.value.startswith("FAILED: a bad batch at step 12") for e in at.error), at.error
     assert _last_x(figures(at)[0]) == 10  # a failed job keeps its rows up to its last sync
 
-    job(state=first["state"])
+    job(state=first["state"], fail_at=again)
     time.sleep(3.5)  # the run list is cached for 3 s
     at.run()
-    assert not at.exception and not any(e.value.startswith("FAILED") for e in at.error), at.error
-    assert _last_x(figures(at)[0]) == 20
+    assert not at.exception and not any(e.value.startswith("FAILED: a bad batch at step 12") for e in at.error)
+    if again is None:
+        assert not any(e.value.startswith("FAILED") for e in at.error), at.error
+        assert _last_x(figures(at)[0]) == 20
+    else:
+        assert any(e.value.startswith("FAILED: a bad batch at step 18") for e in at.error), at.error
+        assert _last_x(figures(at)[0]) == 15
 
 
 def test_a_run_that_ends_while_the_run_list_lags_is_not_read_again_and_again(monkeypatch, tmp_path):
@@ -261,6 +300,63 @@ def test_a_run_that_ends_while_the_run_list_lags_is_not_read_again_and_again(mon
     monkeypatch.setenv("HDET_DASHBOARD_SOURCE", uri)
     state.list_runs.clear()
     assert kept() is ended
+
+
+def _tiny_run(uri, experiment, name, group, steps=24):
+    opt = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)
+    track = MLflowTracker(tracking_uri=uri, experiment=experiment, run_name=name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with HDETScheduler(opt, 0.1, total_steps=steps, sync_every=6, compare_group=group, track=track) as sched:
+            for k in range(1, steps + 1):
+                opt.step()
+                sched.step(1.0 / k + 0.01 * (k % 3))
+
+
+def test_choices_survive_a_new_experiment_or_run_in_the_lists(monkeypatch, tmp_path):
+    """The Experiment box (no key) went back to its default when a job made a new experiment, and
+    the Compare page's picked runs went back to the whole group when a run appeared."""
+    from hdet_track.dashboard import state
+
+    uri = f"sqlite:///{tmp_path / 'lists.db'}"
+    _tiny_run(uri, "hdet", "h1", "g")
+    _tiny_run(uri, "study", "s1", "g")
+    _tiny_run(uri, "study", "s2", "g")
+    at = app(monkeypatch, uri)
+    next(s for s in at.sidebar.selectbox if s.label == "Experiment").set_value("study").run()
+    at.switch_page("app_pages/compare.py").run()
+    s1 = next(r.run_id for r in at.session_state["runs"] if r.name == "s1")
+    at.multiselect[0].set_value([s1]).run()
+    assert list(at.dataframe[0].value["run"]) == ["s1"]
+    _tiny_run(uri, "another", "x", "g")  # sorts before "hdet" and "study"
+    _tiny_run(uri, "study", "s3", "g")
+    state.list_experiments.clear()
+    state.list_runs.clear()
+    at.run()
+    assert not at.exception
+    assert next(s for s in at.sidebar.selectbox if s.label == "Experiment").value == "study"
+    assert {r.name for r in at.session_state["runs"]} == {"s1", "s2", "s3"}
+    assert list(at.dataframe[0].value["run"]) == ["s1"]
+
+
+def test_the_compare_table_of_a_run_read_as_an_overview_is_its_own(monkeypatch, tmp_path):
+    """A run with more rows than $HDET_FULL_ROWS is read as an overview (bucket means) for the
+    charts; the table took its final and best values from those means."""
+    from hdet_track.compare import comparison_rows
+    from hdet_track.readers.mlflow import MLflowReader
+
+    uri = f"sqlite:///{tmp_path / 'big.db'}"
+    _tiny_run(uri, "hdet", "big", "g", steps=60)
+    (summary,) = MLflowReader(uri).list_runs()
+    (exact,) = comparison_rows([MLflowReader(uri).read(summary.run_id)])
+    monkeypatch.setenv("HDET_FULL_ROWS", "10")
+    assert MLflowReader(uri).read(summary.run_id).overview  # what the page reads for its charts
+    at = app(monkeypatch, uri)
+    at.switch_page("app_pages/compare.py").run()
+    assert not at.exception
+    table = at.dataframe[0].value
+    assert table["final train loss"][0] == exact.final_train_loss
+    assert table["mean lr"][0] == pytest.approx(exact.mean_lr, rel=1e-12)
 
 
 def _last_x(figure):

@@ -360,3 +360,35 @@ def test_user_metrics_read_back_from_either_backend_with_the_event_archive(tmp_p
     (row,) = comparison_rows([run])
     assert row.val_accuracy == pytest.approx(0.3) and row.final_val_loss == pytest.approx(1 / 30)
     assert row.diverged and row.diverged_at_step == 25
+
+
+def test_a_live_run_first_read_before_its_archive_is_read_in_full_once_the_archive_comes(tmp_path):
+    """A live run read before its first archive chunk was uploaded is rebuilt from metric histories,
+    which hold no multipliers; the next read reused that one and kept its rows over the archive's,
+    so the Fan-out page's multiplier heatmap stayed blank for the session."""
+    import shutil
+
+    from mlflow.tracking import MlflowClient
+
+    from hdet_track import HDETScheduler
+    from hdet_track.readers.mlflow import MLflowReader
+    from hdet_track.tracking.mlflow import MLflowTracker
+
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+    with HDETScheduler(opt, 0.1, total_steps=12, sync_every=4, track=MLflowTracker(tracking_uri=uri)) as sched:
+        for k in range(1, 13):
+            opt.step()
+            sched.step(1.0 / k)
+    client = MlflowClient(uri)
+    (listed,) = client.search_runs([client.get_experiment_by_name("hdet").experiment_id])
+    archive = Path(listed.info.artifact_uri.removeprefix("file://")) / "hdet_events"
+    shutil.move(archive, tmp_path / "hidden")  # as in a live run's first seconds
+    reader = MLflowReader(uri)
+    early = reader.read(listed.info.run_id)
+    assert not early.chunks and np.isnan(early.steps.multipliers.get("lr", np.array([np.nan]))).all()
+    shutil.move(tmp_path / "hidden", archive)  # the first chunks arrive
+    later = reader.read(listed.info.run_id, previous=early)
+    fresh = reader.read(listed.info.run_id)
+    assert fresh.steps.multipliers["lr"].tolist() == [1.0] * 12
+    assert later.steps.multipliers["lr"].tolist() == fresh.steps.multipliers["lr"].tolist()

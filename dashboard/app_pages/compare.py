@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import streamlit as st
-from hdet_track.dashboard.state import label, load_run
+from hdet_track.dashboard.state import label, load_full, load_run
 
 from hdet_track.compare import comparison_rows
 from hdet_track.readers import ReaderError
@@ -16,10 +16,11 @@ if not runs:
 else:
     groups = sorted({r.compare_group for r in runs if r.compare_group})
     c1, c2 = st.columns([1, 3])
-    group = c1.selectbox("Compare group", ["(pick runs)"] + groups, index=1 if groups else 0)
+    # keyed: a run or group that appears in the list keeps what was picked
+    group = c1.selectbox("Compare group", ["(pick runs)"] + groups, index=1 if groups else 0, key="compare_group")
     default = [r.run_id for r in runs if r.compare_group == group] if group != "(pick runs)" else [runs[0].run_id]
     labels = {r.run_id: label(r) for r in runs}
-    chosen = c2.multiselect("Runs", list(labels), default=default, format_func=labels.get)
+    chosen = c2.multiselect("Runs", list(labels), default=default, format_func=labels.get, key=f"compare_runs_{group}")
     loaded = []
     for run_id in chosen:
         try:
@@ -30,7 +31,8 @@ else:
         for w in run.warnings:
             st.warning(f"{run.name or run.run_id}: {w}")
     if loaded:
-        rows = comparison_rows(loaded)
+        # the table's final and best values need every row: a run read as an overview holds bucket means
+        rows = comparison_rows([load_full(run.run_id) if run.overview else run for run in loaded])
         st.dataframe(
             [
                 {

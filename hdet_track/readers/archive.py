@@ -126,7 +126,15 @@ def read_archive(
     # A resumed W&B run (one archive per session) is read afresh: a later session's chunks may
     # supersede rows read before (see _later_steps).
     single = len({_scope(n) for n in names}) <= 1
-    reuse = single and previous is not None and previous.run_id == run.run_id and set(previous.chunks) <= set(names)
+    # A previous read rebuilt from metric histories (a live run whose first chunk was not uploaded
+    # yet) has no multipliers: its rows would be kept over the archive's, so it is read afresh.
+    reuse = (
+        single
+        and previous is not None
+        and previous.run_id == run.run_id
+        and bool(previous.chunks)
+        and set(previous.chunks) <= set(names)
+    )
     prev = previous if reuse else None
     known = set(prev.chunks) if prev is not None else set()
     step_names = [n for n in names if not _is_piece(n) and n.rsplit("/", 1)[-1].startswith("steps-")]

@@ -28,7 +28,7 @@ from ..tracking.archive import ARTIFACT_DIR
 from .archive import read_archive
 from .base import HDETRun, ReaderError, RunNotFoundError, RunSummary, StepTable, converge_from_series
 
-__all__ = ["MLflowReader", "sqlite_file", "pending_store", "check_store_exists"]
+__all__ = ["MLflowReader", "StoreNotReady", "sqlite_file", "pending_store", "check_store_exists"]
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +101,37 @@ def check_store_exists(uri: str) -> None:
             f"Expected an MLflow store at {uri}, but {db.absolute()} is "
             + ("empty" if not tables else f"another sqlite database (tables {sorted(tables)[:5]})")
             + " (reading never changes it: name the mlflow.db your jobs log to)"
+        )
+    _check_schema(uri, db, tables)
+
+
+class StoreNotReady(ReaderError):
+    """A sqlite store whose schema is not the one this MLflow reads: a job is still creating it, or
+    an older MLflow made it. MLflow's client would migrate it (concurrently with the job, which can
+    leave it unopenable), so a reader waits or refuses instead."""
+
+
+def _check_schema(uri: str, db: Path, tables: set[str]) -> None:
+    try:
+        from mlflow.store.db.utils import _get_latest_schema_revision
+
+        head = _get_latest_schema_revision()
+    except Exception:  # noqa: BLE001 - an MLflow without it: its client decides
+        return
+    revision = None
+    if "alembic_version" in tables:
+        with closing(sqlite3.connect(f"file:{db.absolute()}?mode=ro", uri=True)) as con:
+            row = con.execute("SELECT version_num FROM alembic_version").fetchone()
+            revision = row[0] if row else None
+    migrating = any(t.startswith("_alembic_tmp_") for t in tables)
+    if revision != head or migrating:
+        import mlflow
+
+        raise StoreNotReady(
+            f"Expected an MLflow store at {uri} with the schema MLflow {mlflow.__version__} reads ({head}), but "
+            f"it is at {revision or 'no schema yet'}{' and mid-migration' if migrating else ''}: a job is still "
+            f"creating it (the page waits), or an older MLflow made it (run `mlflow db upgrade {uri}`; "
+            "reading never changes a store)"
         )
 
 
