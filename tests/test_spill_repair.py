@@ -139,3 +139,48 @@ def test_a_spill_is_orphaned_when_its_writer_is_gone_even_if_its_pid_lives_again
     head["owner"]["start"] = "1"  # the same pid, another process (started at another time)
     sink.spill_path.write_text("\n".join([json.dumps(head), *lines[1:]]) + "\n")
     assert list(orphans(tmp_path / ".hdet-spill")) == [sink.spill_path]
+
+
+def test_archive_chunks_an_outage_kept_from_the_store_are_delivered_later(tmp_path, outage, monkeypatch):
+    """The server went down mid-job: the batches before it counted as delivered (their metrics were
+    in) while their archive chunk still waited for its upload in a temporary directory, which
+    nothing looked at again; the run's rows for those steps were lost for good. The chunk now waits
+    in the spill directory, and recover uploads it."""
+    import torch
+
+    from hdet_track import HDETScheduler
+    from hdet_track.readers.mlflow import MLflowReader
+
+    monkeypatch.setenv("HDET_TRACK_SHUTDOWN_TIMEOUT", "0")
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    tracker = outage(tracking_uri=uri, experiment="out", chunk_seconds=0.0)
+    opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+    sched = HDETScheduler(opt, 0.1, total_steps=30, sync_every=5, track=tracker)
+    for k in range(1, 31):
+        opt.step()
+        sched.step(1.0 / k)
+        if k == 10:
+            assert sched.flush()
+            outage.reset(uploads_down=True)  # metrics go in, their chunks cannot be uploaded
+        if k == 20:
+            assert sched.flush()
+            outage.reset(down=True)  # and then nothing goes in: the next batches spill
+    sched.close()
+    spill = tmp_path / ".hdet-spill"
+    (pending,) = spill.glob("pending-*")
+    assert list(pending.rglob("*.parquet"))
+    head = json.loads((pending / "pending.json").read_text())
+    head["owner"] = dict(head["owner"], pid=_dead_identity())  # as when the job's process is gone
+    (pending / "pending.json").write_text(json.dumps(head))
+    (path,) = spill.glob("spill-*.jsonl")
+    _orphaned(path, _dead_identity())
+    outage.reset()
+    lines = recover(str(spill))
+    assert any("archive file(s) uploaded" in line for line in lines) and not any(
+        line.endswith("kept") for line in lines
+    )
+    assert not list(spill.glob("pending-*"))
+    run = MLflowReader(uri).read(tracker.run_id)
+    steps, _ = run.replica_series("loss", 0)
+    assert list(steps) == list(range(1, 31))
+    assert run.status == "FINISHED" and [c.step for c in run.converge] == [5, 10, 15, 20, 25, 30]

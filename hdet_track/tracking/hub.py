@@ -31,7 +31,16 @@ from . import lifecycle
 from .base import Batch, Tracker, broken_backend
 from .expand import PointBudget, RecordItem, materialize, metric_points
 from .isolated import maybe_isolated
-from .spill import SpillFile, describe_part, log_or_set_aside, orphans, refused_path, replay_file
+from .spill import (
+    SpillFile,
+    describe_part,
+    log_or_set_aside,
+    orphans,
+    pending_orphans,
+    refused_path,
+    replay_file,
+    upload_pending_folder,
+)
 from .spill import header as spill_header
 
 __all__ = ["TrackingHub"]
@@ -79,6 +88,7 @@ class _Sink:
         for ev in batch.events:
             if isinstance(ev, RunStart):
                 self.run_start = ev
+                self._upload_pending()  # before the start: a resumed run numbers its chunks after them
                 self.tracker.start(ev)
                 self._deliver_orphans()
         ends = [ev for ev in batch.events if isinstance(ev, RunEnd)]
@@ -102,6 +112,18 @@ class _Sink:
                 self.refused.path,
                 "; further refused parts go there without a warning" if self.set_aside == _REFUSALS_TOLD else "",
             )
+
+    def _upload_pending(self) -> None:
+        """Archive chunks that an earlier process on this store could not upload go to their runs."""
+        try:
+            where = Path(self.tracker.spill_dir())
+        except Exception:  # noqa: BLE001 - a tracker without a store of its own
+            return
+        for folder in pending_orphans(where):
+            line = upload_pending_folder(folder)
+            if line.endswith("; kept"):
+                return  # the backend is not there yet: the start will say so
+            logger.warning("hdet-track: %s", line)
 
     def _deliver_orphans(self) -> None:
         """The backend works: deliver what earlier processes left undelivered in the same place."""

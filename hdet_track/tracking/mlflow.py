@@ -9,6 +9,7 @@ import logging
 import math
 import numbers
 import os
+import shutil
 import tempfile
 import time
 from collections.abc import Mapping
@@ -19,6 +20,7 @@ from .. import names
 from .._checks import check_number, check_str
 from ..events import RunEnd, RunStart
 from ..owner import process_identity
+from ..summaries import SUMMARY_DIR
 from ._common import run_params, run_tags
 from .archive import ARTIFACT_DIR, EventArchive, artifact_dir, chunk_index
 from .base import Batch, Point, Tracker
@@ -32,6 +34,9 @@ _MAX_PARAMS = 100
 # The last step whose HDET metric points are all in the store (set with each log_batch): where a
 # resumed job's points begin (the thinned series cannot say, and the event archive may lag it).
 LOGGED_THROUGH_TAG = "hdet.logged_through"
+# A run's archive chunks not uploaded yet: <spill dir>/pending-<run id>-<pid>/ (with PENDING_HEADER)
+PENDING_PREFIX = "pending-"
+PENDING_HEADER = "pending.json"
 
 
 _NEEDS_MLFLOW = "track='mlflow' needs MLflow: pip install 'hdet-track[mlflow]'"
@@ -113,6 +118,7 @@ class MLflowTracker(Tracker):
         self._user_steps: dict[str, set[int]] | None = None  # a resumed run: user key -> steps in the store
         self._archive: EventArchive | None = None
         self._pending: list[Path] = []
+        self._pending_folder: Path | None = None  # this run's archive chunks until they are uploaded
 
     @property
     def run_id(self) -> str | None:
@@ -136,7 +142,7 @@ class MLflowTracker(Tracker):
         # What IsolatedTracker sends its child: the settings (and a resume request), never the
         # state of a run this object logged before: each child, i.e. each scheduler, starts its run.
         state = self.__dict__.copy()
-        state.update(_run_id=None, _client=None, _archive=None, _pending=[], _attached=False)
+        state.update(_run_id=None, _client=None, _archive=None, _pending=[], _attached=False, _pending_folder=None)
         state.update(_skip_until=-1, _archived=(-1, -1), _user_steps=None)
         state.pop("_run_owner", None)
         return state
@@ -220,10 +226,20 @@ class MLflowTracker(Tracker):
         self._run_id = run_id
         self._resume_id = None  # used up: a later run of this object is a new one unless resumed again
         self._archive = EventArchive(
-            Path(tempfile.mkdtemp(prefix=f"hdet-{run_id[:8]}-")) / ARTIFACT_DIR,
-            chunk_seconds=self.chunk_seconds,
-            start_index=start_index,
+            self._pending_chunks(run_id) / ARTIFACT_DIR, chunk_seconds=self.chunk_seconds, start_index=start_index
         )
+
+    def _pending_chunks(self, run_id: str) -> Path:
+        """Where this run's archive chunks wait until they are uploaded: a folder of the spill
+        directory, so that chunks an outage or a kill kept from the store are found again (by the
+        next job on the store or ``hdet-track recover``; :func:`upload_pending`). An uploaded chunk
+        is removed from it, and the folder when the run ends."""
+        folder = self.spill_dir() / f"{PENDING_PREFIX}{run_id}-{os.getpid()}"
+        folder.mkdir(parents=True, exist_ok=True)
+        head = {"backend": self.name, "run_id": run_id, "settings": self.spill_settings(), "owner": process_identity()}
+        (folder / PENDING_HEADER).write_text(json.dumps(head))
+        self._pending_folder = folder
+        return folder
 
     def log(self, batch: Batch) -> None:
         # The store and the archive each get only the steps they lack (a resumed job repeats some).
@@ -305,6 +321,7 @@ class MLflowTracker(Tracker):
                 logger.debug("hdet-track: artifact upload of %s deferred", path, exc_info=True)
                 return
             self._pending.pop(0)
+            path.unlink(missing_ok=True)
 
     def finish(self, run_end: RunEnd) -> None:
         if self._run_id is None or not self._run_open:
@@ -322,7 +339,36 @@ class MLflowTracker(Tracker):
             self._client.delete_tag(self._run_id, names.MLFLOW_ALIVE_TAG)
         # Ended (run_id still names it): the next start(), a later scheduler's, makes a new run.
         self.run_name = self._given_run_name
+        if getattr(self, "_pending_folder", None) is not None:
+            shutil.rmtree(self._pending_folder, ignore_errors=True)  # every chunk is in the store
+            self._pending_folder = None
         self._end_run()
+
+
+def upload_pending(folder: Path, settings: dict[str, Any]) -> str:
+    """Upload the archive chunks a gone process left in ``folder`` (see
+    :meth:`MLflowTracker._pending_chunks`) to their run, oldest first; a chunk the run already
+    holds (uploaded just before that process died) is not sent twice. The folder is removed once
+    every chunk is in the store; returns a line saying what happened."""
+    head = json.loads((folder / PENDING_HEADER).read_text())
+    run_id = head["run_id"]
+    _, MlflowClient = _import_mlflow()
+    client = MlflowClient(settings["tracking_uri"])
+    held = {f.path for f in client.list_artifacts(run_id, ARTIFACT_DIR)}
+    held |= {f.path for f in client.list_artifacts(run_id, f"{ARTIFACT_DIR}/{SUMMARY_DIR}")}
+    files = sorted(
+        (p for p in (folder / ARTIFACT_DIR).rglob("*.parquet") if not p.name.startswith(".")),
+        key=lambda p: (chunk_index(p.name), p.name),
+    )
+    sent = 0
+    for path in files:
+        where = artifact_dir(path)
+        if f"{where}/{path.name}" not in held:
+            client.log_artifact(run_id, str(path), where)
+            sent += 1
+        path.unlink()
+    shutil.rmtree(folder, ignore_errors=True)
+    return f"{folder.name}: {sent} archive file(s) uploaded to mlflow run {run_id} in {settings['tracking_uri']}"
 
 
 def _checked_tags(tags: Any) -> dict[str, str]:

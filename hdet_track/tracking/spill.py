@@ -250,6 +250,34 @@ def orphans(directory: Path, held: list[Path] | None = None) -> Iterator[Path]:
             held.append(path)
 
 
+def pending_orphans(directory: Path) -> Iterator[Path]:
+    """Folders of archive chunks a gone process could not upload (``pending-*`` with a header;
+    see :meth:`hdet_track.tracking.mlflow.MLflowTracker._pending_chunks`)."""
+    if not directory.is_dir():
+        return
+    for folder in sorted(directory.glob("pending-*")):
+        try:
+            head = json.loads((folder / "pending.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if not _writer_alive(head):
+            yield folder
+
+
+def upload_pending_folder(folder: Path) -> str:
+    """Upload one folder of :func:`pending_orphans` to its run; a line saying what happened."""
+    try:
+        head = json.loads((folder / "pending.json").read_text())
+        settings = _anchored(head["backend"], head.get("settings", {}), folder.parent)
+        if head["backend"] != "mlflow":
+            raise ValueError(f"no upload of pending chunks for backend {head['backend']!r}")
+        from .mlflow import upload_pending
+
+        return upload_pending(folder, settings)
+    except Exception as exc:  # noqa: BLE001 - the backend is still down: keep the folder
+        return f"{folder.name}: not uploaded ({type(exc).__name__}: {exc}); kept"
+
+
 def replay_file(path: Path) -> str:
     """Deliver one orphaned spill file to its run (creating the run if it never was); returns a line
     saying what happened. The file is removed once delivered, kept if the backend is still down."""
@@ -351,6 +379,7 @@ def recover(source: str) -> list[str]:
     lines: list[str] = []
     held: list[Path] = []
     for directory in spill_dirs(source):
+        lines += [upload_pending_folder(folder) for folder in pending_orphans(directory)]  # first: their numbering
         lines += [replay_file(path) for path in orphans(directory, held)]
     for path in held:
         try:

@@ -10,16 +10,17 @@ from hdet_track.tracking.mlflow import MLflowTracker
 
 
 class OutageMLflowTracker(MLflowTracker):
-    """``down``: every call fails; ``logs_left``: the backend goes down after that many more
+    """``down``: every call fails; ``uploads_down``: artifact uploads fail; ``logs_left``: the backend goes down after that many more
     ``log`` calls succeed (None: it stays up)."""
 
     isolate = False
     down = False
+    uploads_down = False  # only artifact uploads fail (the server went away between two calls)
     logs_left: int | None = None
 
     @classmethod
-    def reset(cls, down: bool = False, logs_left: int | None = None) -> None:
-        cls.down, cls.logs_left = down, logs_left
+    def reset(cls, down: bool = False, logs_left: int | None = None, uploads_down: bool = False) -> None:
+        cls.down, cls.logs_left, cls.uploads_down = down, logs_left, uploads_down
 
     @classmethod
     def _check(cls) -> None:
@@ -29,6 +30,15 @@ class OutageMLflowTracker(MLflowTracker):
     def _start(self, run_start: Any) -> None:
         self._check()
         super()._start(run_start)
+        real = self._client.log_artifact
+
+        def log_artifact(*args: Any, **kwargs: Any) -> Any:
+            self._check()
+            if type(self).uploads_down:
+                raise ConnectionError("the backend went away (injected)")
+            return real(*args, **kwargs)
+
+        self._client.log_artifact = log_artifact
 
     def log(self, batch: Any) -> None:
         cls = type(self)
