@@ -305,6 +305,8 @@ class MLflowReader:
         else:
             if "hdet.schema_version" not in run.tags:
                 run.warnings.append("no HDET events in this run: only its metric histories are shown")
+            elif run.live:  # a live run's first chunk comes within seconds of its first steps
+                run.warnings.append("no event archive yet: shown from the metric histories until its first chunk")
             else:
                 run.warnings.append("no event archive: rebuilt from metric histories (slower, thinned by log_every)")
             self._read_histories(run, info.data.metrics)
