@@ -68,15 +68,18 @@ def load_run(run_id: str, steps: tuple[int, int] | None = None) -> HDETRun:
     return cache[key]
 
 
-def load_full(run_id: str) -> HDETRun:
-    """The run with every row, however many (for the comparison table's exact values), kept for the session."""
+def load_full(run: HDETRun) -> HDETRun:
+    """``run`` (read as an overview) with every row, however many, for the comparison table's exact
+    values; read again when the overview has moved on (a live run)."""
     import sys
 
     source = current_source()
-    cache: dict[tuple[str, str], HDETRun] = st.session_state.setdefault("_full_runs", {})
-    if (source, run_id) not in cache:
-        cache[(source, run_id)] = get_reader(source).read(run_id, max_rows=sys.maxsize)
-    return cache[(source, run_id)]
+    cache: dict[tuple[str, str], tuple[Any, HDETRun]] = st.session_state.setdefault("_full_runs", {})
+    seen = (run.last_step, run.status)
+    key = (source, run.run_id)
+    if key not in cache or cache[key][0] != seen:
+        cache[key] = (seen, get_reader(source).read(run.run_id, max_rows=sys.maxsize))
+    return cache[key][1]
 
 
 def _state(status: str, final_loss: float) -> tuple[str, float | None]:

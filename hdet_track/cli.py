@@ -306,7 +306,7 @@ def run_compare(tracking_uri: str | None, experiment: str | None, group: str | N
         if group is None:  # the newest run's group
             newest = reader.list_runs(experiment)
             group = next((r.compare_group for r in newest if r.compare_group), None)
-        chosen = reader.list_runs(experiment, compare_group=group, limit=None)
+        chosen = reader.list_runs(experiment, compare_group=group, limit=None if group else 1000)
         if not chosen:
             where = f" in {tracking_uri} (read as a W&B directory: it holds no mlflow.db)" if wandb else ""
             kind = "W&B project" if wandb else "experiment"
@@ -395,7 +395,7 @@ def run_dashboard(source: str | None, host: str, port: int) -> int:
     from pathlib import Path
 
     from .readers import ReaderError, resolve_source
-    from .readers.mlflow import check_store_exists, pending_store
+    from .readers.mlflow import StoreNotReady, check_store_exists, pending_store
 
     with socket.socket() as s:
         try:
@@ -425,6 +425,8 @@ def run_dashboard(source: str | None, host: str, port: int) -> int:
     else:
         try:
             check_store_exists(source)  # a sqlite file in a directory that does not exist: a typo
+        except StoreNotReady as exc:  # a job is creating it: the page waits for it
+            print(f"hdet-track dashboard: {exc}", file=sys.stderr)
         except ReaderError as exc:
             print(f"hdet-track dashboard: {exc}", file=sys.stderr)
             return 2
@@ -470,10 +472,11 @@ def run_recover(source: str | None) -> int:
             f"recover: {source} does not exist; expected an MLflow tracking URI, a W&B directory or a "
             ".hdet-spill directory"
         )
-    try:
-        source = resolve_source(source)  # a bare sqlite file: its sqlite:/// URI, as compare takes it
-    except ReaderError as exc:
-        return _fail(f"recover: {exc}")
+    if Path(source).is_file():  # a bare sqlite file: its sqlite:/// URI, as compare takes it
+        try:
+            source = resolve_source(source)
+        except ReaderError as exc:
+            return _fail(f"recover: {exc}")
     db = sqlite_file(source)
     if db is not None and not db.exists() and not store_spill_dir(source).exists():
         return _fail(f"recover: no MLflow store at {source} ({db.absolute()} does not exist) and no spill beside it")

@@ -312,6 +312,21 @@ def test_progress_lines_show_4_significant_digits(capsys, monkeypatch):
     assert "8851980754964" not in line
 
 
+def _older_schema_store(uri: str) -> None:
+    """A store one schema revision behind this MLflow (alembic's own downgrade)."""
+    import sqlalchemy
+    from alembic import command
+    from mlflow.store.db.utils import _get_alembic_config
+
+    MlflowClient(uri).search_experiments()
+    engine = sqlalchemy.create_engine(uri)
+    with engine.begin() as conn:
+        config = _get_alembic_config(uri)
+        config.attributes["connection"] = conn
+        command.downgrade(config, "-1")
+    engine.dispose()
+
+
 def _proc_stat(pid: int) -> tuple[str, int] | None:
     """(state, parent pid) of a process from /proc, None once it is gone."""
     try:
@@ -335,15 +350,21 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the Streamlit child through /proc")
-def test_dashboard_sigterm_stops_streamlit_and_frees_the_port(tmp_path):
+@pytest.mark.parametrize("store", ["missing", "not ready"])
+def test_dashboard_sigterm_stops_streamlit_and_frees_the_port(tmp_path, store):
     """SIGTERM to `hdet-track dashboard` stops its `streamlit run` child too: the next launch on the
     same port works (it used to find "Address already in use"). Started before any job has created
-    its store, it serves and waits, and creates nothing."""
+    its store, or while one is (its schema not yet this MLflow's), it serves and waits, and creates
+    or changes nothing (the second used to exit 2 with a message saying the page waits)."""
+    import hashlib
     import signal
     import socket
     import time
 
     uri = f"sqlite:///{tmp_path / 'dash.db'}"  # no store yet: the job that creates it comes later
+    if store == "not ready":
+        _older_schema_store(uri)
+    before = hashlib.sha256((tmp_path / "dash.db").read_bytes()).hexdigest() if store == "not ready" else None
     port = _free_port()
     cli = subprocess.Popen(
         [sys.executable, "-m", "hdet_track.cli", "dashboard", uri, "--port", str(port)],
@@ -367,7 +388,10 @@ def test_dashboard_sigterm_stops_streamlit_and_frees_the_port(tmp_path):
             time.sleep(0.5)
         children = _children(cli.pid)
         assert children, "expected a streamlit child process"
-        assert not (tmp_path / "dash.db").exists()  # waiting for the store, never creating it
+        if before is None:
+            assert not (tmp_path / "dash.db").exists()  # waiting for the store, never creating it
+        else:
+            assert hashlib.sha256((tmp_path / "dash.db").read_bytes()).hexdigest() == before
         cli.send_signal(signal.SIGTERM)
         assert cli.wait(timeout=20) == 128 + signal.SIGTERM
         deadline = time.monotonic() + 5
@@ -572,6 +596,18 @@ def test_recover_takes_a_bare_sqlite_file_as_its_store(tmp_path, capsys):
     (tmp_path / "mlflow.db").write_bytes(b"SQLite format 3\x00" + bytes(84))
     assert main(["recover", str(tmp_path / "mlflow.db")]) == 0
     assert f"looked in {tmp_path / '.hdet-spill'}" in capsys.readouterr().out
+
+
+def test_recover_on_a_project_directory_looks_in_both_stores_spills(demo_store, tmp_path, capsys):
+    """A directory holding mlflow.db and a W&B directory: recover looks beside the store and in
+    wandb/.hdet-spill (resolving the directory to its sqlite URI dropped the second)."""
+    import shutil
+
+    _, _, _, root = demo_store
+    shutil.copy(root / "demo.db", tmp_path / "mlflow.db")
+    assert main(["recover", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert str(tmp_path / ".hdet-spill") in out and str(tmp_path / "wandb" / ".hdet-spill") in out
 
 
 def test_dashboard_on_an_address_of_no_machine_names_host(capsys):

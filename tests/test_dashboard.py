@@ -157,12 +157,14 @@ def test_a_store_of_another_schema_is_waited_for_and_never_migrated(monkeypatch,
     the store that concurrent migration could leave it unopenable. The readers refuse it and the
     dashboard waits, leaving the file as it is."""
     import hashlib
+    import sqlite3
+    from contextlib import closing
 
     import sqlalchemy
     from alembic import command
     from mlflow.store.db.utils import _get_alembic_config
 
-    from hdet_track.readers import open_reader
+    from hdet_track.readers import ReaderError, open_reader
     from hdet_track.readers.mlflow import StoreNotReady
 
     db = tmp_path / "old.db"
@@ -181,6 +183,11 @@ def test_a_store_of_another_schema_is_waited_for_and_never_migrated(monkeypatch,
     assert not at.exception and not at.sidebar.error
     assert any("a job is still creating it" in i.value for i in at.sidebar.info)
     assert hashlib.sha256(db.read_bytes()).hexdigest() == before
+    with closing(sqlite3.connect(db)) as con, con:  # a revision a newer MLflow wrote
+        con.execute("UPDATE alembic_version SET version_num = 'f00dfeed0001'")
+    with pytest.raises(ReaderError, match="a newer MLflow made it") as refused:
+        open_reader(uri).list_runs()
+    assert not isinstance(refused.value, StoreNotReady)  # not waited for: it will not change
 
 
 def test_a_failed_run_shows_why_and_compare_shows_read_warnings(monkeypatch, tmp_path):

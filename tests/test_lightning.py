@@ -254,6 +254,8 @@ class _Tiny:
                 self.losses = []
 
             def training_step(self, batch, batch_idx):
+                if self.fail_in == "training" and batch_idx == 2:
+                    raise RuntimeError("a bad training_step")
                 loss = torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
                 self.losses.append(loss.item())
                 return loss
@@ -310,6 +312,11 @@ def test_only_a_failing_fit_fails_its_run(tmp_path, monkeypatch):
     reader = MLflowReader(uri)
     (summary,) = reader.list_runs()
     assert summary.status == "FINISHED" and "hdet.error" not in reader.read(summary.run_id).tags
+    with pytest.raises(RuntimeError, match="a bad training_step"):
+        _Tiny.trainer(tmp_path, [callback]).fit(_Tiny.module(fail_in="training"), _Tiny.data())
+    failed, finished = reader.list_runs()  # newest first
+    assert (failed.status, finished.run_id, finished.status) == ("FAILED", summary.run_id, "FINISHED")
+    assert "a bad training_step" in reader.read(failed.run_id).tags["hdet.error"]
 
 
 def test_gradient_accumulation_steps_hdet_with_the_mean_loss_of_the_step(tmp_path):

@@ -184,3 +184,66 @@ def test_archive_chunks_an_outage_kept_from_the_store_are_delivered_later(tmp_pa
     steps, _ = run.replica_series("loss", 0)
     assert list(steps) == list(range(1, 31))
     assert run.status == "FINISHED" and [c.step for c in run.converge] == [5, 10, 15, 20, 25, 30]
+
+
+def _hdet_job_while_down(outage, uri, monkeypatch, steps=20):
+    """A real scheduler's run spilled whole: the backend is down from start to end."""
+    import torch
+
+    from hdet_track import HDETScheduler
+
+    monkeypatch.setenv("HDET_TRACK_SHUTDOWN_TIMEOUT", "0")
+    outage.reset(down=True)
+    opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+    sched = HDETScheduler(opt, 0.1, total_steps=steps, sync_every=5, track=outage(tracking_uri=uri, experiment="out"))
+    for k in range(1, steps + 1):
+        opt.step()
+        sched.step(1.0 / k)
+        sched.flush()  # a batch per step
+    sched.close()
+
+
+def test_recover_cut_short_keeps_the_step_rows_of_what_it_delivered(tmp_path, outage, monkeypatch):
+    """The batches a cut-short recover counted as delivered had their metric points in the store,
+    but their step rows and syncs still in the writer's archive buffer: dropped from the spill and
+    never written, they were lost (a review found it). They are written out first, to the pending
+    chunks when the backend is down, and the next recover uploads them."""
+    from hdet_track.readers.mlflow import MLflowReader
+
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    _hdet_job_while_down(outage, uri, monkeypatch)
+    spill = tmp_path / ".hdet-spill"
+    (path,) = spill.glob("spill-*.jsonl")
+    _orphaned(path, _dead_identity())
+    outage.reset(logs_left=2)
+    (line,) = recover(str(spill))
+    assert line.endswith("; kept")
+    for folder in spill.glob("pending-*"):  # recover's writer is gone too
+        head = json.loads((folder / "pending.json").read_text())
+        head["owner"] = dict(head["owner"], pid=_dead_identity())
+        (folder / "pending.json").write_text(json.dumps(head))
+    outage.reset()
+    recover(str(spill))
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("out").experiment_id])
+    read = MLflowReader(uri).read(run.info.run_id)
+    assert list(read.replica_series("loss", 0)[0]) == list(range(1, 21))
+    assert [c.step for c in read.converge] == [5, 10, 15, 20]
+
+
+def test_a_spill_of_another_host_is_delivered_once_it_has_been_still_for_long(tmp_path, outage):
+    """This host cannot tell whether a process on another host (a node of a shared filesystem, a
+    recreated container) is alive: its spill is taken for orphaned once unchanged for 5 minutes."""
+    import os
+    import time
+
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    sink = _spill_while_down(outage, uri, tmp_path / ".hdet-spill", 2)
+    lines = sink.spill_path.read_text().splitlines()
+    head = json.loads(lines[0])
+    head["owner"] = dict(head["owner"], host="another-node")
+    sink.spill_path.write_text("\n".join([json.dumps(head), *lines[1:]]) + "\n")
+    assert list(orphans(tmp_path / ".hdet-spill")) == []  # it may still be writing
+    old = time.time() - 600
+    os.utime(sink.spill_path, (old, old))
+    assert list(orphans(tmp_path / ".hdet-spill")) == [sink.spill_path]

@@ -32,7 +32,7 @@ else:
             st.warning(f"{run.name or run.run_id}: {w}")
     if loaded:
         # the table's final and best values need every row: a run read as an overview holds bucket means
-        rows = comparison_rows([load_full(run.run_id) if run.overview else run for run in loaded])
+        rows = comparison_rows([load_full(run) if run.overview else run for run in loaded])
         st.dataframe(
             [
                 {

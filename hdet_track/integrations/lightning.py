@@ -96,7 +96,7 @@ class HDETCallback(pl.Callback):
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         # state restored by validate/test/predict(ckpt_path=...) is not the next fit's to resume
         self._restored = None
-        trainer.__dict__.pop("save_checkpoint", None)
+        _restore_saves(trainer)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         kwargs = dict(self.hdet_kwargs)
@@ -186,7 +186,7 @@ class HDETCallback(pl.Callback):
         # Lightning calls this for an exception in fit, validate, test or predict; only a failing
         # fit's training ends its run FAILED (a failed test() after a finished fit does not).
         self._restored = None
-        trainer.__dict__.pop("save_checkpoint", None)  # Lightning calls no teardown hook here
+        _restore_saves(trainer)  # Lightning calls no teardown hook here
         if self._fitting and self.scheduler is not None:
             self._fitting = False
             status = "KILLED" if isinstance(exception, KeyboardInterrupt) else "FAILED"
@@ -217,15 +217,31 @@ def _run_before_checkpoints(trainer: Any, callback: HDETCallback) -> None:
 def _converge_before_saves(trainer: Any, callback: HDETCallback) -> None:
     """Every checkpoint written during the fit (every rank calls ``trainer.save_checkpoint``)
     converges first: the model's weights, collected before any callback hook runs, and weights-only
-    checkpoints (which call no callback hook) then hold the consensus."""
-    save = type(trainer).save_checkpoint.__get__(trainer)
+    checkpoints (which call no callback hook) then hold the consensus. Wraps whatever
+    ``trainer.save_checkpoint`` is (someone else's wrapper too); :func:`_restore_saves` undoes it."""
+    save = trainer.save_checkpoint
+    if getattr(save, "_hdet_callback", None) is callback:
+        return
 
     def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
         if callback._fitting and callback.scheduler is not None:
             callback.scheduler.sync_now()
         return save(*args, **kwargs)
 
+    save_checkpoint._hdet_callback = callback  # type: ignore[attr-defined]
+    save_checkpoint._hdet_previous = trainer.__dict__.get("save_checkpoint")  # type: ignore[attr-defined]
     trainer.save_checkpoint = save_checkpoint
+
+
+def _restore_saves(trainer: Any) -> None:
+    current = trainer.__dict__.get("save_checkpoint")
+    if getattr(current, "_hdet_callback", None) is None:
+        return
+    previous = current._hdet_previous
+    if previous is None:
+        del trainer.__dict__["save_checkpoint"]
+    else:
+        trainer.save_checkpoint = previous
 
 
 def wrap_trainer(trainer: Any, **hdet_kwargs: Any) -> Any:

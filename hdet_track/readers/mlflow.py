@@ -105,6 +105,16 @@ def check_store_exists(uri: str) -> None:
     _check_schema(uri, db, tables)
 
 
+def _known_revision(revision: str) -> bool:
+    try:
+        from alembic.script import ScriptDirectory
+        from mlflow.store.db.utils import _get_alembic_config
+
+        return ScriptDirectory.from_config(_get_alembic_config("")).get_revision(revision) is not None
+    except Exception:  # noqa: BLE001 - unknown to this MLflow's scripts
+        return False
+
+
 class StoreNotReady(ReaderError):
     """A sqlite store whose schema is not the one this MLflow reads: a job is still creating it, or
     an older MLflow made it. MLflow's client would migrate it (concurrently with the job, which can
@@ -127,6 +137,12 @@ def _check_schema(uri: str, db: Path, tables: set[str]) -> None:
     if revision != head or migrating:
         import mlflow
 
+        if revision is not None and not migrating and not _known_revision(revision):
+            raise ReaderError(
+                f"Expected an MLflow store at {uri} with the schema MLflow {mlflow.__version__} reads ({head}), "
+                f"but it is at {revision}, which this MLflow does not know: a newer MLflow made it (read it "
+                "with that version)"
+            )
         raise StoreNotReady(
             f"Expected an MLflow store at {uri} with the schema MLflow {mlflow.__version__} reads ({head}), but "
             f"it is at {revision or 'no schema yet'}{' and mid-migration' if migrating else ''}: a job is still "

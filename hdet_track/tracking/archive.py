@@ -166,6 +166,7 @@ class EventArchive:
         import pyarrow as pa
 
         written: list[Path] = []
+        self.directory.mkdir(parents=True, exist_ok=True)  # (a recover elsewhere may have tidied it away)
         if self._blocks:
             self._index += 1
             blocks = self._blocks

@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import re
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -107,12 +108,13 @@ class SpillFile:
                 )
         return out
 
-    def keep_from(self, index: int) -> None:
+    def keep_from(self, index: int, keep_empty: bool = False) -> None:
         """Drop the first ``index`` batches (they reached the backend); the header becomes
-        :attr:`header` when it is set (a run created since the file began)."""
+        :attr:`header` when it is set (a run created since the file began). With none left the
+        file is removed, unless ``keep_empty`` (it still names the run, whose end is owed)."""
         lines = self.path.read_text().splitlines()
         head = json.dumps(self.header) if self.header else lines[0]
-        self._write([head] + lines[1 + index :])
+        self._write([head] + lines[1 + index :], keep_empty=keep_empty)
 
     def keep_lines(self, count: int) -> None:
         """Keep the header and the first ``count`` batches."""
@@ -205,12 +207,29 @@ def header(tracker: Tracker, run_start: RunStart | None) -> dict[str, Any]:
     }
 
 
-def _writer_alive(head: dict[str, Any]) -> bool:
+# A writer this host cannot check (another host or container) is taken for gone once its spill (or
+# pending chunks) have not changed for this long: a live writer appends at every failed batch
+# (every few seconds) and writes chunks every 15 s. The readers' silence rule, 10 beats of 30 s.
+STALE_SECONDS = 300.0
+
+
+def _newest_mtime(path: Path) -> float:
+    try:
+        files = [path, *path.rglob("*")] if path.is_dir() else [path]
+        return max(f.stat().st_mtime for f in files)
+    except OSError:
+        return 0.0
+
+
+def _writer_alive(head: dict[str, Any], path: Path | None = None) -> bool:
     """Whether the process that wrote a spill may still be writing it (when this host cannot tell,
     e.g. a spill written on another host of a shared filesystem: yes)."""
     owner = head.get("owner")
     if isinstance(owner, dict):
-        return owner_alive(owner) is not False
+        alive = owner_alive(owner)
+        if alive is None:  # another host or container: gone once its files have been still for long
+            return path is None or time.time() - _newest_mtime(path) < STALE_SECONDS
+        return alive
     pid = int(head.get("pid", -1))  # a spill of an older version: the pid alone
     if pid == os.getpid():
         return True
@@ -244,7 +263,7 @@ def orphans(directory: Path, held: list[Path] | None = None) -> Iterator[Path]:
             head = json.loads(path.open().readline())
         except (OSError, ValueError):
             continue
-        if not _writer_alive(head):
+        if not _writer_alive(head, path):
             yield path
         elif held is not None:
             held.append(path)
@@ -260,7 +279,7 @@ def pending_orphans(directory: Path) -> Iterator[Path]:
             head = json.loads((folder / "pending.json").read_text())
         except (OSError, ValueError):
             continue
-        if not _writer_alive(head):
+        if not _writer_alive(head, folder):
             yield folder
 
 
@@ -344,9 +363,16 @@ def _keep_undelivered(spill: SpillFile, sink: Tracker | None, delivered: int) ->
     if sink is None:
         return
     run_id = sink.run_id
+    if delivered:
+        # their step rows and events wait in the tracker's archive buffer: written out now, to the
+        # run or, with the backend down, to the spill directory's pending chunks (uploaded later)
+        try:
+            sink.flush()
+        except Exception:  # noqa: BLE001 - the writer is gone with them: keep every batch
+            delivered = 0
     if delivered or (run_id and not spill.header.get("run_id")):
         spill.header = dict(spill.header, run_id=run_id or spill.header.get("run_id"))
-        spill.keep_from(delivered)
+        spill.keep_from(delivered, keep_empty=True)
     detach = getattr(sink, "detach", None)
     if detach is not None:
         detach()
