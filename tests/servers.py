@@ -1,4 +1,5 @@
-"""A real `mlflow server` process on 127.0.0.1 for tests (start, stop, restart on the same port)."""
+"""A real `mlflow server` process on 127.0.0.1 for tests (start, stop, restart on the same port), and
+a sqlite store one schema revision behind the installed MLflow."""
 
 from __future__ import annotations
 
@@ -10,6 +11,23 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+
+
+def older_schema_store(uri: str) -> None:
+    """Create the sqlite store ``uri`` one schema revision behind this MLflow (alembic's own
+    downgrade): what an older MLflow left, or a job's store mid-creation."""
+    import sqlalchemy
+    from alembic import command
+    from mlflow.store.db.utils import _get_alembic_config
+    from mlflow.tracking import MlflowClient
+
+    MlflowClient(uri).search_experiments()
+    engine = sqlalchemy.create_engine(uri)
+    with engine.begin() as conn:
+        config = _get_alembic_config(uri)
+        config.attributes["connection"] = conn
+        command.downgrade(config, "-1")
+    engine.dispose()
 
 
 def free_port() -> int:

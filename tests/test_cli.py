@@ -15,6 +15,8 @@ from mlflow.tracking import MlflowClient
 
 from hdet_track.cli import main
 
+from .servers import older_schema_store
+
 
 @pytest.fixture(scope="module")
 def demo_store(tmp_path_factory):
@@ -312,21 +314,6 @@ def test_progress_lines_show_4_significant_digits(capsys, monkeypatch):
     assert "8851980754964" not in line
 
 
-def _older_schema_store(uri: str) -> None:
-    """A store one schema revision behind this MLflow (alembic's own downgrade)."""
-    import sqlalchemy
-    from alembic import command
-    from mlflow.store.db.utils import _get_alembic_config
-
-    MlflowClient(uri).search_experiments()
-    engine = sqlalchemy.create_engine(uri)
-    with engine.begin() as conn:
-        config = _get_alembic_config(uri)
-        config.attributes["connection"] = conn
-        command.downgrade(config, "-1")
-    engine.dispose()
-
-
 def _proc_stat(pid: int) -> tuple[str, int] | None:
     """(state, parent pid) of a process from /proc, None once it is gone."""
     try:
@@ -363,7 +350,7 @@ def test_dashboard_sigterm_stops_streamlit_and_frees_the_port(tmp_path, store):
 
     uri = f"sqlite:///{tmp_path / 'dash.db'}"  # no store yet: the job that creates it comes later
     if store == "not ready":
-        _older_schema_store(uri)
+        older_schema_store(uri)
     before = hashlib.sha256((tmp_path / "dash.db").read_bytes()).hexdigest() if store == "not ready" else None
     port = _free_port()
     cli = subprocess.Popen(

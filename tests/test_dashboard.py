@@ -17,6 +17,7 @@ from hdet_track.tracking.mlflow import MLflowTracker
 
 from .distributed import workers
 from .distributed.launch import run_ranks
+from .servers import older_schema_store
 
 APP = str(Path(__file__).resolve().parents[1] / "dashboard" / "app.py")
 PAGES = [
@@ -160,22 +161,12 @@ def test_a_store_of_another_schema_is_waited_for_and_never_migrated(monkeypatch,
     import sqlite3
     from contextlib import closing
 
-    import sqlalchemy
-    from alembic import command
-    from mlflow.store.db.utils import _get_alembic_config
-
     from hdet_track.readers import ReaderError, open_reader
     from hdet_track.readers.mlflow import StoreNotReady
 
     db = tmp_path / "old.db"
     uri = f"sqlite:///{db}"
-    MlflowClient(uri).create_experiment("hdet")
-    engine = sqlalchemy.create_engine(uri)
-    with engine.begin() as conn:
-        config = _get_alembic_config(uri)
-        config.attributes["connection"] = conn
-        command.downgrade(config, "-1")
-    engine.dispose()
+    older_schema_store(uri)
     before = hashlib.sha256(db.read_bytes()).hexdigest()
     with pytest.raises(StoreNotReady, match="mlflow db upgrade"):
         open_reader(uri).list_runs()
