@@ -160,6 +160,11 @@ class MLflowTracker(Tracker):
         experiment = self.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME")
         return {"tracking_uri": self._uri(), "experiment": experiment, "run_name": self.run_name}
 
+    @staticmethod
+    def upload_pending(folder: Path, settings: dict[str, Any]) -> str:
+        """See :func:`upload_pending` (what ``hdet-track recover`` calls for this backend)."""
+        return upload_pending(folder, settings)
+
     def resume(self, run_id: str) -> None:
         if not self._attach_id:
             self._resume_id = run_id

@@ -288,11 +288,12 @@ def upload_pending_folder(folder: Path) -> str:
     try:
         head = json.loads((folder / "pending.json").read_text())
         settings = _anchored(head["backend"], head.get("settings", {}), folder.parent)
-        if head["backend"] != "mlflow":
-            raise ValueError(f"no upload of pending chunks for backend {head['backend']!r}")
-        from .mlflow import upload_pending
+        from .base import get_tracker_class
 
-        return upload_pending(folder, settings)
+        upload = getattr(get_tracker_class(head["backend"]), "upload_pending", None)
+        if upload is None:
+            raise ValueError(f"no upload of pending chunks for backend {head['backend']!r}")
+        return upload(folder, settings)
     except Exception as exc:  # noqa: BLE001 - the backend is still down: keep the folder
         return f"{folder.name}: not uploaded ({type(exc).__name__}: {exc}); kept"
 
