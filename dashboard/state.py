@@ -9,6 +9,7 @@ full resolution, one range per run kept at a time.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -84,7 +85,7 @@ def load_full(run: HDETRun) -> HDETRun:
 
 def _state(status: str, final_loss: float) -> tuple[str, float | None]:
     """What the run list says of a run that changes with every attempt that trains."""
-    return status, round(final_loss, 9) if final_loss == final_loss and abs(final_loss) != float("inf") else None
+    return status, round(final_loss, 9) if math.isfinite(final_loss) else None
 
 
 def step_range(run: HDETRun) -> tuple[int, int] | None:

@@ -24,6 +24,7 @@ from ..summaries import SUMMARY_DIR
 from ._common import run_params, run_tags
 from .archive import ARTIFACT_DIR, EventArchive, artifact_dir, chunk_index
 from .base import Batch, Point, Tracker
+from .spill import PENDING_HEADER, PENDING_PREFIX, store_spill_dir
 
 __all__ = ["MLflowTracker", "DEFAULT_EXPERIMENT"]
 
@@ -34,9 +35,6 @@ _MAX_PARAMS = 100
 # The last step whose HDET metric points are all in the store (set with each log_batch): where a
 # resumed job's points begin (the thinned series cannot say, and the event archive may lag it).
 LOGGED_THROUGH_TAG = "hdet.logged_through"
-# A run's archive chunks not uploaded yet: <spill dir>/pending-<run id>-<pid>/ (with PENDING_HEADER)
-PENDING_PREFIX = "pending-"
-PENDING_HEADER = "pending.json"
 
 
 _NEEDS_MLFLOW = "track='mlflow' needs MLflow: pip install 'hdet-track[mlflow]'"
@@ -152,8 +150,6 @@ class MLflowTracker(Tracker):
         return self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
 
     def spill_dir(self) -> Path:
-        from .spill import store_spill_dir
-
         return store_spill_dir(self._uri())
 
     def spill_settings(self) -> dict[str, Any]:

@@ -50,6 +50,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 DIRNAME = ".hdet-spill"
+# A run's archive chunks not uploaded yet: <spill dir>/pending-<run id>-<pid>/, with this header
+# (backend, run id, store settings, writer); see MLflowTracker._pending_chunks
+PENDING_PREFIX = "pending-"
+PENDING_HEADER = "pending.json"
 
 
 def cache_dir() -> Path:
@@ -274,9 +278,9 @@ def pending_orphans(directory: Path) -> Iterator[Path]:
     see :meth:`hdet_track.tracking.mlflow.MLflowTracker._pending_chunks`)."""
     if not directory.is_dir():
         return
-    for folder in sorted(directory.glob("pending-*")):
+    for folder in sorted(directory.glob(f"{PENDING_PREFIX}*")):
         try:
-            head = json.loads((folder / "pending.json").read_text())
+            head = json.loads((folder / PENDING_HEADER).read_text())
         except (OSError, ValueError):
             continue
         if not _writer_alive(head, folder):
@@ -286,7 +290,7 @@ def pending_orphans(directory: Path) -> Iterator[Path]:
 def upload_pending_folder(folder: Path) -> str:
     """Upload one folder of :func:`pending_orphans` to its run; a line saying what happened."""
     try:
-        head = json.loads((folder / "pending.json").read_text())
+        head = json.loads((folder / PENDING_HEADER).read_text())
         settings = _anchored(head["backend"], head.get("settings", {}), folder.parent)
         from .base import get_tracker_class
 
