@@ -157,7 +157,7 @@ def test_a_job_resumed_into_the_run_it_was_given_keeps_both_attempts_once(tmp_pa
     import wandb
 
     from hdet_track import HDETScheduler
-    from hdet_track.tracking.wandb import WandbTracker
+    from hdet_track.tracking.wandb import WandbTracker, wait_until_written
 
     run = wandb.init(project="given", dir=str(tmp_path), mode="offline")
     saved = io.BytesIO()
@@ -181,6 +181,8 @@ def test_a_job_resumed_into_the_run_it_was_given_keeps_both_attempts_once(tmp_pa
             sched.close("FAILED", "transient")
     run.finish()
     (path,) = glob.glob(str(tmp_path / "wandb" / "*run-*" / "run-*.wandb"))
+    # the user's run, finished by the user: W&B's service writes the file's end after finish() returns
+    assert wait_until_written(path, timeout=30.0)
     rows = Counter(r["hdet/step"] for r in read_wandb_file(path).history if "hdet/replica_00/loss" in r)
     assert rows == Counter(range(1, 13))  # each step's row once in what `wandb sync` uploads
     read = WandbReader(str(tmp_path)).read(run.id)
