@@ -124,6 +124,16 @@ class BucketTable:
             mask &= self.first_step <= hi
         return self.select(mask)
 
+    def rows_in(self, lo: int | None = None, hi: int | None = None) -> int:
+        """The rows these buckets hold in steps ``[lo, hi]``: whole for a bucket inside the range, in
+        proportion to its steps in range for one at either end (a bucket's rows are spread evenly
+        over its steps: one row per replica and logged step), rounded up."""
+        first = self.first_step if lo is None else np.maximum(self.first_step, lo)
+        last = self.last_step if hi is None else np.minimum(self.last_step, hi)
+        inside = np.clip(last - first + 1, 0, None)
+        span = np.maximum(self.last_step - self.first_step + 1, 1)
+        return int((-(-self.rows.astype(np.int64) * inside // span)).sum())  # integer ceiling
+
     def stat(self, column: str, stat: str) -> np.ndarray | None:
         return self.stats.get(f"{column}|{stat}")
 

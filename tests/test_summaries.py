@@ -318,3 +318,21 @@ def test_every_page_opens_a_huge_run_as_an_overview(monkeypatch, big_store):
     x = replica0["x"]
     x = np.frombuffer(base64.b64decode(x["bdata"]), dtype=x["dtype"]) if isinstance(x, dict) else np.array(x)
     assert x.tolist() == list(range(1200, 1301)) and "summary" not in fan["layout"]["title"]["text"]
+
+
+def test_a_zoom_of_as_many_rows_as_allowed_reads_them_all_wherever_it_starts(tmp_path):
+    """The dashboard's slider promises every step of a range of up to $HDET_FULL_ROWS / replicas
+    steps. Before, the range's rows were counted as those of every bucket it touched, so such a
+    range across a bucket edge (here 1,000 steps over two 1,000-step buckets) stayed an overview."""
+    root = write_archive(tmp_path)
+    full = read(root, max_rows=10**9)
+    overview = read(root, max_rows=1_000)
+    for lo in (1001, 1500, 1999):
+        span = (lo, lo + 999)  # 1,000 steps: 4,000 rows, the limit exactly
+        zoom = read(root, previous=overview, steps=span, max_rows=REPLICAS * 1_000)
+        assert not zoom.overview and len(zoom.steps) == REPLICAS * 1_000
+        mask = (full.steps.step >= span[0]) & (full.steps.step <= span[1])
+        np.testing.assert_array_equal(zoom.steps.loss, full.steps.loss[mask])
+        # one step more is one replica row per replica over the limit: an overview
+        wider = read(root, previous=overview, steps=(lo, lo + 1_000), max_rows=REPLICAS * 1_000)
+        assert wider.overview

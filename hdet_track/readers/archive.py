@@ -243,7 +243,7 @@ def read_archive(
     lo, hi = steps if steps is not None else (None, None)
     run.view = steps
     finest = run.aggregates.at(min(run.aggregates.levels), lo, hi) if len(run.aggregates) else run.aggregates
-    if int(finest.rows.sum()) > max_rows:
+    if finest.rows_in(lo, hi) > max_rows:
         run.overview = True
         return
     ranges = run.aggregates.chunks
