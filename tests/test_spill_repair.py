@@ -4,10 +4,13 @@ MLflow tracker on a real sqlite store (tests/jobs/outage.py)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import os
 import subprocess
 import sys
+import time
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -16,7 +19,8 @@ from hdet_track.events import RunStart
 from hdet_track.tracking import base
 from hdet_track.tracking.base import Batch, Point
 from hdet_track.tracking.hub import _Sink
-from hdet_track.tracking.spill import orphans, recover, replay_file
+from hdet_track.owner import process_identity
+from hdet_track.tracking.spill import STALE_SECONDS, orphans, recover, replay_file
 
 from .jobs.outage import OutageMLflowTracker
 
@@ -111,6 +115,59 @@ def test_a_replay_killed_mid_way_is_found_again(tmp_path, outage):
     outage.reset()
     (line,) = recover(str(tmp_path / ".hdet-spill"))
     assert "2 batches delivered" in line and _val_steps(uri) == [[1, 2]]
+
+
+def _claim(spill, pid, host, start, pidns=None):
+    """The name a replay on ``host`` (pid ``pid``, started at ``start``) gives the spill it claims."""
+    place = hashlib.sha256(f"{host}|{pidns}".encode()).hexdigest()[:12]
+    return spill.with_name(f"{spill.name}.replaying-{pid}-{place}-{start}")
+
+
+def test_a_replay_running_on_another_host_is_left_until_its_claim_goes_still(tmp_path, outage):
+    """A claim was known by its pid alone: on a spill directory shared between hosts, a replay still
+    running on another host (its pid not alive here) was taken back and delivered twice."""
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    sink = _spill_while_down(outage, uri, tmp_path / ".hdet-spill", 2)
+    _orphaned(sink.spill_path, _dead_identity())
+    claim = _claim(sink.spill_path, _dead_identity(), "another-host", 12345)
+    sink.spill_path.rename(claim)
+    assert list(orphans(tmp_path / ".hdet-spill")) == [] and claim.exists()  # its replay may be running
+    still = time.time() - STALE_SECONDS - 5
+    os.utime(claim, (still, still))
+    assert list(orphans(tmp_path / ".hdet-spill")) == [sink.spill_path]  # gone quiet: taken back
+    outage.reset()
+    (line,) = recover(str(tmp_path / ".hdet-spill"))
+    assert "2 batches delivered" in line and _val_steps(uri) == [[1, 2]]
+
+
+def test_a_replay_claim_on_this_host_names_its_process(tmp_path, outage, monkeypatch):
+    """A replay's claim names its process (pid and start time, host and pid namespace): the claim of
+    the replay under way is held, one whose pid now belongs to another process is taken back."""
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    directory = tmp_path / ".hdet-spill"
+    sink = _spill_while_down(outage, uri, directory, 2)
+    _orphaned(sink.spill_path, _dead_identity())
+    seen = []
+    log = outage.log
+
+    def watching(self, batch):
+        seen.append(([p.name for p in directory.glob("*.replaying-*")], list(orphans(directory))))
+        log(self, batch)
+
+    monkeypatch.setattr(outage, "log", watching)
+    outage.reset()
+    (line,) = recover(str(directory))
+    assert "2 batches delivered" in line and len(seen) == 2
+    me = process_identity()
+    for claims, found in seen:  # mid-replay: its own claim, held
+        assert claims == [_claim(sink.spill_path, me["pid"], me["host"], me["start"], me["pidns"]).name]
+        assert found == []
+    # a claim whose pid lives again in another process (its start time differs): taken back
+    sink = _spill_while_down(outage, uri, directory, 1)
+    _orphaned(sink.spill_path, _dead_identity())
+    reused = _claim(sink.spill_path, os.getpid(), me["host"], int(me["start"]) + 1, me["pidns"])
+    sink.spill_path.rename(reused)
+    assert list(orphans(directory)) == [sink.spill_path] and not reused.exists()
 
 
 def test_a_torn_last_batch_is_set_aside_and_the_rest_delivered(tmp_path, outage, caplog):

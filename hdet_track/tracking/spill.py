@@ -21,6 +21,7 @@ the next process nor by ``hdet-track recover``), and it no longer holds back the
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -246,18 +247,44 @@ def _writer_alive(head: dict[str, Any], path: Path | None = None) -> bool:
     return True
 
 
-_REPLAYING = re.compile(r"^(spill-.*\.jsonl)\.replaying-(\d+)$")
+# A replay's claim: ``<spill>.replaying-<pid>-<place>-<start>``, ``place`` a hash of the replayer's
+# host and pid namespace, ``start`` its process start time (0 where /proc does not tell); an older
+# version's claim is ``<spill>.replaying-<pid>``.
+_REPLAYING = re.compile(r"^(spill-.*\.jsonl)\.replaying-(\d+)(?:-([0-9a-f]{12})-(\d+))?$")
+
+
+def _place(identity: dict[str, Any]) -> str:
+    return hashlib.sha256(f"{identity['host']}|{identity['pidns']}".encode()).hexdigest()[:12]
+
+
+def _claim_suffix() -> str:
+    me = process_identity()
+    return f".replaying-{me['pid']}-{_place(me)}-{me['start'] or 0}"
+
+
+def _replayer_alive(match: re.Match[str], claim: Path) -> bool:
+    """Whether the replay that claimed a spill (``claim``, matched by :data:`_REPLAYING`) may still
+    be running. One on another host or in another container is taken for gone once its claim has
+    been still for :data:`STALE_SECONDS` (a running replay touches it at every batch)."""
+    pid = int(match[2])
+    if match[3] is None:
+        return _writer_alive({"pid": pid})
+    me = process_identity()
+    if match[3] != _place(me):
+        return time.time() - _newest_mtime(claim) < STALE_SECONDS
+    owner = {"host": me["host"], "pid": pid, "start": None if match[4] == "0" else match[4], "pidns": me["pidns"]}
+    return owner_alive(owner) is not False
 
 
 def orphans(directory: Path, held: list[Path] | None = None) -> Iterator[Path]:
     """Spill files in ``directory`` whose writer process is gone (``held``, when given, collects
-    those a live process still holds). A replay whose process died (``*.replaying-<pid>``) is
+    those a live process still holds). A replay whose process died (``*.replaying-*``) is
     given back its name first."""
     if not directory.is_dir():
         return
     for path in sorted(directory.glob("spill-*.jsonl.replaying-*")):
         match = _REPLAYING.match(path.name)
-        if match and not _writer_alive({"pid": int(match[2])}) and not (directory / match[1]).exists():
+        if match and not _replayer_alive(match, path) and not (directory / match[1]).exists():
             try:
                 os.rename(path, directory / match[1])
             except OSError:
@@ -302,13 +329,20 @@ def upload_pending_folder(folder: Path) -> str:
         return f"{folder.name}: not uploaded ({type(exc).__name__}: {exc}); kept"
 
 
+def _touch(path: Path) -> None:
+    try:
+        os.utime(path)
+    except OSError:
+        pass
+
+
 def replay_file(path: Path) -> str:
     """Deliver one orphaned spill file to its run (creating the run if it never was); returns a line
     saying what happened. The file is removed once delivered, kept if the backend is still down."""
     from .base import get_tracker_class
     from .isolated import maybe_isolated
 
-    claimed = path.with_name(path.name + f".replaying-{os.getpid()}")
+    claimed = path.with_name(path.name + _claim_suffix())
     try:
         os.rename(path, claimed)  # one replayer per file
     except OSError:
@@ -339,6 +373,7 @@ def replay_file(path: Path) -> str:
                 sink.finish(end)
                 ended = True
             delivered += 1
+            _touch(claimed)  # still replaying (read from another host)
         if not ended:
             last = max((p.step for b in batches for p in b.points), default=0)
             text = "recovered from a spill: the job ended without ending its run"
