@@ -16,10 +16,10 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from hdet_track.events import RunStart
+from hdet_track.owner import process_identity
 from hdet_track.tracking import base
 from hdet_track.tracking.base import Batch, Point
 from hdet_track.tracking.hub import _Sink
-from hdet_track.owner import process_identity
 from hdet_track.tracking.spill import STALE_SECONDS, orphans, recover, replay_file
 
 from .jobs.outage import OutageMLflowTracker
