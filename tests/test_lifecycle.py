@@ -105,7 +105,7 @@ def test_status_by_what_the_job_did(
         assert info.status == status, log[-3000:]
         error = tags.get("hdet.error", "")
         # the job's own times: the run started before training and ended after it
-        assert started * 1000 - 1000 <= info.start_time < info.end_time <= time.time() * 1000
+        assert started * 1000 - 1000 <= info.start_time <= info.end_time <= time.time() * 1000
         run = MLflowReader(uri).read(info.run_id)
     if text:
         assert text in error, error[-2000:]

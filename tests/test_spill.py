@@ -37,6 +37,12 @@ def _env() -> dict[str, str]:
     )
 
 
+def _up_env() -> dict[str, str]:
+    # the server is up: MLflow's own timeouts and retries, the default time at exit (a loaded machine
+    # stalls a fresh single-worker server for more than _env()'s 2 s, and a recover kept the spill)
+    return {k: v for k, v in _env().items() if not k.startswith(("MLFLOW_HTTP_", "HDET_TRACK_SHUTDOWN"))}
+
+
 def _job_against_down_server(uri: str, failure: str, step: int) -> tuple[float, float]:
     started = time.time()
     proc = subprocess.run(
@@ -75,7 +81,7 @@ def test_recover_delivers_a_finished_job_spilled_while_the_server_was_down(tmp_p
 
     server = MlflowServer(tmp_path / "server", port=port).start()
     try:
-        up = subprocess.run([CLI, "recover", uri], env=_env(), capture_output=True, text=True, timeout=180)
+        up = subprocess.run([CLI, "recover", uri], env=_up_env(), capture_output=True, text=True, timeout=180)
         assert up.returncode == 0 and "delivered" in up.stdout, up.stdout + up.stderr
         assert not list(where.glob("spill-*")), "a delivered spill must be removed"
         (run,) = _only_run(uri)
@@ -89,7 +95,7 @@ def test_recover_delivers_a_finished_job_spilled_while_the_server_was_down(tmp_p
         assert list(steps) == list(range(1, 101)) and len(values) == 100  # every step, once
 
         # a second recover finds nothing left
-        again = subprocess.run([CLI, "recover", uri], env=_env(), capture_output=True, text=True, timeout=60)
+        again = subprocess.run([CLI, "recover", uri], env=_up_env(), capture_output=True, text=True, timeout=120)
         assert again.returncode == 0 and "nothing to deliver" in again.stdout
     finally:
         server.stop()
@@ -108,7 +114,7 @@ def test_the_next_job_on_the_same_server_delivers_a_crashed_jobs_spill(tmp_path)
             [sys.executable, JOB, "plain", "mlflow", uri, "none", "-1"],
             # the server is up: the default time at exit to deliver its run after the orphan's (with
             # _env()'s 3 s a loaded machine ended the job before its writer had, and the run read KILLED)
-            env={k: v for k, v in _env().items() if k != "HDET_TRACK_SHUTDOWN_TIMEOUT"},
+            env=_up_env(),
             capture_output=True,
             text=True,
             timeout=240,

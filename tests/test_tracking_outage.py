@@ -57,7 +57,7 @@ def test_server_outage_loses_nothing(tmp_path, monkeypatch):
         assert sorted(m.step for m in loss) == list(range(1, steps + 1))
         assert len(client.get_metric_history(tracker.run_id, "hdet/controller/lr/base")) == steps // 10
         # The outage happened while training ran, and training never waited on the tracker:
-        # no step took anywhere near the outage's length.
-        assert max(step_times) < 1.0
+        # no step took anywhere near the outage's 6 s (a loaded machine may stall a step for a second).
+        assert max(step_times) < 3.0
     finally:
         server.stop()
