@@ -179,6 +179,7 @@ CANDIDATE_LRS = (0.02, 0.1, 0.5)
 # rounds that run the candidates at other max_lr
 ROUND_LRS = {r: (0.02, 0.1, 0.2, 0.5) for r in (11, 12, 13, 14, 15, 16, 17, 18)}
 MODES = ("shared", "independent")
+LR_SENSITIVITY_TARGET = 1.03  # issue #11's bar, as in bench/quality.py
 
 
 class InvertedDrop(Evidence):
@@ -582,6 +583,18 @@ def main() -> int:
         )
     outcome = select(done, args.dataset, args.steps, args.replicas, args.round, args.modes)
     print(json.dumps({"bench": "controller_dev.selection", **outcome}))
+    # one result line per candidate: #11's bar (the worst ratio of seed means to the best OneCycle
+    # over the round's modes and max_lr, a diverged seed counting as infinite; no divergence)
+    for name, score in outcome.get("score", {}).items():
+        worst = score["worst_ratio"]
+        line = {
+            "bench": f"controller_dev.r{args.round}.{name}.worst_ratio",
+            "value": round(worst, 4) if math.isfinite(worst) else None,
+            "unit": "x best OneCycle (seed means)",
+            "target": LR_SENSITIVITY_TARGET,
+            "pass": bool(score["diverged"] == 0 and worst <= LR_SENSITIVITY_TARGET),
+        }
+        print(json.dumps(line))
     return 0
 
 

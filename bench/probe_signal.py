@@ -147,6 +147,18 @@ def main() -> int:
             summary[f"{mode}.{signal}"] = cells
             print(f"| {mode} | {signal} | " + " | ".join(cells) + " |")
     print(json.dumps({"bench": "probe_signal", "seed": args.seed, "larger_lr_better_syncs": summary}))
+    # result lines: at the lowest max_lr given (default 0.02, 10x below the sweep's best on this task,
+    # where a larger LR is the right move), the share of syncs whose slope says so; a signal that
+    # could steer the LR up from there points that way more often than not
+    low = min(args.lrs)
+    for mode in args.modes:
+        syncs = done[DevRun("fashion-mnist", mode, "fanout-only", low, args.steps, args.replicas, seed=args.seed,
+                            round=18).key()]["syncs"]  # fmt: skip
+        for signal in SIGNALS:
+            share = sum(s[signal] < 0 for s in syncs) / max(len(syncs), 1)
+            line = {"bench": f"probe_signal.{mode}.{signal}.larger_lr_share_at_{low:g}", "value": round(share, 3),
+                    "unit": "share of syncs", "target": 0.5, "pass": share > 0.5}  # fmt: skip
+            print(json.dumps(line))
     return 0
 
 

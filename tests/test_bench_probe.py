@@ -151,3 +151,60 @@ def test_probe_signal_counts_syncs_that_favour_the_larger_lr():
     syncs = [{"tail": -1.0}] * 7 + [{"tail": 1.0}] * 3 + [{"tail": -1.0}] * 2 + [{"tail": 1.0}] * 20
     assert counts(syncs, "tail") == "7 / 2"
     assert counts(syncs[:6], "tail") == "6 of 6"
+
+
+def _result_lines(script: str, records: Path, *args: str) -> list[dict]:
+    """The JSON lines a research bench prints over records it already holds (no run is started)."""
+    import json
+    import subprocess
+
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / script), "--out", str(records), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    for line in lines[1:]:  # after the script's summary line, result lines of the bench format
+        assert set(line) == {"bench", "value", "unit", "target", "pass"}, line
+    return lines
+
+
+def test_controller_dev_ends_with_a_result_line_per_candidate(tmp_path):
+    """Each candidate's line is its worst ratio of seed means to the bar, passing only at most
+    #11's 1.03 with no diverged run (round 18's published records, read back)."""
+    import json
+    import shutil
+
+    from bench.controller_dev import select
+
+    records = tmp_path / "r18.jsonl"
+    shutil.copy(ROOT / "docs" / "controller_dev_round18.jsonl", records)
+    summary, *results = _result_lines("controller_dev.py", records, "--round", "18")
+    assert (ROOT / "docs" / "controller_dev_round18.jsonl").read_bytes() == records.read_bytes()  # nothing run
+    done = {(r := json.loads(line))["key"]: r for line in records.read_text().splitlines()}
+    score = select(done, "fashion-mnist", 800, 4, 18)["score"]
+    assert summary["score"].keys() == score.keys() == {r["bench"].split(".")[2] for r in results}
+    for line in results:
+        s = score[line["bench"].split(".")[2]]
+        assert line["value"] == pytest.approx(max(s["ratios"]), abs=1e-4) and line["target"] == 1.03
+        assert line["pass"] is (s["diverged"] == 0 and line["value"] <= 1.03)
+
+
+def test_probe_signal_ends_with_the_share_of_syncs_favouring_the_larger_lr_at_the_low_end(tmp_path):
+    import json
+    import shutil
+
+    records = tmp_path / "p.jsonl"
+    shutil.copy(ROOT / "docs" / "probe_signal_seed121.jsonl", records)
+    summary, *results = _result_lines("probe_signal.py", records)
+    assert len(results) == 6  # two modes, three signals
+    runs = [json.loads(line) for line in records.read_text().splitlines()]
+    for line in results:
+        _, mode, signal, _ = line["bench"].split(".", 3)
+        (run,) = [r for r in runs if r["mode"] == mode and r["max_lr"] == 0.02]
+        share = float(np.mean([s[signal] < 0 for s in run["syncs"]]))
+        assert line["value"] == pytest.approx(share, abs=1e-3) and line["pass"] is (share > 0.5)
+        ramp, after = summary["larger_lr_better_syncs"][f"{mode}.{signal}"][0].split(" / ")
+        assert int(ramp) + int(after) == round(share * len(run["syncs"]))
