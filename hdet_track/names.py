@@ -45,6 +45,7 @@ __all__ = [
     "parse_weight_metric",
     "onecycle_metric",
     "CONTROLLER_FIELDS",
+    "MEANS_IN_GIVEN_RUN",
     "is_hdet_series",
     "name_problem",
 ]
@@ -52,6 +53,9 @@ __all__ = [
 # Means over replicas, at every (logged) step: what MLflow's compare view plots.
 LOSS = "loss"
 LR = "lr"
+# The means' names in a run HDET attaches to (MLflowTracker(run_id=...): Hugging Face's or
+# Lightning's run), whose owner may log a ``loss`` (Hugging Face's MLflowCallback does) of its own.
+MEANS_IN_GIVEN_RUN = {LOSS: "hdet/loss", LR: "hdet/lr"}
 # Metrics the examples and the demo log (the comparison table reads them).
 VAL_LOSS = "val_loss"
 VAL_ACCURACY = "val_accuracy"

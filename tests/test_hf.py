@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import json
+import os
 
 import pytest
 import torch
@@ -32,7 +33,7 @@ def test_hf_trainer_example_into_a_wandb_offline_run(tmp_path):
     assert_synced_only_at(dump, [10, 20, 30], between=15)
     files = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
     assert len(files) == 1  # Hugging Face's own W&B run holds both replicas
-    contents = read_finished(files[0], timeout=20.0)  # a run Hugging Face finishes: wandb may still write it
+    contents = read_finished(files[0], timeout=60.0)  # a run Hugging Face finishes: wandb may still write it
     rows = {r["hdet/step"]: r for r in contents.history if "hdet/replica_00/lr" in r}
     assert sorted(rows) == list(range(1, 31))
     assert rows[1]["hdet/replica_00/lr"] < rows[1]["hdet/replica_01/lr"]  # fanned out from the first step
@@ -256,8 +257,8 @@ def _tiny_trainer(out, callbacks=(), examples=40, **kwargs):
         for _ in range(examples)
     ]
     args = TrainingArguments(
-        output_dir=str(out), max_steps=10, per_device_train_batch_size=4, learning_rate=1e-2, report_to=[],
-        use_cpu=True, disable_tqdm=True, logging_strategy="no", **kwargs,
+        output_dir=str(out), max_steps=10, per_device_train_batch_size=4, learning_rate=1e-2,
+        use_cpu=True, disable_tqdm=True, **{"report_to": [], "logging_strategy": "no", **kwargs},
     )  # fmt: skip
     return Trainer(model=model, args=args, train_dataset=data, eval_dataset=data[:8], callbacks=list(callbacks))
 
@@ -352,3 +353,272 @@ def test_save_strategy_best_evaluates_the_consensus_it_would_save(tmp_path, form
     trainer.train()
     assert {step for step, _ in probe.seen} == {5, 10}
     assert [n for _, n in probe.seen] == [0] * len(probe.seen)
+
+
+class _PlainLM(torch.nn.Module):
+    """A model whose forward takes no loss kwargs: the Trainer divides its loss by the accumulation."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.out = torch.nn.Embedding(32, 16), torch.nn.Linear(16, 32)
+
+    def forward(self, input_ids, labels=None):
+        logits = self.out(self.emb(input_ids))
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 32), labels.reshape(-1))
+        return {"loss": loss, "logits": logits}
+
+
+def _step_losses():
+    """A scheduler callback recording each sync's window losses (sync_every=1: each replica's step loss)."""
+    from hdet_track.record import SchedulerCallback
+
+    class Losses(SchedulerCallback):
+        def __init__(self):
+            self.seen = {}
+
+        def on_sync(self, record):
+            self.seen[record.step] = record.window_losses
+
+    return Losses()
+
+
+def _fed_and_trainers(tmp_path, form, model, steps=4, rank=0, callbacks=(), sync_every=1, **kwargs):
+    """Train ``model`` with HDET in ``form``; (this rank's window loss per sync, the Trainer's own
+    loss per step, the trainer, HDET's scheduler)."""
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    import hdet_track
+    from hdet_track.integrations.transformers import HDETTrainerCallback
+
+    torch.manual_seed(0)
+    net = (
+        GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=1, n_head=2))
+        if model == "gpt2"
+        else _PlainLM()
+    )
+    gen = torch.Generator().manual_seed(1 + rank)
+    data = [
+        {"input_ids": torch.randint(0, 32, (8,), generator=gen), "labels": torch.randint(0, 32, (8,), generator=gen)}
+        for _ in range(64)
+    ]
+    args = TrainingArguments(
+        output_dir=str(tmp_path / f"out-{form}-{model}"), max_steps=steps, per_device_train_batch_size=2,
+        learning_rate=1e-2, report_to=[], use_cpu=True, disable_tqdm=True, logging_strategy="no",
+        save_strategy="no", **kwargs,
+    )  # fmt: skip
+    losses = _step_losses()
+    hdet = dict(sync_every=sync_every, spread=0.2, track=False, callbacks=[losses])
+    extra = [HDETTrainerCallback(**hdet)] if form == "callback" else []
+    trainer = Trainer(model=net, args=args, train_dataset=data, callbacks=[*callbacks, *extra])
+    own, step_losses = [], []
+    original = trainer.training_step
+
+    def training_step(*a, **k):  # the Trainer's own loss of each micro-batch, summed per optimizer step
+        loss = original(*a, **k)
+        own.append(float(loss))
+        return loss
+
+    trainer.training_step = training_step
+    if form == "wrap":
+        trainer = hdet_track.wrap(trainer, **hdet)
+    accumulate = args.gradient_accumulation_steps
+    trainer.train()
+    step_losses = [sum(own[i : i + accumulate]) for i in range(0, len(own), accumulate)]
+    return (
+        {k: v[rank] for k, v in losses.seen.items()},
+        step_losses,
+        trainer,
+        (extra[0].scheduler if extra else trainer.lr_scheduler),
+    )
+
+
+@pytest.mark.parametrize("model", ["gpt2", "plain"])
+@pytest.mark.parametrize("form", ["wrap", "callback"])
+def test_both_forms_feed_hdet_the_trainers_own_loss_of_each_step(tmp_path, form, model):
+    """The callback form reads the model's output. A Hugging Face model given num_items_in_batch
+    (GPT-2) returns a loss already normalised over the accumulated step, which the callback divided
+    by the accumulation again: HDET got a third of the loss with gradient_accumulation_steps=3."""
+    fed, trainers, *_ = _fed_and_trainers(tmp_path, form, model, gradient_accumulation_steps=3)
+    assert sorted(fed) == [1, 2, 3, 4] and len(trainers) == 4
+    assert [fed[k] for k in sorted(fed)] == pytest.approx(trainers, rel=1e-5)
+
+
+def _two_rank_worker(tmp_path, form):
+    """One rank of a 2-rank gloo DDP Trainer stopped early at step 4 of 6 (syncs every 3)."""
+    import torch.distributed as dist
+    from transformers import TrainerCallback
+
+    class Stop(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 4:
+                control.should_training_stop = True
+
+    rank = int(os.environ["RANK"])
+    fed, trainers, trainer, sched = _fed_and_trainers(
+        tmp_path / f"rank{rank}", form, "gpt2", steps=6, rank=rank, callbacks=[Stop()], sync_every=3,
+        ddp_backend="gloo",
+    )  # fmt: skip
+    flat = torch.cat([p.detach().reshape(-1) for p in trainer.model.parameters()])
+    gathered = [torch.zeros_like(flat) for _ in range(2)]
+    dist.all_gather(gathered, flat)
+    return {
+        "fed": fed,
+        "trainers": trainers,
+        "apart": float((gathered[0] - gathered[1]).abs().max()),
+        "last_epoch": sched.last_epoch,
+    }
+
+
+@pytest.mark.parametrize("form", ["wrap", "callback"])
+def test_two_ranks_feed_each_ranks_own_loss_and_an_early_stop_ends_on_one_consensus(tmp_path, form):
+    """Under DDP the callback form fed HDET half the loss (the model's loss is normalised over both
+    ranks' items and the Trainer scales it back); and a training stopped early (step 4 of 6, syncs
+    every 3) ended with each rank's own replica, so the model saved next was rank 0's alone."""
+    from hdet_track.launch import launch_local
+
+    results = launch_local(_two_rank_worker, 2, tmp_path, form)
+    for r in results.values():
+        assert r["last_epoch"] == 4 and len(r["trainers"]) == 4
+        assert sorted(r["fed"]) == [3, 4]  # the sync at 3, and the one the early stop made at 4
+        assert r["fed"][3] == pytest.approx(sum(r["trainers"][:3]) / 3, rel=1e-5)  # the window's mean
+        assert r["fed"][4] == pytest.approx(r["trainers"][3], rel=1e-5)
+        assert r["apart"] == 0.0  # converged before train() returned
+    assert results[0]["fed"][3] != pytest.approx(results[1]["fed"][3])  # each rank's own batches
+
+
+@pytest.mark.parametrize("form", ["wrap", "callback"])
+def test_a_skipped_optimizer_step_adds_no_loss_to_the_next_and_training_ends_on_a_consensus(tmp_path, form):
+    """An optimizer step skipped on an overflow (fp16's GradScaler; injected here as accelerate's
+    overflow flag) is not a scheduler step: its loss was summed into the next step's, and HDET,
+    one step short at the end, never made its last sync."""
+    from transformers import TrainerCallback
+
+    class Overflow(TrainerCallback):  # the fault: accelerate reports step 2's update as skipped
+        def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+            optimizer._is_overflow = state.global_step + 1 == 2
+
+    fed, trainers, trainer, sched = _fed_and_trainers(tmp_path, form, "gpt2", steps=4, callbacks=[Overflow()])
+    assert len(trainers) == 4 and sched.last_epoch == 3  # three scheduler steps
+    assert [fed[k] for k in sorted(fed)] == pytest.approx([trainers[0], trainers[2], trainers[3]], rel=1e-5)
+    assert sched.last_sync is not None and sched.last_sync.step == 3
+
+
+def test_wrap_refuses_a_trainer_given_its_own_scheduler(tmp_path):
+    """wrap() used to leave a scheduler given in optimizers=(opt, sched) in charge: no HDET at all."""
+    from transformers import Trainer
+
+    import hdet_track
+
+    base = _tiny_trainer(tmp_path)
+    opt = torch.optim.SGD(base.model.parameters(), lr=0.1)
+    given = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0)
+    trainer = Trainer(model=base.model, args=base.args, train_dataset=base.train_dataset, optimizers=(opt, given))
+    with pytest.raises(ValueError, match=r"given LambdaLR in optimizers=.*optimizers=\(optimizer, None\)"):
+        hdet_track.wrap(trainer, track=False)
+    hdet_track.wrap(_tiny_trainer(tmp_path / "b"), track=False)  # the Trainer's own: replaced
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(lr_scheduler_type="reduce_lr_on_plateau", eval_strategy="steps", eval_steps=5), "stepped only after"),
+        (dict(label_smoothing_factor=0.1), "label_smoothing_factor=0"),
+    ],
+)
+def test_the_callback_form_refuses_what_it_cannot_drive(tmp_path, kwargs, message):
+    """ReduceLROnPlateau is stepped by the Trainer after evaluations only (HDET got 3 steps of 9,
+    with the eval loss); with label smoothing the model's output has no loss (auto-LR failed mid-run)."""
+    from hdet_track.integrations.transformers import HDETTrainerCallback
+
+    callback = HDETTrainerCallback(sync_every=3, auto_lr=True, track=False)
+    with pytest.raises(ValueError, match=message):
+        _tiny_trainer(tmp_path, [callback], **kwargs).train()
+    assert callback.scheduler is None  # refused before anything was built
+
+
+def test_the_callback_form_refuses_to_resume_from_a_checkpoint_without_hdet(tmp_path):
+    """A checkpoint of a run without HDET: HDET silently started its schedule again (warm-up at step 7)."""
+    from hdet_track.integrations.transformers import HDETTrainerCallback
+
+    _tiny_trainer(tmp_path / "plain", save_strategy="steps", save_steps=5).train()
+    callback = HDETTrainerCallback(sync_every=3, track=False)
+    with pytest.raises(ValueError, match=r"resumed at step 5 from one whose scheduler.pt holds no HDET state"):
+        _tiny_trainer(tmp_path / "b", [callback]).train(resume_from_checkpoint=str(tmp_path / "plain" / "checkpoint-5"))
+
+
+class _NoLossLM(_PlainLM):
+    def forward(self, input_ids, labels=None):  # a tuple without the loss: the Trainer's compute_loss_func adds it
+        return (self.out(self.emb(input_ids)),)
+
+
+def test_the_callback_form_says_why_when_the_model_gives_no_loss(tmp_path, caplog):
+    from transformers import Trainer
+
+    from hdet_track.integrations.transformers import HDETTrainerCallback
+
+    def loss_func(outputs, labels, num_items_in_batch=None):
+        return torch.nn.functional.cross_entropy(outputs[0].reshape(-1, 32), labels.reshape(-1))
+
+    base = _tiny_trainer(tmp_path)
+    for auto_lr in (True, False):
+        callback = HDETTrainerCallback(sync_every=3, auto_lr=auto_lr, track=False)
+        trainer = Trainer(model=_NoLossLM(), args=base.args, train_dataset=base.train_dataset, callbacks=[callback],
+                          compute_loss_func=loss_func)  # fmt: skip
+        if auto_lr:
+            with pytest.raises(ValueError, match=r"use hdet_track.wrap\(trainer\)"):
+                trainer.train()
+        else:
+            trainer.train()
+            assert callback.scheduler.last_epoch == 10
+            assert caplog.text.count("this step's had none") == 1  # said once
+
+
+def test_report_to_mlflow_and_wandb_puts_hdets_series_in_both_runs(tmp_path, monkeypatch):
+    """report_to=["mlflow", "wandb"]: HDET went into the MLflow run only, the W&B run got nothing."""
+    import hdet_track
+    from hdet_track.readers.mlflow import MLflowReader
+    from hdet_track.readers.wandb import WandbReader
+
+    uri = f"sqlite:///{tmp_path / 'both.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    trainer = hdet_track.wrap(_tiny_trainer(tmp_path / "out", report_to=["mlflow", "wandb"]), sync_every=5)
+    trainer.train()
+    sched = trainer.lr_scheduler
+    ids = dict(sched.run_ids)
+    sched.close()
+    import mlflow
+    import wandb
+
+    if mlflow.active_run() is not None:
+        mlflow.end_run()
+    if wandb.run is not None:
+        wandb.run.finish()
+    assert sorted(ids) == ["mlflow", "wandb"]
+    for run in (MLflowReader(uri).read(ids["mlflow"]), WandbReader(os.environ["WANDB_DIR"]).read(ids["wandb"])):
+        assert sorted(set(run.steps.step.tolist())) == list(range(1, 11))
+        assert [c.step for c in run.converge] == [5, 10]
+
+
+def test_hdets_means_do_not_mix_into_the_loss_hugging_face_logs_in_its_mlflow_run(tmp_path, monkeypatch):
+    """Both logged ``loss`` into Hugging Face's MLflow run: two different values at each logged step
+    (HDET's replica mean and the Trainer's mean over its logging interval) in one chart."""
+    from mlflow.tracking import MlflowClient
+
+    import hdet_track
+    from hdet_track.readers.mlflow import MLflowReader
+
+    uri = f"sqlite:///{tmp_path / 'hf.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    kwargs = dict(report_to=["mlflow"], logging_strategy="steps", logging_steps=2)
+    trainer = hdet_track.wrap(_tiny_trainer(tmp_path / "out", **kwargs), sync_every=5, auto_lr=True)
+    trainer.train()
+    run_id = trainer.lr_scheduler.run_ids["mlflow"]
+    trainer.lr_scheduler.close()
+    client = MlflowClient(uri)
+    hf = client.get_metric_history(run_id, "loss")
+    assert [m.step for m in hf] == [2, 4, 6, 8, 10]  # the Trainer's own, alone
+    ours = client.get_metric_history(run_id, "hdet/loss")
+    assert [m.step for m in ours] == list(range(1, 11))
+    run = MLflowReader(uri).read(run_id)
+    (summary,) = MLflowReader(uri).list_runs()
+    assert summary.final_loss == pytest.approx(run.final_loss()) == pytest.approx(ours[-1].value)

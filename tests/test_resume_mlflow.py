@@ -114,7 +114,7 @@ def test_job_dying_while_its_tracker_process_is_mid_call_leaves_a_killed_run_wit
     tracker._send.close()
     client = MlflowClient(uri)
     run = client.get_run(tracker.run_id)
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 60
     while run.info.status == "RUNNING" and time.monotonic() < deadline:
         time.sleep(0.2)
         run = client.get_run(tracker.run_id)
@@ -178,3 +178,36 @@ def test_reader_keeps_the_last_point_of_a_user_metric_logged_twice_at_a_step(tmp
     client.log_batch(run_id, metrics=[Metric("val_loss", v, t, s) for s, v, t in points])
     steps, values = MLflowReader(uri).read(run_id).metrics["val_loss"]
     assert list(steps) == [5, 6] and list(values) == [0.7, 0.8]
+
+
+def test_a_job_resumed_into_a_run_whose_owner_logs_loss_writes_its_own_steps(tmp_path):
+    """A run HDET attaches to (Hugging Face's MLflowCallback's, after resume_from_checkpoint) where
+    the owner's own ``loss`` was logged past the resume step before HDET's writer started: HDET took
+    that ``loss`` for its own and skipped every step it had, so the resumed part had no HDET series."""
+    import torch
+
+    from hdet_track import HDETScheduler
+
+    uri = f"sqlite:///{tmp_path / 'own.db'}"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("owned")).info.run_id
+    for k in range(1, 7):  # the owner's training loss, at its own steps
+        client.log_metric(run_id, "loss", 3.0, step=k)
+
+    def scheduler(track=False):
+        torch.manual_seed(0)
+        opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+        return opt, HDETScheduler(opt, 0.1, total_steps=6, sync_every=3, track=track)
+
+    opt, first = scheduler()
+    for k in range(1, 4):
+        opt.step()
+        first.step(1.0 / k)
+    opt, sched = scheduler(MLflowTracker(tracking_uri=uri, run_id=run_id))
+    sched.load_state_dict(first.state_dict())
+    for k in range(4, 7):
+        opt.step()
+        sched.step(1.0 / k)
+    sched.close()
+    assert [m.step for m in client.get_metric_history(run_id, "hdet/replica_00/lr")] == [4, 5, 6]
+    assert [m.step for m in client.get_metric_history(run_id, "hdet/replica_00/loss")] == [4, 5, 6]

@@ -33,19 +33,43 @@ except ImportError as exc:  # pragma: no cover
 
 __all__ = ["HDETTrainerCallback", "wrap_trainer"]
 
+try:  # schedulers the Trainer steps only after an evaluation, with its metric
+    from transformers.optimization import GreedyLR as _GreedyLR
+
+    _METRIC_STEPPED: tuple[type, ...] = (torch.optim.lr_scheduler.ReduceLROnPlateau, _GreedyLR)
+except ImportError:  # pragma: no cover - an older transformers
+    _METRIC_STEPPED = (torch.optim.lr_scheduler.ReduceLROnPlateau,)
+
 logger = logging.getLogger(__name__)
 
 
 class _LossFedScheduler(HDETScheduler):
-    """HDET stepped by the Trainer without arguments; the loss comes from the wrapped training_step."""
+    """HDET stepped by the Trainer without arguments; the loss comes from the wrapped training_step
+    (``_fed``: this optimizer step's micro-batch losses as the Trainer returns them, summed) or the
+    model's output (``_fed_mean``: per micro-batch means over its own items, averaged)."""
+
+    _no_loss_hint: str | None = None  # the callback form: why a step may come without a loss
 
     def step(self, loss: Any = None, epoch: Any = None) -> None:  # type: ignore[override]
         if loss is None and getattr(self, "_hdet_ready", False):
-            pending = self.__dict__.get("_fed", [])
-            if pending:
-                loss = torch.stack([p.reshape(()).double() for p in pending]).sum()
-                pending.clear()
+            summed, averaged = self.__dict__.get("_fed", []), self.__dict__.get("_fed_mean", [])
+            parts = [torch.stack([p.reshape(()).double() for p in summed]).sum()] if summed else []
+            parts += [torch.stack([p.reshape(()).double() for p in averaged]).mean()] if averaged else []
+            loss = sum(parts) if parts else None
+            summed.clear()
+            averaged.clear()
+            if loss is None and self._no_loss_hint is not None:
+                if self.auto_lr:
+                    raise ValueError(self._no_loss_hint)
+                logger.warning("hdet-track: %s; its runs have no training loss", self._no_loss_hint)
+                self._no_loss_hint = None  # said once
         super().step(loss, epoch)
+
+    def drop_pending(self) -> None:
+        """An optimizer step begins: a loss left from the last one (a step the optimizer skipped,
+        e.g. fp16's GradScaler on an overflow, so the Trainer did not step the scheduler) is not this one's."""
+        self.__dict__.get("_fed", []).clear()
+        self.__dict__.get("_fed_mean", []).clear()
 
 
 # The key of HDET's state inside the Trainer's own scheduler.pt (the callback form; see _drive)
@@ -100,8 +124,11 @@ def _drive(lr_scheduler: Any, sched: HDETScheduler) -> None:
 
 def end_of_training(sched: HDETScheduler) -> None:
     """``train()`` returned: the run stays open for final metrics when the schedule reached its
-    end (the process's exit ends it FINISHED); a training stopped early ends it FINISHED now."""
+    end (the process's exit ends it FINISHED); a training stopped early (or short of its last
+    scheduler step: a skipped optimizer step) converges first, on every rank, so that the model
+    the Trainer saves next is the consensus, and ends it FINISHED now."""
     if sched.last_epoch < sched.total_steps:
+        sched.sync_now()
         sched.close()
 
 
@@ -122,22 +149,26 @@ def _end_failed(sched: HDETScheduler, args: Any, exc: BaseException) -> None:
 
 
 def _report_tracker(args: Any, track: Any) -> Any:
-    """The run Hugging Face's reporting callback opened (``report_to``), else ``track`` as given."""
+    """The runs Hugging Face's reporting callbacks opened (``report_to``: one tracker for each of
+    MLflow and W&B reported to), else ``track`` as given."""
     report_to = args.report_to if isinstance(args.report_to, (list, tuple)) else [args.report_to]
+    trackers: list[Any] = []
     if "mlflow" in report_to:
         import mlflow
 
         from ..tracking.mlflow import MLflowTracker
 
         active = mlflow.active_run()
-        return MLflowTracker(run_id=active.info.run_id if active is not None else None)
+        trackers.append(MLflowTracker(run_id=active.info.run_id if active is not None else None))
     if "wandb" in report_to:
         import wandb
 
         from ..tracking.wandb import WandbTracker
 
-        return WandbTracker(run=wandb.run) if wandb.run is not None else "wandb"
-    return track
+        trackers.append(WandbTracker(run=wandb.run) if wandb.run is not None else "wandb")
+    if not trackers:
+        return track
+    return trackers[0] if len(trackers) == 1 else trackers
 
 
 class _TrackingCallback(TrainerCallback):
@@ -163,6 +194,11 @@ class _TrackingCallback(TrainerCallback):
                 sched.start_tracking(
                     track, log_every=self.log_every, compare_group=self.compare_group, run_name=args.run_name
                 )
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        sched = self.trainer.lr_scheduler
+        if isinstance(sched, _LossFedScheduler):
+            sched.drop_pending()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         sched = self.trainer.lr_scheduler
@@ -191,6 +227,12 @@ def wrap_trainer(
 ) -> Any:
     """Make ``trainer`` train with HDET; returns it."""
     check_hdet_kwargs("wrap_trainer", hdet_kwargs, taken=("track", "log_every", "compare_group", "close_at_end"))
+    if trainer.lr_scheduler is not None and not getattr(trainer, "_created_lr_scheduler", False):
+        raise ValueError(
+            f"Expected a Trainer that makes its own scheduler (HDET takes its place), but it was given "
+            f"{type(trainer.lr_scheduler).__name__} in optimizers=(optimizer, lr_scheduler): pass "
+            "optimizers=(optimizer, None)"
+        )
     original_step = trainer.training_step
 
     def training_step(*args: Any, **kwargs: Any) -> Any:
@@ -249,6 +291,23 @@ def _hdet_for(args: Any, optimizer: Any, model: Any, num_training_steps: int, hd
     )
 
 
+def _check_callback_form(args: Any, state: Any, lr_scheduler: Any) -> None:
+    """What the callback form cannot do (``hdet_track.wrap(trainer)`` can): a clear error at once."""
+    if getattr(args, "label_smoothing_factor", 0):
+        raise ValueError(
+            f"Expected label_smoothing_factor=0 with HDETTrainerCallback, but got {args.label_smoothing_factor}: "
+            "the Trainer then computes the loss itself and the model's output (which the callback reads) has "
+            "none; use hdet_track.wrap(trainer), which takes the loss the Trainer computes"
+        )
+    if isinstance(lr_scheduler, _METRIC_STEPPED):
+        raise ValueError(
+            f"Expected a scheduler the Trainer steps at every optimizer step, but lr_scheduler_type="
+            f"{str(getattr(args.lr_scheduler_type, 'value', args.lr_scheduler_type))!r} "
+            f"({type(lr_scheduler).__name__}) is stepped only after evaluations: use the default "
+            "lr_scheduler_type with HDETTrainerCallback, or hdet_track.wrap(trainer)"
+        )
+
+
 class HDETTrainerCallback(TrainerCallback):
     """The callback form: ``Trainer(..., callbacks=[HDETTrainerCallback(spread=0.3, ...)])``.
 
@@ -287,6 +346,8 @@ class HDETTrainerCallback(TrainerCallback):
     ) -> None:
         if self._hook is not None:  # the previous train() raised before on_train_end
             self._hook.remove()
+            self._hook = None
+        _check_callback_form(args, state, lr_scheduler)
         if self.scheduler is not None:
             self.scheduler.close()  # the previous train()'s run, left open for final metrics
         sched = _hdet_for(args, optimizer, model, state.max_steps, self.hdet_kwargs)
@@ -294,13 +355,33 @@ class HDETTrainerCallback(TrainerCallback):
         saved = lr_scheduler.__dict__.pop(_STATE_KEY, None) if lr_scheduler is not None else None
         if saved is not None:  # resume_from_checkpoint: the Trainer loaded its scheduler.pt, HDET's inside
             sched.load_state_dict(saved)
+        elif state.global_step > 0:
+            raise ValueError(
+                f"Expected a checkpoint written with HDETTrainerCallback to resume from, but the Trainer resumed "
+                f"at step {state.global_step} from one whose scheduler.pt holds no HDET state (a run without "
+                "HDET?): HDET would start its schedule again at step 0. Resume from a checkpoint of an HDET "
+                "run, or train from the start"
+            )
+        sched._no_loss_hint = (
+            "Expected the model's output to hold the training loss (outputs.loss, as Hugging Face models "
+            "return when given labels), which HDETTrainerCallback reads, but this step's had none (a "
+            "compute_loss_func, or a model that returns a tuple without a loss?): use hdet_track.wrap(trainer), "
+            "which takes the loss the Trainer computes"
+        )
 
-        def capture(module: Any, inputs: Any, output: Any) -> None:
-            loss = getattr(output, "loss", None)
-            if module.training and isinstance(loss, torch.Tensor):
-                sched.__dict__.setdefault("_fed", []).append(loss.detach() / max(args.gradient_accumulation_steps, 1))
+        def capture(module: Any, inputs: Any, kwargs: Any, output: Any) -> None:
+            loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+            if not module.training or not isinstance(loss, torch.Tensor):
+                return
+            if kwargs.get("num_items_in_batch") is not None:
+                # normalised by the optimizer step's item count (over every rank when the Trainer
+                # averages tokens across devices): summed over micro-batches, as the Trainer does
+                world = args.world_size if args.average_tokens_across_devices else 1
+                sched.__dict__.setdefault("_fed", []).append(loss.detach() * world)
+            else:
+                sched.__dict__.setdefault("_fed_mean", []).append(loss.detach())
 
-        self._hook = model.register_forward_hook(capture)
+        self._hook = model.register_forward_hook(capture, with_kwargs=True)
         if lr_scheduler is not None:
             _drive(lr_scheduler, sched)
         tracker = _report_tracker(args, self.track)
@@ -308,6 +389,10 @@ class HDETTrainerCallback(TrainerCallback):
             sched.start_tracking(
                 tracker, log_every=self.log_every, compare_group=self.compare_group, run_name=args.run_name
             )
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.scheduler is not None:
+            self.scheduler.drop_pending()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.scheduler is not None:

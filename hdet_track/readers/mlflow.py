@@ -236,7 +236,7 @@ class MLflowReader:
                     schedule=tags.get("hdet.schedule", ""),
                     world_size=int(ws) if ws.isdigit() else 1,
                     compare_group=tags.get("hdet.compare_group"),
-                    final_loss=self._final_loss(r.info.run_id, r.data.metrics.get("loss", math.nan)),
+                    final_loss=self._final_loss(r.info.run_id, r.data.metrics),
                     start_time=(r.info.start_time or 0) / 1000.0,
                     experiment=names.get(r.info.experiment_id, ""),
                 )
@@ -270,11 +270,15 @@ class MLflowReader:
             return None
         return reason
 
-    def _final_loss(self, run_id: str, latest: float) -> float:
-        """The last finite ``loss`` (as :meth:`HDETRun.final_loss`): MLflow's latest value may be NaN."""
+    def _final_loss(self, run_id: str, metrics: dict[str, float]) -> float:
+        """The last finite mean ``loss`` (as :meth:`HDETRun.final_loss`; ``hdet/loss`` in a run HDET
+        attached to, whose ``loss`` is its owner's): MLflow's latest value may be NaN."""
+        key = names.MEANS_IN_GIVEN_RUN[names.LOSS]
+        key = key if key in metrics else names.LOSS
+        latest = metrics.get(key, math.nan)
         if math.isfinite(latest):
             return float(latest)
-        values = self._history(run_id, names.LOSS)[1]
+        values = self._history(run_id, key)[1]
         finite = values[np.isfinite(values)]
         return float(finite[-1]) if len(finite) else math.nan
 

@@ -110,6 +110,7 @@ class MLflowTracker(Tracker):
         self._client: Any = None
         self._run_id: str | None = None
         self._attached = False
+        self._given = False  # a run someone else opened: the means go under MEANS_IN_GIVEN_RUN
         self._resume_id: str | None = None
         self._skip_until = -1  # HDET's metric points up to this step are in the store already
         self._archived = (-1, -1)  # a resumed run: the archive's step rows, and its events, up to these steps
@@ -140,7 +141,9 @@ class MLflowTracker(Tracker):
         # What IsolatedTracker sends its child: the settings (and a resume request), never the
         # state of a run this object logged before: each child, i.e. each scheduler, starts its run.
         state = self.__dict__.copy()
-        state.update(_run_id=None, _client=None, _archive=None, _pending=[], _attached=False, _pending_folder=None)
+        state.update(
+            _run_id=None, _client=None, _archive=None, _pending=[], _attached=False, _given=False, _pending_folder=None
+        )
         state.update(_skip_until=-1, _archived=(-1, -1), _user_steps=None)
         state.pop("_run_owner", None)
         return state
@@ -170,7 +173,7 @@ class MLflowTracker(Tracker):
         self._start_claimed(lambda: self._start(run_start))
 
     def _start(self, run_start: RunStart) -> None:
-        self._client, self._run_id, self._attached = None, None, False
+        self._client, self._run_id, self._attached, self._given = None, None, False, False
         self._skip_until, self._archived, self._user_steps = -1, (-1, -1), None
         self._archive, self._pending = None, []
         mlflow, MlflowClient = _import_mlflow()
@@ -190,7 +193,7 @@ class MLflowTracker(Tracker):
             tags["mlflow.parentRunId"] = self.parent_run_id
         attach = self._attach_id or os.environ.get("MLFLOW_RUN_ID")
         resumed = None if attach else self._resume_id
-        self._attached = bool(attach)
+        self._attached = self._given = bool(attach)
         reopen = False
         existing: dict[str, str] = {}
         start_index = 0
@@ -248,6 +251,8 @@ class MLflowTracker(Tracker):
         points = sorted(
             (p for p in batch.points if names.is_hdet_series(p.key) and p.step > self._skip_until), key=_step
         )
+        if self._given:
+            points = [p._replace(key=names.MEANS_IN_GIVEN_RUN.get(p.key, p.key)) for p in points]
         through = max([p.step for p in points] + [int(b.step.max()) for b in batch.steps if len(b)], default=-1)
         if through > self._skip_until:
             self._log_metrics(points, through)
@@ -408,11 +413,15 @@ def _step_slices(points: list[Point], size: int):  # noqa: ANN202
 
 def _logged_through(client: Any, run: Any) -> int:
     """The last step whose HDET points are all in ``run``'s store; for a run logged before
-    LOGGED_THROUGH_TAG, the last step of its ``loss`` and sync series (thinned: a lower bound)."""
+    LOGGED_THROUGH_TAG, the last step of replica 0's series and the sync series (thinned: a lower
+    bound). Not the ``loss`` mean: in a run HDET attaches to (Hugging Face's, Lightning's) the
+    owner logs a ``loss`` of its own, and a resumed job skipped every step up to the owner's."""
     tag = run.data.tags.get(LOGGED_THROUGH_TAG, "")
     if tag.lstrip("-").isdigit():
         return int(tag)
-    history = [m for key in (names.LOSS, names.SYNC_LEFT_OUT) for m in client.get_metric_history(run.info.run_id, key)]
+    keys = (names.replica_metric(0, "loss"), names.replica_metric(0, names.LR), names.replica_metric(0, "lr/pg0"))
+    keys += (names.SYNC_LEFT_OUT,)
+    history = [m for key in keys for m in client.get_metric_history(run.info.run_id, key)]
     return max((m.step for m in history), default=-1)
 
 
