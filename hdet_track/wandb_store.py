@@ -91,23 +91,37 @@ def session_user_metrics(
     return series(found)
 
 
-def row_step(row: dict, key: str) -> int | None:
-    """A row's own step for ``key`` (hdet-track 0.2 rows carry it; older ones used W&B's ``_step``)."""
+# The training step a row that hdet-track did not write carries: Hugging Face's WandbCallback,
+# Lightning's WandbLogger, a user's own ``global_step``.
+OWNER_STEP_KEYS = ("train/global_step", "trainer/global_step", "global_step")
+
+
+def row_step(row: dict, key: str, legacy: bool = True) -> int | None:
+    """A row's own step for ``key``: hdet-track 0.2 rows carry it; a row its owner logged into a
+    given run, the trainer's step (:data:`OWNER_STEP_KEYS`); older hdet-track rows (``legacy``: a
+    run with no ``hdet/step`` at all) W&B's ``_step``, which counts rows, not training steps."""
     axis = names.SYNC_STEP if key.startswith(SYNC_PREFIXES) else names.STEP
-    step = row.get(axis, row.get("_step"))
-    return int(step) if isinstance(step, (int, float)) else None
+    step = row.get(axis)
+    if step is None:
+        step = next((row[k] for k in OWNER_STEP_KEYS if isinstance(row.get(k), (int, float))), None)
+    if step is None and legacy:
+        step = row.get("_step")
+    return int(step) if isinstance(step, (int, float)) and not isinstance(step, bool) else None
 
 
 def user_metrics(history: list[dict], skip: tuple[str, ...] = ()) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Key -> (steps, values) of the numeric series that are not HDET's (``hdet/...``) nor W&B's
-    (``_...``), nor in ``skip``; in step order (rows may arrive in any order)."""
+    (``_...``), nor in ``skip``; in step order (rows may arrive in any order). A row with no step
+    of its own (its owner's, logged straight to W&B without one of :data:`OWNER_STEP_KEYS`) is
+    left out: W&B's row counter is not a training step."""
     found: dict[str, list[tuple[int, float]]] = {}
+    legacy = not any(names.STEP in row for row in history)
     for row in history:
         for key, value in row.items():
-            if key.startswith(("hdet/", "_")) or key in skip:
+            if key.startswith(("hdet/", "_")) or key in skip or key in OWNER_STEP_KEYS:
                 continue
             if isinstance(value, (int, float)) and not isinstance(value, bool):
-                step = row_step(row, key)
+                step = row_step(row, key, legacy)
                 if step is not None:
                     found.setdefault(key, []).append((step, float(value)))
     return series(found)

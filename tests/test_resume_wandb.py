@@ -30,7 +30,8 @@ if os.environ.get("OLD_WRITER"):  # the tracker before it skipped what earlier s
 torch.manual_seed(0)
 model = torch.nn.Linear(2, 1)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
-tracker = tracking_wandb.WandbTracker(project="resume", dir=store, mode="offline")
+unflushed = end == "kill-unflushed"  # no archive chunk before the kill: W&B's rows only
+tracker = tracking_wandb.WandbTracker(project="resume", dir=store, mode="offline", **({"chunk_seconds": 3600.0} if unflushed else {}))
 sched = HDETScheduler(opt, 0.1, total_steps=40, spread=0.3, sync_every=6, auto_lr=True, seed=3, track=tracker)
 parts = {"model": model, "opt": opt, "sched": sched}
 if phase == "second":
@@ -46,9 +47,23 @@ for k in range(18 if phase == "second" else 1, int(stop) + 1):
         sched.log_metrics({"val_loss": k + (0.5 if phase == "second" else 0.0)}, step=k)
     if phase == "first" and k == 17:
         torch.save({name: part.state_dict() for name, part in parts.items()}, ckpt)
-assert sched.flush() is True
+if unflushed:  # killed once W&B's file holds the rows through the step before the last (the
+    # last step's row waits for the next hand-over), before any archive chunk was written
+    import time
+    from hdet_track.wandb_file import read_wandb_file
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            rows = read_wandb_file(tracker.run.settings.sync_file).history
+            if int(stop) - 1 in [r.get("hdet/step") for r in rows]:
+                break
+        except Exception:
+            pass
+        time.sleep(0.2)
+else:
+    assert sched.flush() is True
 print(os.getpid(), flush=True)
-if end == "kill":
+if end.startswith("kill"):
     os.kill(os.getpid(), signal.SIGKILL)
 sched.close()
 """
@@ -63,7 +78,7 @@ def _job(tmp_path, phase, stop, end, old_writer=False):
         env["OLD_WRITER"] = "1"
     args = [str(tmp_path / "store"), str(tmp_path / "ckpt.pt"), phase, str(stop), end]
     proc = subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == (-9 if end == "kill" else 0), proc.stderr[-3000:]
+    assert proc.returncode == (-9 if end.startswith("kill") else 0), proc.stderr[-3000:]
     return int(proc.stdout.split()[0])
 
 
@@ -232,3 +247,27 @@ def test_a_resumed_run_skips_only_its_own_sessions_not_a_run_whose_id_extends_it
     run = WandbReader(str(tmp_path)).read("trial")
     assert run.status == "FINISHED" and run.replica_series("loss", 0)[0].tolist() == list(range(1, 21))
     assert [c.step for c in run.converge] == [5, 10, 15, 20]
+
+
+def test_steps_only_in_the_killed_sessions_rows_are_read_back_after_a_resume(tmp_path):
+    """The first session is killed after step 21 with no archive chunk written (W&B writes its file
+    every second, the archive every few seconds), the second resumes from the checkpoint at 17:
+    steps 1-17 and the syncs at 6 and 12 were in W&B's rows only, and the reader lost them."""
+    _job(tmp_path, "first", 21, "kill-unflushed")
+    first = glob.glob(str(tmp_path / "store" / "wandb" / "offline-run-*" / "files" / "hdet_events" / "steps-*"))
+    assert first == []  # the gap: nothing archived
+    _job(tmp_path, "second", 40, "close")
+    (killed, _) = _session_dirs(tmp_path)
+    rows = read_wandb_file(glob.glob(os.path.join(killed, "run-*.wandb"))[0]).history
+    logged = {r["hdet/step"] for r in rows if "hdet/replica_00/lr" in r}
+    synced = sorted({r["hdet/sync/step"] for r in rows if "hdet/sync/step" in r} - set(range(18, 41)))
+    assert set(range(1, 18)) <= logged and {6, 12} <= set(synced)  # what only the killed session holds
+    reader, run_id = _read(tmp_path)
+    run = reader.read(run_id)
+    pairs = Counter(zip(run.steps.step.tolist(), run.steps.replica.tolist()))
+    assert sorted({s for s, _ in pairs}) == list(range(1, 41)) and set(pairs.values()) == {1}
+    assert [c.step for c in run.converge if c.step < 18] == synced  # from the rows
+    assert [c.step for c in run.converge if c.step >= 18][:4] == [18, 24, 30, 36]  # the archive's, redone
+    assert run.status == "FINISHED" and any("read from W&B's rows" in w for w in run.warnings)
+    again = reader.read(run_id, previous=run)  # a later read does not build on the filled rows
+    assert again.steps.step.tolist() == run.steps.step.tolist()

@@ -23,8 +23,9 @@ def read_finished(path, timeout=0.0):
     deadline = time.monotonic() + timeout
     while True:
         contents = read_wandb_file(path)
-        if contents.exit_code is not None or time.monotonic() > deadline:
+        if contents.exit_code is not None or timeout <= 0:
             return contents
+        assert time.monotonic() < deadline, f"W&B wrote no exit record to {path} within {timeout} s"
         time.sleep(0.2)
 
 
@@ -191,7 +192,8 @@ def test_a_run_file_read_again_as_it_grows_is_parsed_once_and_reads_as_parsed_wh
         return path
 
     source, other = write("a", 1500), write("b", 900)
-    whole = read_finished(source, timeout=30)
+    whole = read_finished(source, timeout=60)
+    read_finished(other, timeout=60)  # whole on disk before it is copied below
     assert whole.exit_code == 0 and len(whole.history) == 1500
     data = open(source, "rb").read()
     assert len(data) > 4 * 32 * 1024  # several blocks, so records are split over blocks
@@ -218,7 +220,7 @@ def test_a_run_file_read_again_as_it_grows_is_parsed_once_and_reads_as_parsed_wh
     live.write_bytes(data[: len(data) // 3])
     cache.read(live)
     shutil.copyfile(other, live)  # another run's file written over this one in place (same inode), longer
-    assert cache.read(live).history == read_finished(other, timeout=30).history
+    assert cache.read(live).history == read_finished(other, timeout=60).history
     small = WandbFileCache(max_cells=12_000)  # holds one parse at a time: a second file evicts the first
     small.read(source)
     small.read(live)
@@ -284,7 +286,7 @@ def test_an_uncaught_error_prints_one_traceback_and_fails_the_run(tmp_path):
     output = proc.stdout + proc.stderr
     assert output.count("Traceback (most recent call last)") == 1, output
     assert output.count("RuntimeError: exploded at step 7") == 1, output
-    contents = read_finished(glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))[0], timeout=30.0)
+    contents = read_finished(glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))[0], timeout=60.0)
     assert contents.exit_code == 1 and contents.summary["hdet/status"] == "FAILED"
     assert "exploded at step 7" in contents.summary["hdet/error"]
 
@@ -481,6 +483,8 @@ def test_a_run_whose_process_ended_it_reads_finished(tmp_path):
     """A process that closed its run and exited: FINISHED (its owner is gone, but the run ended)."""
     proc = _start_job(tmp_path, "close")
     assert proc.wait(timeout=300) == 0
+    (path,) = glob.glob(str(tmp_path / "store" / "wandb" / "offline-run-*" / "run-*.wandb"))
+    read_finished(path, timeout=60)  # W&B's service may outlive the job on a loaded machine
     time.sleep(2.5)  # past the reader's grace for W&B's service
     summary, run = _read_single(tmp_path / "store")
     assert run.status == "FINISHED" and not run.live and "hdet.error" not in run.tags
@@ -526,9 +530,9 @@ def test_run_file_interval_is_one_second_unless_the_user_chose_one(tmp_path, cho
     assert float(line.split()[1]) == (1.0 if chosen == "none" else 7.0)
 
 
-def test_a_torn_steps_chunk_falls_back_to_the_run_files_loss(tmp_path):
-    """The archive's steps chunk is unreadable (torn): the mean loss and LR still come from W&B's own
-    rows, with a warning, instead of reading as missing."""
+def test_a_torn_steps_chunk_falls_back_to_the_run_files_rows(tmp_path):
+    """The archive's steps chunk is unreadable (torn): every replica's steps still come from W&B's
+    own rows, with warnings, instead of reading as missing (before: only the mean loss and LR)."""
     from hdet_track.readers.wandb import WandbReader
 
     proc = _start_job(tmp_path, "close")
@@ -538,9 +542,10 @@ def test_a_torn_steps_chunk_falls_back_to_the_run_files_loss(tmp_path):
     reader = WandbReader(tmp_path / "store")
     (summary,) = reader.list_runs()
     run = reader.read(summary.run_id)
-    assert any("steps-" in w for w in run.warnings) and not len(run.steps)
-    assert run.final_loss() == pytest.approx(1 / 30)
-    assert run.metrics["lr"][0].tolist()[-1] == 30
+    assert any("steps-" in w for w in run.warnings) and any("read from W&B's rows" in w for w in run.warnings)
+    assert run.replica_series("loss", 0)[0].tolist() == list(range(1, 31))
+    assert run.final_loss() == pytest.approx(1 / 30) == pytest.approx(summary.final_loss)
+    assert run.mean_series("lr")[0].tolist()[-1] == 30
 
 
 def test_a_metric_name_w_and_b_reads_as_a_pattern_fails_at_the_call(tmp_path):
@@ -581,7 +586,169 @@ def test_a_given_run_keeps_its_owners_config(tmp_path):
             sched.step(1.0 / k)
     run.finish()
     (path,) = glob.glob(str(tmp_path / "wandb" / "*run-*" / "run-*.wandb"))
-    config = read_finished(path, timeout=10).config
+    config = read_finished(path, timeout=60).config
     assert config["seed"] == 42 and config["optimizer"] == "AdamW"  # the owner's
     assert str(config["hdet/seed"]) == "3" and str(config["hdet/optimizer"]) == "SGD"  # HDET's, beside them
     assert str(config["sync_every"]) == "2"  # a key the owner does not have: as in a run of HDET's own
+
+
+GIVEN_WITH = """
+import sys, time, torch, wandb
+from hdet_track import HDETScheduler
+from hdet_track.tracking.wandb import WandbTracker
+with wandb.init(project="given", dir=sys.argv[1], mode="offline") as run:
+    opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+    sched = HDETScheduler(opt, 0.1, total_steps=20, sync_every=5, track=WandbTracker(run=run))
+    for k in range(1, 21):
+        opt.step()
+        sched.step(1.0 / k)
+    sched.log_metrics({"val_loss": 0.5}, step=20)
+print("left", flush=True)
+"""
+
+
+def test_a_given_run_its_owner_finished_first_keeps_hdets_data_and_the_job_exits_at_once(tmp_path):
+    """``with wandb.init() as run:`` around training, no ``sched.close()`` (the run ends at exit):
+    W&B refused HDET's last writes to the finished run, which hdet-track took for an outage: the
+    exit waited out the shutdown timeout, warned "unavailable", and left a spill that `recover`
+    delivered into a new session in the default project."""
+    import subprocess
+    import sys
+
+    from hdet_track.readers.wandb import WandbReader
+
+    script = tmp_path / "job.py"
+    script.write_text(GIVEN_WITH)
+    env = dict(os.environ, HDET_TRACK_SHUTDOWN_TIMEOUT="60")  # the old exit waited this long
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0 and "left" in proc.stdout, proc.stderr[-3000:]
+    assert "unavailable" not in proc.stderr and "finished by its owner" in proc.stderr, proc.stderr[-3000:]
+    assert not list((tmp_path / "wandb").glob(".hdet-spill/spill-*"))  # nothing left to recover
+    reader = WandbReader(str(tmp_path))
+    (summary,) = reader.list_runs()
+    run = reader.read(summary.run_id)
+    assert run.tags["project"] == "given" and run.status == "FINISHED"
+    assert sorted(set(run.steps.step.tolist())) == list(range(1, 21))
+    assert run.metrics["val_loss"][1].tolist() == [0.5]
+
+
+def test_a_spill_reaches_the_project_mode_and_directory_this_process_resolved(tmp_path, monkeypatch):
+    """Settings from the environment were left out of a spill's header: `recover` from a shell
+    without WANDB_PROJECT delivered the run into the default project. A given run's spill went to
+    ./wandb of the working directory, not beside the run."""
+    import wandb
+
+    from hdet_track.tracking.wandb import WandbTracker
+
+    monkeypatch.setenv("WANDB_PROJECT", "myproj")
+    monkeypatch.setenv("WANDB_RUN_GROUP", "grp")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "env-dir"))
+    settings = WandbTracker().spill_settings()
+    assert settings["project"] == "myproj" and settings["group"] == "grp" and settings["mode"] is None
+    assert settings["dir"] == str(tmp_path / "env-dir")
+    assert WandbTracker(project="mine", dir=str(tmp_path / "d")).spill_settings()["project"] == "mine"
+    run = wandb.init(project="owned", dir=str(tmp_path / "owner"), mode="offline")
+    try:
+        given = WandbTracker(run=run)
+        assert given.spill_settings()["project"] == "owned" and given.spill_settings()["group"] == "grp"
+        assert given.spill_dir() == tmp_path / "owner" / "wandb" / ".hdet-spill"
+    finally:
+        run.finish()
+
+
+def test_mode_disabled_closes_without_waiting_for_a_run_file(tmp_path, monkeypatch, caplog):
+    """WANDB_MODE=disabled writes no run file: close() waited 15 s for one and warned."""
+    import logging
+
+    from hdet_track.tracking.wandb import WandbTracker
+
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    opt = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)
+    with caplog.at_level(logging.WARNING):
+        with HDETScheduler(opt, 0.1, total_steps=4, sync_every=2, track=WandbTracker(dir=str(tmp_path))) as sched:
+            for k in range(1, 5):
+                opt.step()
+                sched.step(1.0 / k)
+    assert "had not written" not in caplog.text
+
+
+def test_flush_on_a_given_run_writes_the_archive_without_waiting_for_the_owners_interval(tmp_path):
+    """A given run's file is written at its owner's interval (15 s by default): flush() stalled the
+    training loop about 15 s at every call. The archive, which the readers read, is written at once."""
+    import wandb
+
+    from hdet_track.readers.wandb import WandbReader
+    from hdet_track.tracking.wandb import WandbTracker
+
+    run = wandb.init(project="given", dir=str(tmp_path), mode="offline")
+    opt = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)
+    sched = HDETScheduler(opt, 0.1, total_steps=20, sync_every=5, track=WandbTracker(run=run))
+    for k in range(1, 11):
+        opt.step()
+        sched.step(1.0 / k)
+    started = time.monotonic()
+    assert sched.flush() is True
+    waited = time.monotonic() - started
+    archived = WandbReader(str(tmp_path)).read(run.id)
+    assert sorted(set(archived.steps.step.tolist())) == list(range(1, 11))
+    assert waited < 5.0, waited  # it waited for W&B's file, 13-15 s, before
+    sched.close()
+    run.finish()
+
+
+def test_metrics_the_owner_logs_in_a_given_run_are_read_at_the_trainers_step(tmp_path):
+    """A given run's owner logs its own rows (Hugging Face's train/global_step, Lightning's
+    trainer/global_step): they were read at W&B's row counter, steps 12, 25, 38, 51 for a metric
+    logged at 10, 20, 30, 40 (51 beyond the run's 40 steps). A row with no step of its own is left
+    out; the user's metrics through HDET keep their steps."""
+    import wandb
+
+    from hdet_track.readers.wandb import WandbReader
+    from hdet_track.tracking.wandb import WandbTracker
+
+    run = wandb.init(project="given", dir=str(tmp_path), mode="offline")
+    opt = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)
+    sched = HDETScheduler(opt, 0.1, total_steps=40, sync_every=5, track=WandbTracker(run=run))
+    for k in range(1, 41):
+        opt.step()
+        sched.step(1.0 / k)
+        if k % 10 == 0:
+            run.log({"train/acc": k / 100, "train/global_step": k})
+            run.log({"trainer/val_f1": k / 50, "trainer/global_step": k})
+            run.log({"no_step": 1.0})
+            sched.log_metrics({"val_loss": 1.0 / k}, step=k)
+    sched.close()
+    run.finish()
+    read_finished(glob.glob(str(tmp_path / "wandb" / "*run-*" / "run-*.wandb"))[0], timeout=60)
+    got = WandbReader(str(tmp_path)).read(run.id)
+    assert got.metrics["train/acc"][0].tolist() == [10, 20, 30, 40]
+    assert got.metrics["trainer/val_f1"][0].tolist() == [10, 20, 30, 40]
+    assert got.metrics["val_loss"][0].tolist() == [10, 20, 30, 40]
+    assert "no_step" not in got.metrics and "train/global_step" not in got.metrics
+
+
+def test_a_run_closed_finished_whose_file_lacks_wandbs_end_reads_finished(tmp_path):
+    """hdet-track closed the run FINISHED (its status in the run's summary), then the process went
+    before W&B's service wrote the run's end (a job teardown that killed the service): the run read
+    KILLED, "ended without ending the run"."""
+    import shutil
+
+    proc = _start_job(tmp_path, "close")
+    assert proc.wait(timeout=300) == 0
+    directory = glob.glob(str(tmp_path / "store" / "wandb" / "offline-run-*"))[0]
+    copy = tmp_path / "copy" / os.path.basename(directory)
+    shutil.copytree(directory, copy)
+    wandb_file = glob.glob(str(copy / "run-*.wandb"))[0]
+    data = open(wandb_file, "rb").read()
+    cut = len(data)
+    while read_wandb_file_bytes(data[:cut], tmp_path).exit_code is not None:
+        cut -= 64
+    contents = read_wandb_file_bytes(data[:cut], tmp_path)
+    assert contents.exit_code is None and contents.summary.get("hdet/status") == "FINISHED"
+    open(wandb_file, "wb").write(data[:cut])
+    still = time.time() - 60
+    os.utime(wandb_file, (still, still))  # past the reader's grace for W&B's service
+    summary, run = _read_single(tmp_path / "copy")
+    assert run.status == summary.status == "FINISHED" and "hdet.error" not in run.tags

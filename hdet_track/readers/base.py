@@ -151,6 +151,9 @@ class HDETRun:
     overview: bool = False
     view: tuple[int, int] | None = None
     row_chunks: tuple[str, ...] = ()  # steps chunks whose rows are in ``steps``
+    # steps or syncs taken from the tracker's own rows where the archive lacks them (a W&B run
+    # killed before its last chunk, then resumed from a checkpoint): a later read starts afresh
+    filled_from_rows: bool = False
     _cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     # ------------------------------------------------------------------ facts

@@ -8,6 +8,7 @@ its last complete record.
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
@@ -112,7 +113,9 @@ class WandbReader:
         history: list[dict] = []
         sessions: list[tuple[list[dict], list[tuple[str, int, float]]]] = []  # per directory: history, user metrics
         earlier_error = ""  # the error an earlier session (attempt) of a resumed run ended with
+        ended = ""  # the last session's status as hdet-track closed it
         for directory in dirs[run_id]:
+            ended = ""
             wandb_file = sorted(directory.glob("run-*.wandb"))[0]
             sessions.append(([], read_user_metrics(directory)))
             try:
@@ -135,6 +138,7 @@ class WandbReader:
             run.tags["project"] = contents.project
             if contents.group:
                 run.tags.setdefault("hdet.compare_group", contents.group)
+            ended = str(contents.summary.get("hdet/status") or "")  # hdet-track's close, written before W&B's end
             if contents.exit_code is None:
                 run.status = "RUNNING"  # no exit record (yet): live, or a process that died
             else:
@@ -142,6 +146,8 @@ class WandbReader:
                     contents.summary.get("hdet/status") or ("FINISHED" if contents.exit_code == 0 else "FAILED")
                 )
         gone = self._owner_gone(dirs[run_id][-1]) if run.status == "RUNNING" else None
+        if gone and ended:  # closed by hdet-track; its process went before W&B wrote the run's end
+            run.status, gone = ended, None
         if gone:  # what the last session (the killed process's) logged, not an earlier one
             run.status = "KILLED"
             own_history, own_user = sessions[-1]
@@ -179,7 +185,10 @@ class WandbReader:
             for f in sorted((d / "files" / "hdet_events" / SUMMARY_DIR).glob("*.parquet"))
         }
         if chunks:
+            previous = None if previous is not None and previous.filled_from_rows else previous
             read_archive(run, list(chunks), lambda name: chunks[name].read_bytes(), previous, steps, max_rows)
+            if not run.overview:
+                self._fill_from_rows(run, history, steps)
             # the archive holds HDET's own series; the user's metrics (val_loss, diverged_at_step...) are rows
             builtin = (names.LOSS, names.LR) if run.has_step_series else ()
             run.metrics.update(session_user_metrics(sessions, skip=builtin))
@@ -215,6 +224,35 @@ class WandbReader:
         if time.time() - changed < OWNER_GONE_GRACE_SECONDS:
             return None  # W&B's service may still be writing the run's end
         return f"{described(owner)} ended without ending the run,"
+
+    def _fill_from_rows(self, run: HDETRun, history: list[dict], view: tuple[int, int] | None) -> None:
+        """Steps and syncs W&B's rows hold and the event archive does not: a process killed between
+        two archive chunks (W&B writes its file every second, the archive every few seconds) and
+        resumed from a checkpoint inside that gap never writes those steps to the archive again."""
+        have = set(np.unique(run.steps.step).tolist())
+        synced = {c.step for c in run.converge}
+        lo, hi = view if view is not None else (-math.inf, math.inf)
+
+        def missing(row: dict) -> bool:
+            step, sync = row.get(names.STEP), row.get(names.SYNC_STEP)
+            if isinstance(sync, (int, float)):
+                return int(sync) not in synced and lo <= sync <= hi
+            return isinstance(step, (int, float)) and int(step) not in have and lo <= step <= hi
+
+        rows = [row for row in history if missing(row)]
+        if not rows:
+            return
+        extra = HDETRun(run_id=run.run_id)
+        self._read_history(extra, rows)
+        if not len(extra.steps) and not extra.converge:
+            return
+        run.steps = StepTable.concat([run.steps, extra.steps]).sorted()
+        run.converge = sorted(run.converge + extra.converge, key=lambda c: c.step)
+        run.filled_from_rows = True
+        run.warnings.append(
+            f"{len(np.unique(extra.steps.step))} steps and {len(extra.converge)} syncs read from W&B's rows: "
+            "the event archive lacks them (a process killed before writing its last chunk)"
+        )
 
     def _read_history(self, run: HDETRun, history: list[dict]) -> None:
         rows: dict[int, dict[int, dict[str, float]]] = {}

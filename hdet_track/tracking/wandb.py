@@ -10,7 +10,9 @@ import math
 import os
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -184,13 +186,66 @@ class WandbTracker(Tracker):
     def run(self) -> Any:
         return self._run
 
+    def _root(self) -> str | None:
+        """The directory holding ``wandb/``: a given run's own, else ``dir``, else ``$WANDB_DIR``."""
+        given = getattr(getattr(self._existing, "settings", None), "root_dir", None)
+        chosen = given or self.dir or os.environ.get("WANDB_DIR")
+        return None if chosen is None else str(chosen)
+
     def spill_dir(self) -> Path:
-        root = Path(self.dir or os.environ.get("WANDB_DIR") or ".")
-        return root / "wandb" / ".hdet-spill"
+        return Path(self._root() or ".") / "wandb" / ".hdet-spill"
 
     def spill_settings(self) -> dict[str, Any]:
-        settings = {"project": self.project, "entity": self.entity, "mode": self.mode, "group": self.group}
-        return settings | {"run_name": self.run_name, "dir": None if self.dir is None else str(self.dir)}
+        """How a replay (the next job, ``hdet-track recover``, maybe another shell) reaches the run:
+        the project, entity, group and directory this process resolved from its arguments, its
+        environment or the given run."""
+        run = self._existing
+        settings = {
+            "project": getattr(run, "project", None)
+            or self.project
+            or os.environ.get("WANDB_PROJECT")
+            or DEFAULT_PROJECT,
+            "entity": getattr(run, "entity", None) or self.entity or os.environ.get("WANDB_ENTITY") or None,
+            # the mode only when chosen here: a job that failed online (no key, no server) is
+            # recovered in recover's own mode (WANDB_MODE, default offline: files to `wandb sync`)
+            "mode": self.mode,
+            "group": getattr(run, "group", None) or self.group or os.environ.get("WANDB_RUN_GROUP") or None,
+        }
+        return settings | {"run_name": self.run_name, "dir": self._root()}
+
+    def _owner_ended(self) -> bool:
+        """A given run its owner finished (``with wandb.init() as run:`` left before the scheduler
+        closed): W&B takes nothing more into it; the event archive and user metrics still do."""
+        run = self._existing
+        if run is None or not getattr(run, "_is_finished", False):
+            return False
+        if not getattr(self, "_said_ended", False):
+            self._said_ended = True
+            logger.warning(
+                "hdet-track: W&B run %s was finished by its owner before HDET's last steps: they are in "
+                "hdet-track's event archive (%s), which hdet-track's readers read, not in W&B's rows",
+                run.id,
+                Path(run.dir) / ARTIFACT_DIR,
+            )
+        return True
+
+    def _unless_owner_ended(self, calls: Callable[[], None]) -> None:
+        """W&B calls on the run; a given run its owner finishes meanwhile (in another thread) takes
+        none of them, and that is not an outage."""
+        if self._owner_ended():
+            return
+        try:
+            calls()
+        except Exception:
+            if not self._owner_ended():
+                raise
+
+    def _run_file(self) -> str | None:
+        """The run file W&B writes (``run-<id>.wandb``); None when it writes none (mode disabled)."""
+        settings = self._run.settings
+        if getattr(settings, "mode", "") == "disabled" or getattr(settings, "x_skip_transaction_log", False):
+            return None
+        return getattr(settings, "sync_file", None) or None
 
     def resume(self, run_id: str) -> None:
         if self._existing is None:
@@ -212,7 +267,7 @@ class WandbTracker(Tracker):
                 for k, v in run_params(run_start).items()
                 if k not in config or str(config[k]) != str(v)  # one it holds already, equal: left as it is
             }
-            config.update(params, allow_val_change=True)
+            self._unless_owner_ended(lambda: config.update(params, allow_val_change=True))
             self._setup(self._existing, tags, run_start)
             return
         run = wandb.init(
@@ -251,15 +306,19 @@ class WandbTracker(Tracker):
         return wandb.Settings(**{field: TRANSACTION_LOG_FLUSH_INTERVAL})
 
     def _setup(self, run: Any, tags: dict[str, str], run_start: RunStart) -> None:
-        run.define_metric(STEP, hidden=True)
-        run.define_metric(SYNC_STEP, hidden=True)
-        for prefix in SYNC_PREFIXES:
-            run.define_metric(f"{prefix}*", step_metric=SYNC_STEP)
-        for glob in _STEP_GLOBS:
-            run.define_metric(glob, step_metric=STEP)
-        for k, v in tags.items():
-            run.summary[k] = v
         self._run = run
+
+        def define() -> None:
+            run.define_metric(STEP, hidden=True)
+            run.define_metric(SYNC_STEP, hidden=True)
+            for prefix in SYNC_PREFIXES:
+                run.define_metric(f"{prefix}*", step_metric=SYNC_STEP)
+            for glob in _STEP_GLOBS:
+                run.define_metric(glob, step_metric=STEP)
+            for k, v in tags.items():
+                run.summary[k] = v
+
+        self._unless_owner_ended(define)
         folder = Path(run.dir) / ARTIFACT_DIR  # a given run may hold an earlier scheduler's chunks: none overwritten
         start = max((chunk_index(p.name) for p in folder.glob("*.parquet")), default=0)
         self._archive = EventArchive(folder, chunk_seconds=self.chunk_seconds, start_index=start)
@@ -275,7 +334,7 @@ class WandbTracker(Tracker):
             logged = _LOGGED.get(run.id, _Logged()) if self._existing is not None else _Logged()
             stored.rows = max(stored.rows, logged.rows)  # what its file may not hold yet
             self._stored, self._user_through = stored, dict(logged.user)
-            if "hdet/error" in run.summary.keys():  # a given run or a server's: the failed attempt's error goes aside
+            if not self._owner_ended() and "hdet/error" in run.summary.keys():  # the failed attempt's error goes aside
                 run.summary["hdet/resumed_after"] = run.summary["hdet/error"]
                 del run.summary["hdet/error"]
 
@@ -316,21 +375,25 @@ class WandbTracker(Tracker):
             axis = SYNC_STEP if p.key.startswith(SYNC_PREFIXES) else STEP
             builtin = p.key in (names.LOSS, names.LR) or p.key.startswith("hdet/replica_")
             if axis == STEP and not builtin and p.key not in self._defined:
-                self._run.define_metric(p.key, step_metric=STEP)  # a user metric (val_loss, ...)
+                self._unless_owner_ended(partial(self._run.define_metric, p.key, step_metric=STEP))  # a user metric
                 self._defined.add(p.key)
             if not names.is_hdet_series(p.key):
                 self._user_points.append({"key": p.key, "step": p.step, "value": p.value})
             rows[(axis, p.step)][p.key] = p.value
         logged = _LOGGED.setdefault(self._run.id, _Logged()) if self._existing is not None else None
-        for (axis, step), row in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-            row[axis] = step
-            self._run.log(row)
-            if logged is not None:  # once W&B took it
-                for key in row:
-                    if names.is_hdet_series(key):
-                        logged.rows = max(logged.rows, step)
-                    elif key not in (STEP, SYNC_STEP):
-                        logged.user[key] = max(logged.user.get(key, -1), step)
+
+        def log_rows() -> None:
+            for (axis, step), row in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+                row[axis] = step
+                self._run.log(row)
+                if logged is not None:  # once W&B took it
+                    for key in row:
+                        if names.is_hdet_series(key):
+                            logged.rows = max(logged.rows, step)
+                        elif key not in (STEP, SYNC_STEP):
+                            logged.user[key] = max(logged.user.get(key, -1), step)
+
+        self._unless_owner_ended(log_rows)
         assert self._archive is not None
         self._archive.add(batch.events)
         for block in batch.steps:
@@ -351,12 +414,11 @@ class WandbTracker(Tracker):
         """Write the event archive and the user's metrics, then wait (bounded) until W&B's run file
         holds every row logged so far: all of it survives a SIGKILL once this returns."""
         self._write_archive()
-        if self._run is None or not self._run_open:
-            return
+        if self._run is None or not self._run_open or self._existing is not None:
+            return  # a given run's file is written at its owner's interval (15 s by default): not waited for
         settings = self._run.settings
-        path, last = getattr(settings, "sync_file", None), getattr(self._run, "_local_step", 0) - 1
-        unwritten = getattr(settings, "mode", "") == "disabled" or getattr(settings, "x_skip_transaction_log", False)
-        if not path or unwritten or last < getattr(self._run, "starting_step", 0):
+        path, last = self._run_file(), getattr(self._run, "_local_step", 0) - 1
+        if not path or last < getattr(self._run, "starting_step", 0):
             return  # nothing logged, or no run file to wait for
         interval = float(getattr(settings, "x_transaction_log_flush_interval", 15.0) or 0.0)
         deadline = time.monotonic() + min(max(interval, 0.0), 15.0) + FLUSH_WAIT_MARGIN
@@ -393,13 +455,17 @@ class WandbTracker(Tracker):
 
     def _finish(self, run_end: RunEnd) -> None:
         self._write_archive()  # finish() waits for W&B's file below
-        self._run.summary["hdet/status"] = run_end.status
-        if run_end.error:
-            self._run.summary["hdet/error"] = run_end.error[-4000:]
+
+        def end() -> None:
+            self._run.summary["hdet/status"] = run_end.status
+            if run_end.error:
+                self._run.summary["hdet/error"] = run_end.error[-4000:]
+
+        self._unless_owner_ended(end)
         if self._existing is not None and self._owner.pop("alive", None) is not None:
             self._write_owner()  # left open for its owner, whose process this tracker's heartbeat does not speak for
         if self._existing is None:
-            path = self._run.settings.sync_file
+            path = self._run_file()
             self._run.finish(exit_code=0 if run_end.status == "FINISHED" else 1)
             # so that the run reads back whole as soon as close() returns (readers, `compare`)
             if path and not wait_until_written(path, FINISH_WAIT_SECONDS):
