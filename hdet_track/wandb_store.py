@@ -5,6 +5,7 @@ hold): W&B's history rows, hdet-track's own user-metrics file and the event arch
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from . import names
 from .wandb_file import WandbFormatError, read_wandb_file
 
 __all__ = [
+    "session_order",
     "StoredSteps",
     "stored_steps",
     "archived_last_step",
@@ -89,6 +91,23 @@ def session_user_metrics(
     for (key, step), value in latest.items():
         found.setdefault(key, []).append((step, value))
     return series(found)
+
+
+_SESSION = re.compile(r"^(?:offline-)?run-(\d{8}_\d{6})-")
+
+
+def session_order(directory: Path) -> tuple[str, int, str]:
+    """Sort key of a run's session folders, oldest first: W&B's start time in the folder's name
+    (an online session's ``run-...`` and an offline one's ``offline-run-...`` alike; by name an
+    online first session sorted after an offline resumed one), then the ``-<n>`` W&B appends to a
+    session started within the same second as another (numerically: ``-10`` after ``-2``)."""
+    name = directory.name
+    match = _SESSION.match(name)
+    tail = name[match.end() :] if match else name
+    files = sorted(directory.glob("run-*.wandb"))
+    run_id = files[0].stem[len("run-") :] if files else ""
+    rest = tail[len(run_id) + 1 :] if run_id and tail.startswith(f"{run_id}-") else ""
+    return (match.group(1) if match else "", int(rest) if rest.isdigit() else 0, name)
 
 
 # The training step a row that hdet-track did not write carries: Hugging Face's WandbCallback,

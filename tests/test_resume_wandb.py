@@ -89,21 +89,25 @@ def _read(tmp_path):
 
 
 def _session_dirs(tmp_path):
-    dirs = sorted(glob.glob(str(tmp_path / "store" / "wandb" / "offline-run-*")))
+    dirs = sorted(glob.glob(str(tmp_path / "store" / "wandb" / "*run-*")))
     assert len(dirs) == 2  # one per session, the same run id
     return dirs
 
 
-@pytest.mark.parametrize("suffixed", [False, True], ids=["plain", "suffixed"])
+@pytest.mark.parametrize("suffixed", [False, True, "online"], ids=["plain", "suffixed", "online-first"])
 def test_a_job_resumed_from_an_older_checkpoint_writes_no_step_twice(tmp_path, suffixed):
     """The first session is killed at step 21 (sync 18 and val_loss at 19 and 20 stored), the second
     resumes from step 17 and redoes 18-21: W&B's run files (what `wandb sync` uploads), the event
     archive and the user metrics hold each step once, and the reader says so. ``suffixed``: the
     first session's folder is named as W&B names a second session started within the same second
-    (``...-<id>-1``), which the skip used to miss."""
+    (``...-<id>-1``), which the skip used to miss. ``online``: the first session's folder is named
+    as an online session's (``run-...``), which sorted after the offline resumed one, so the reader
+    took the killed session for the last."""
     _job(tmp_path, "first", 21, "kill")
-    if suffixed:
-        (first,) = glob.glob(str(tmp_path / "store" / "wandb" / "offline-run-*"))
+    (first,) = glob.glob(str(tmp_path / "store" / "wandb" / "offline-run-*"))
+    if suffixed == "online":
+        os.rename(first, os.path.join(os.path.dirname(first), os.path.basename(first)[len("offline-") :]))
+    elif suffixed:
         os.rename(first, first + "-1")
     _job(tmp_path, "second", 40, "close")
     lr, syncs, val, archived, user = Counter(), Counter(), Counter(), Counter(), Counter()

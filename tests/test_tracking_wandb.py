@@ -752,3 +752,22 @@ def test_a_run_closed_finished_whose_file_lacks_wandbs_end_reads_finished(tmp_pa
     os.utime(wandb_file, (still, still))  # past the reader's grace for W&B's service
     summary, run = _read_single(tmp_path / "copy")
     assert run.status == summary.status == "FINISHED" and "hdet.error" not in run.tags
+
+
+def test_a_run_file_removed_while_the_reader_reads_is_a_warning(tmp_path, monkeypatch):
+    """`wandb sync --clean` while the dashboard polls: a run file listed, then gone before it is
+    read, raised out of the reader (the fault is injected at the read)."""
+    from hdet_track.readers import wandb as reader_module
+    from hdet_track.readers.wandb import WandbReader
+
+    path = tiny_finished_run()
+    reader = WandbReader(os.environ["WANDB_DIR"])
+    (summary,) = reader.list_runs()
+
+    def gone(_path):
+        raise FileNotFoundError(2, "No such file or directory", str(path))
+
+    monkeypatch.setattr(reader_module.RUN_FILES, "read", gone)
+    run = reader.read(summary.run_id)
+    assert any("could not be read (FileNotFoundError" in w for w in run.warnings)
+    assert sorted(set(run.steps.step.tolist())) == list(range(1, 11))  # the event archive still reads

@@ -25,6 +25,7 @@ from ..wandb_store import (
     read_user_metrics,
     row_step,
     series,
+    session_order,
     session_user_metrics,
     user_metrics,
 )
@@ -76,7 +77,7 @@ class WandbReader:
     def _dirs(self) -> dict[str, list[Path]]:
         """Run id -> its directories, oldest first (offline W&B writes one per resumed session)."""
         out: dict[str, list[Path]] = {}
-        for d in sorted(find_run_dirs(self.root), key=lambda p: p.name):
+        for d in sorted(find_run_dirs(self.root), key=session_order):
             out.setdefault(_run_id(d), []).append(d)
         return out
 
@@ -116,12 +117,15 @@ class WandbReader:
         ended = ""  # the last session's status as hdet-track closed it
         for directory in dirs[run_id]:
             ended = ""
-            wandb_file = sorted(directory.glob("run-*.wandb"))[0]
             sessions.append(([], read_user_metrics(directory)))
             try:
+                wandb_file = sorted(directory.glob("run-*.wandb"))[0]
                 contents = RUN_FILES.read(wandb_file)
             except WandbFormatError as exc:
                 run.warnings.append(str(exc))
+                continue
+            except (OSError, IndexError) as exc:  # removed while read (`wandb sync --clean`)
+                run.warnings.append(f"{directory.name}: its run file could not be read ({type(exc).__name__}: {exc})")
                 continue
             sessions[-1][0].extend(contents.history)
             if not history:
@@ -174,14 +178,16 @@ class WandbReader:
             # second): the final loss from the archive's summaries, as a full read gives it
             run.metrics.pop(names.LOSS, None)
             steps, max_rows = None, 0
+        # each session's archive under its place in time: the archive reader lets a later one win
+        scopes = [(f"{i:04d}.{d.name}", d) for i, d in enumerate(dirs[run_id])]
         chunks = {
-            f"{d.name}/{f.name}": f
-            for d in dirs[run_id]
+            f"{scope}/{f.name}": f
+            for scope, d in scopes
             for f in sorted((d / "files" / "hdet_events").glob("*.parquet"))
         }
         chunks |= {
-            f"{d.name}/{SUMMARY_DIR}/{f.name}": f
-            for d in dirs[run_id]
+            f"{scope}/{SUMMARY_DIR}/{f.name}": f
+            for scope, d in scopes
             for f in sorted((d / "files" / "hdet_events" / SUMMARY_DIR).glob("*.parquet"))
         }
         if chunks:
