@@ -21,6 +21,7 @@ __all__ = [
     "StoredSteps",
     "stored_steps",
     "archived_last_step",
+    "archived_first_step",
     "read_user_metrics",
     "session_user_metrics",
     "user_metrics",
@@ -84,8 +85,10 @@ def session_user_metrics(
     """The user's metrics of a run's sessions (each: W&B's history, the tracker's file), one point per
     key and step: the latest session's (a job resumed from an older checkpoint logs some again)."""
     latest: dict[tuple[str, int], float] = {}
+    sessions = list(sessions)
+    legacy = not any(names.STEP in row for history, _ in sessions for row in history)  # over the whole run
     for history, extra in sessions:
-        for key, (steps, values) in _merge_user_metrics(user_metrics(history, skip), extra).items():
+        for key, (steps, values) in _merge_user_metrics(user_metrics(history, skip, legacy), extra).items():
             latest |= dict(zip(((key, s) for s in steps.tolist()), values.tolist()))
     found: dict[str, list[tuple[int, float]]] = {}
     for (key, step), value in latest.items():
@@ -128,13 +131,16 @@ def row_step(row: dict, key: str, legacy: bool = True) -> int | None:
     return int(step) if isinstance(step, (int, float)) and not isinstance(step, bool) else None
 
 
-def user_metrics(history: list[dict], skip: tuple[str, ...] = ()) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def user_metrics(
+    history: list[dict], skip: tuple[str, ...] = (), legacy: bool | None = None
+) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Key -> (steps, values) of the numeric series that are not HDET's (``hdet/...``) nor W&B's
     (``_...``), nor in ``skip``; in step order (rows may arrive in any order). A row with no step
     of its own (its owner's, logged straight to W&B without one of :data:`OWNER_STEP_KEYS`) is
     left out: W&B's row counter is not a training step."""
     found: dict[str, list[tuple[int, float]]] = {}
-    legacy = not any(names.STEP in row for row in history)
+    if legacy is None:  # rows of hdet-track before 0.2 (no hdet/step anywhere): W&B's _step
+        legacy = not any(names.STEP in row for row in history)
     for row in history:
         for key, value in row.items():
             if key.startswith(("hdet/", "_")) or key in skip or key in OWNER_STEP_KEYS:
@@ -154,24 +160,39 @@ def _history(directory: Path) -> list[dict]:
         return []
 
 
-def archived_last_step(directory: Path) -> int:
-    """The last step in the event archive of the run directory ``directory`` (-1: none), from the
-    chunks' Parquet statistics; a torn chunk (a SIGKILL while writing) is skipped."""
+def _archived_steps(directory: Path, pattern: str = "*.parquet") -> tuple[int, int] | None:
+    """(first, last) step in the event archive of the run directory ``directory`` (None: none),
+    from the chunks' Parquet statistics; a torn chunk (a SIGKILL while writing) is skipped."""
     import pyarrow.parquet as pq
 
-    last = -1
-    for path in directory.joinpath(*EVENTS_DIR).glob("*.parquet"):
+    first, last = None, None
+    for path in directory.joinpath(*EVENTS_DIR).glob(pattern):
         try:
             meta = pq.ParquetFile(path).metadata
             column = meta.schema.names.index("step")
             stats = [meta.row_group(g).column(column).statistics for g in range(meta.num_row_groups)]
             if all(s is not None and s.has_min_max for s in stats):
-                last = max([last] + [int(s.max) for s in stats])
+                lo, hi = min(int(s.min) for s in stats), max(int(s.max) for s in stats)
             else:
-                last = max([last] + pq.read_table(path, columns=["step"]).column("step").to_pylist())
-        except Exception:  # noqa: BLE001 - a torn or foreign file
+                steps = pq.read_table(path, columns=["step"]).column("step").to_pylist()
+                lo, hi = min(steps), max(steps)
+        except Exception:  # noqa: BLE001 - a torn, empty or foreign file
             continue
-    return last
+        first, last = (lo, hi) if first is None else (min(first, lo), max(last, hi))
+    return None if first is None else (first, last)
+
+
+def archived_last_step(directory: Path) -> int:
+    """The last step in the event archive of the run directory ``directory`` (-1: none)."""
+    found = _archived_steps(directory)
+    return -1 if found is None else found[1]
+
+
+def archived_first_step(directory: Path) -> int | None:
+    """The first step of the event archive's step rows in ``directory`` (None: none): where a
+    resumed session took over from the earlier ones."""
+    found = _archived_steps(directory, "steps-*.parquet")
+    return None if found is None else found[0]
 
 
 @dataclass

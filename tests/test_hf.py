@@ -591,10 +591,10 @@ def test_report_to_mlflow_and_wandb_puts_hdets_series_in_both_runs(tmp_path, mon
 
     if mlflow.active_run() is not None:
         mlflow.end_run()
-    if wandb.run is not None:
-        wandb.run.finish()
+    root = wandb.run.settings.root_dir  # W&B's process-wide settings may hold an earlier test's WANDB_DIR
+    wandb.run.finish()
     assert sorted(ids) == ["mlflow", "wandb"]
-    for run in (MLflowReader(uri).read(ids["mlflow"]), WandbReader(os.environ["WANDB_DIR"]).read(ids["wandb"])):
+    for run in (MLflowReader(uri).read(ids["mlflow"]), WandbReader(root).read(ids["wandb"])):
         assert sorted(set(run.steps.step.tolist())) == list(range(1, 11))
         assert [c.step for c in run.converge] == [5, 10]
 

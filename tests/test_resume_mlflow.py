@@ -211,3 +211,23 @@ def test_a_job_resumed_into_a_run_whose_owner_logs_loss_writes_its_own_steps(tmp
     sched.close()
     assert [m.step for m in client.get_metric_history(run_id, "hdet/replica_00/lr")] == [4, 5, 6]
     assert [m.step for m in client.get_metric_history(run_id, "hdet/replica_00/loss")] == [4, 5, 6]
+
+
+def test_a_run_given_by_mlflow_run_id_keeps_the_contracts_loss_and_lr(tmp_path, monkeypatch):
+    """$MLFLOW_RUN_ID (`mlflow run` opens the job's own run) is not someone else's run: its means
+    stay `loss` and `lr`, as the baseline's do."""
+    import torch
+
+    from hdet_track import HDETScheduler
+
+    uri = f"sqlite:///{tmp_path / 'env.db'}"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("proj")).info.run_id
+    monkeypatch.setenv("MLFLOW_RUN_ID", run_id)
+    opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+    with HDETScheduler(opt, 0.1, total_steps=4, sync_every=2, track=MLflowTracker(tracking_uri=uri)) as sched:
+        for k in range(1, 5):
+            opt.step()
+            sched.step(1.0 / k)
+    keys = set(client.get_run(run_id).data.metrics)
+    assert {"loss", "lr"} <= keys and not {"hdet/loss", "hdet/lr"} & keys

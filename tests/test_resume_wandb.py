@@ -76,6 +76,8 @@ def _job(tmp_path, phase, stop, end, old_writer=False):
     env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true")
     if old_writer:
         env["OLD_WRITER"] = "1"
+    if end == "kill-unflushed":
+        env["HDET_POINTS_PER_SECOND"] = "0"  # every step in W&B's rows, not thinned to the point budget
     args = [str(tmp_path / "store"), str(tmp_path / "ckpt.pt"), phase, str(stop), end]
     proc = subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == (-9 if end.startswith("kill") else 0), proc.stderr[-3000:]
@@ -275,3 +277,74 @@ def test_steps_only_in_the_killed_sessions_rows_are_read_back_after_a_resume(tmp
     assert run.status == "FINISHED" and any("read from W&B's rows" in w for w in run.warnings)
     again = reader.read(run_id, previous=run)  # a later read does not build on the filled rows
     assert again.steps.step.tolist() == run.steps.step.tolist()
+
+
+def test_a_killed_attempts_steps_past_the_checkpoint_are_not_read_into_the_resumed_run(tmp_path):
+    """The first session is killed after step 31 with no archive chunk, the second resumes from
+    the checkpoint at 17 and is closed at 25: the first's rows past 17 are an abandoned attempt, and
+    were read as steps 26-31 (and its syncs) of the finished run."""
+    _job(tmp_path, "first", 31, "kill-unflushed")
+    _job(tmp_path, "second", 25, "close")
+    reader, run_id = _read(tmp_path)
+    run = reader.read(run_id)
+    assert run.status == "FINISHED"
+    assert sorted(set(run.steps.step.tolist())) == list(range(1, 26))
+    assert max(c.step for c in run.converge) <= 25
+
+
+LIVE_JOB = """
+import sys, time, torch
+from hdet_track import HDETScheduler
+from hdet_track.tracking.wandb import WandbTracker
+from hdet_track.wandb_file import read_wandb_file
+opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+tracker = WandbTracker(project="live", dir=sys.argv[1], mode="offline", chunk_seconds=3600.0)
+sched = HDETScheduler(opt, 0.1, total_steps=40, sync_every=5, track=tracker)
+for k in range(1, 21):
+    opt.step()
+    sched.step(1.0 / k)
+    if k == 10:
+        assert sched.flush() is True  # the archive holds steps 1-10; 11-15 only W&B's rows
+deadline = time.time() + 120
+while time.time() < deadline:
+    rows = read_wandb_file(tracker.run.settings.sync_file).history
+    if 15 in [r.get("hdet/step") for r in rows]:  # (16-20 wait for the sync after 20: a window's rows go together)
+        break
+    time.sleep(0.2)
+print("READY", flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_live_runs_rows_ahead_of_its_archive_are_its_next_chunk_not_a_gap(tmp_path):
+    """A live run's archive always lags W&B's rows by up to a chunk: every live read warned of a
+    killed process, filled the tail from the rows and gave up reading incrementally. Once the
+    process is killed, the tail is read from the rows."""
+    import signal
+
+    script = tmp_path / "live.py"
+    script.write_text(LIVE_JOB)
+    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true", HDET_POINTS_PER_SECOND="0")  # every row
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path / "store")], env=env, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout.readline().strip() == "READY"
+        reader, run_id = _read(tmp_path)
+        live = reader.read(run_id)
+        assert live.status == "RUNNING" and not live.filled_from_rows and not live.warnings
+        assert sorted(set(live.steps.step.tolist())) == list(range(1, 11))
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    deadline = time.monotonic() + 30
+    while True:  # the reader's grace for W&B's service after the process is gone
+        killed = reader.read(run_id)
+        if killed.status != "RUNNING" or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert killed.status == "KILLED" and killed.filled_from_rows
+    assert sorted(set(killed.steps.step.tolist())) == list(range(1, 16))

@@ -771,3 +771,47 @@ def test_a_run_file_removed_while_the_reader_reads_is_a_warning(tmp_path, monkey
     run = reader.read(summary.run_id)
     assert any("could not be read (FileNotFoundError" in w for w in run.warnings)
     assert sorted(set(run.steps.step.tolist())) == list(range(1, 11))  # the event archive still reads
+
+
+GIVEN_TWICE = """
+import os, signal, sys, torch, wandb
+from hdet_track import HDETScheduler
+from hdet_track.tracking.wandb import WandbTracker
+run = wandb.init(project="given", dir=sys.argv[1], mode="offline")
+for attempt in range(2):  # Hugging Face's train() twice in one W&B run
+    opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+    sched = HDETScheduler(opt, 0.1, total_steps=10, sync_every=5, track=WandbTracker(run=run))
+    for k in range(1, 11):
+        opt.step()
+        sched.step(1.0 / k)
+    if attempt == 0:
+        sched.close()
+    else:
+        assert sched.flush() is True
+        run.summary["flushed"] = 1  # W&B's file is written at its owner's interval: wait for it below
+        import time
+        from hdet_track.wandb_file import read_wandb_file
+        deadline = time.time() + 60
+        while time.time() < deadline and read_wandb_file(run.settings.sync_file).summary.get("flushed") != 1:
+            time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_given_run_killed_in_its_second_scheduler_reads_killed_not_the_firsts_finished(tmp_path):
+    """The first scheduler's close left hdet/status FINISHED in the given run's summary; a process
+    killed in the second read FINISHED once that status was taken for hdet-track's close."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "job.py"
+    script.write_text(GIVEN_TWICE)
+    env = dict(os.environ, WANDB__TRANSACTION_LOG_FLUSH_INTERVAL="1")
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], env=env, capture_output=True, timeout=300)
+    assert proc.returncode == -9, proc.stderr[-3000:]
+    summary, run = _read_single(str(tmp_path))
+    deadline = time.monotonic() + 30
+    while run.status == "RUNNING" and time.monotonic() < deadline:  # the reader's grace after the exit
+        time.sleep(0.5)
+        summary, run = _read_single(str(tmp_path))
+    assert run.status == "KILLED" and "ended without ending the run" in run.tags["hdet.error"]

@@ -21,6 +21,7 @@ from ..wandb_file import WandbFileCache, WandbFormatError
 from ..wandb_store import (
     EVENTS_DIR,
     OWNER_FILE,
+    archived_first_step,
     archived_last_step,
     read_user_metrics,
     row_step,
@@ -56,6 +57,9 @@ def find_run_dirs(root: str | Path) -> list[Path]:
 def _run_id(directory: Path) -> str:
     files = sorted(directory.glob("run-*.wandb"))
     return files[0].stem[len("run-") :] if files else directory.name.rsplit("-", 1)[-1]
+
+
+_ENDED = ("FINISHED", "FAILED", "KILLED")  # hdet/status once hdet-track closed the run ("RUNNING" before)
 
 
 class WandbReader:
@@ -142,13 +146,12 @@ class WandbReader:
             run.tags["project"] = contents.project
             if contents.group:
                 run.tags.setdefault("hdet.compare_group", contents.group)
-            ended = str(contents.summary.get("hdet/status") or "")  # hdet-track's close, written before W&B's end
+            closed = str(contents.summary.get("hdet/status") or "")  # hdet-track's close, written before W&B's end
+            ended = closed if closed in _ENDED else ""
             if contents.exit_code is None:
                 run.status = "RUNNING"  # no exit record (yet): live, or a process that died
             else:
-                run.status = str(
-                    contents.summary.get("hdet/status") or ("FINISHED" if contents.exit_code == 0 else "FAILED")
-                )
+                run.status = ended or ("FINISHED" if contents.exit_code == 0 else "FAILED")
         gone = self._owner_gone(dirs[run_id][-1]) if run.status == "RUNNING" else None
         if gone and ended:  # closed by hdet-track; its process went before W&B wrote the run's end
             run.status, gone = ended, None
@@ -194,7 +197,7 @@ class WandbReader:
             previous = None if previous is not None and previous.filled_from_rows else previous
             read_archive(run, list(chunks), lambda name: chunks[name].read_bytes(), previous, steps, max_rows)
             if not run.overview:
-                self._fill_from_rows(run, history, steps)
+                self._fill_from_rows(run, dirs[run_id], [h for h, _ in sessions], steps)
             # the archive holds HDET's own series; the user's metrics (val_loss, diverged_at_step...) are rows
             builtin = (names.LOSS, names.LR) if run.has_step_series else ()
             run.metrics.update(session_user_metrics(sessions, skip=builtin))
@@ -231,21 +234,42 @@ class WandbReader:
             return None  # W&B's service may still be writing the run's end
         return f"{described(owner)} ended without ending the run,"
 
-    def _fill_from_rows(self, run: HDETRun, history: list[dict], view: tuple[int, int] | None) -> None:
+    def _fill_from_rows(
+        self, run: HDETRun, directories: list[Path], histories: list[list[dict]], view: tuple[int, int] | None
+    ) -> None:
         """Steps and syncs W&B's rows hold and the event archive does not: a process killed between
         two archive chunks (W&B writes its file every second, the archive every few seconds) and
-        resumed from a checkpoint inside that gap never writes those steps to the archive again."""
+        resumed from a checkpoint inside that gap never writes those steps to the archive again.
+        Each session's rows count only below where a later session took over (a killed attempt's
+        steps past the checkpoint were redone or dropped), and a live session's tail is its
+        archive's next chunk, not a gap."""
         have = set(np.unique(run.steps.step).tolist())
         synced = {c.step for c in run.converge}
         lo, hi = view if view is not None else (-math.inf, math.inf)
+        firsts = []  # where each session took over: its archive's first step, else its rows'
+        for directory, history in zip(directories, histories):
+            own = [r[names.STEP] for r in history if isinstance(r.get(names.STEP), (int, float))]
+            starts = [s for s in (archived_first_step(directory), min(own, default=None)) if s is not None]
+            firsts.append(min(starts) if starts else math.inf)
 
-        def missing(row: dict) -> bool:
-            step, sync = row.get(names.STEP), row.get(names.SYNC_STEP)
-            if isinstance(sync, (int, float)):
-                return int(sync) not in synced and lo <= sync <= hi
-            return isinstance(step, (int, float)) and int(step) not in have and lo <= step <= hi
+        def step_of(row: dict) -> float | None:
+            for axis in (names.SYNC_STEP, names.STEP):
+                if isinstance(row.get(axis), (int, float)):
+                    return row[axis]
+            return None
 
-        rows = [row for row in history if missing(row)]
+        rows = []
+        for i, history in enumerate(histories):
+            if i == len(histories) - 1 and run.status == "RUNNING":
+                break  # live: what its archive does not hold yet is in its next chunk
+            limit = min(firsts[i + 1 :], default=math.inf)
+            for row in history:
+                step = step_of(row)
+                if step is None or not (lo <= step <= hi and step < limit):
+                    continue
+                sync = isinstance(row.get(names.SYNC_STEP), (int, float))
+                if (int(step) not in synced) if sync else (int(step) not in have):
+                    rows.append(row)
         if not rows:
             return
         extra = HDETRun(run_id=run.run_id)

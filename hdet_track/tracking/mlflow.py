@@ -193,7 +193,9 @@ class MLflowTracker(Tracker):
             tags["mlflow.parentRunId"] = self.parent_run_id
         attach = self._attach_id or os.environ.get("MLFLOW_RUN_ID")
         resumed = None if attach else self._resume_id
-        self._attached = self._given = bool(attach)
+        self._attached = bool(attach)
+        # one given in code (Hugging Face's, Lightning's run), not $MLFLOW_RUN_ID (`mlflow run`'s, this job's own)
+        self._given = bool(self._attach_id)
         reopen = False
         existing: dict[str, str] = {}
         start_index = 0

@@ -317,6 +317,9 @@ class WandbTracker(Tracker):
                 run.define_metric(glob, step_metric=STEP)
             for k, v in tags.items():
                 run.summary[k] = v
+            # this scheduler's: a given run may hold an earlier one's end (a first train() closed,
+            # the process killed in the second must not read as that FINISHED)
+            run.summary["hdet/status"] = "RUNNING"
 
         self._unless_owner_ended(define)
         folder = Path(run.dir) / ARTIFACT_DIR  # a given run may hold an earlier scheduler's chunks: none overwritten
