@@ -437,13 +437,9 @@ def test_a_run_killed_after_flush_reads_killed_with_everything_flushed(tmp_path)
     assert run.metrics["val_loss"][0].tolist() == [30] and run.metrics["val_loss"][1].tolist() == [0.5]
 
 
-def test_a_run_killed_is_read_from_the_archive_when_wandb_lost_its_file(tmp_path):
-    """hdet-track's readers do not depend on W&B's write timing: with W&B's history cut to before
-    the last steps (what a SIGKILL within W&B's flush interval leaves), every step's loss and the
-    val_loss come from hdet-track's own files, written by flush()."""
+def _closed_jobs_run_file_copy(tmp_path):
+    """A job that closed its run, its run directory copied to ``copy/``: (the copy's run file, its bytes)."""
     import shutil
-
-    from hdet_track.readers.wandb import WandbReader
 
     proc = _start_job(tmp_path, "close")
     assert proc.wait(timeout=300) == 0
@@ -451,7 +447,16 @@ def test_a_run_killed_is_read_from_the_archive_when_wandb_lost_its_file(tmp_path
     copy = tmp_path / "copy" / os.path.basename(directory)
     shutil.copytree(directory, copy)
     wandb_file = glob.glob(str(copy / "run-*.wandb"))[0]
-    data = open(wandb_file, "rb").read()
+    return wandb_file, open(wandb_file, "rb").read()
+
+
+def test_a_run_killed_is_read_from_the_archive_when_wandb_lost_its_file(tmp_path):
+    """hdet-track's readers do not depend on W&B's write timing: with W&B's history cut to before
+    the last steps (what a SIGKILL within W&B's flush interval leaves), every step's loss and the
+    val_loss come from hdet-track's own files, written by flush()."""
+    from hdet_track.readers.wandb import WandbReader
+
+    wandb_file, data = _closed_jobs_run_file_copy(tmp_path)
     cut = len(data)
     while cut > 0:  # the file as W&B had written it before step 20's row
         contents = read_wandb_file_bytes(data[:cut], tmp_path)
@@ -733,15 +738,7 @@ def test_a_run_closed_finished_whose_file_lacks_wandbs_end_reads_finished(tmp_pa
     """hdet-track closed the run FINISHED (its status in the run's summary), then the process went
     before W&B's service wrote the run's end (a job teardown that killed the service): the run read
     KILLED, "ended without ending the run"."""
-    import shutil
-
-    proc = _start_job(tmp_path, "close")
-    assert proc.wait(timeout=300) == 0
-    directory = glob.glob(str(tmp_path / "store" / "wandb" / "offline-run-*"))[0]
-    copy = tmp_path / "copy" / os.path.basename(directory)
-    shutil.copytree(directory, copy)
-    wandb_file = glob.glob(str(copy / "run-*.wandb"))[0]
-    data = open(wandb_file, "rb").read()
+    wandb_file, data = _closed_jobs_run_file_copy(tmp_path)
     cut = len(data)
     while read_wandb_file_bytes(data[:cut], tmp_path).exit_code is not None:
         cut -= 64
