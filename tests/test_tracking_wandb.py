@@ -812,3 +812,38 @@ def test_a_given_run_killed_in_its_second_scheduler_reads_killed_not_the_firsts_
         time.sleep(0.5)
         summary, run = _read_single(str(tmp_path))
     assert run.status == "KILLED" and "ended without ending the run" in run.tags["hdet.error"]
+
+
+def test_two_schedulers_logging_into_one_given_run_at_once_are_named_not_silently_mixed(tmp_path, caplog):
+    """A GAN's generator and discriminator schedulers in one wandb.init(): their event archives
+    overwrote each other in silence. One after the other (a closed first) is the supported way."""
+    import logging
+
+    import wandb
+
+    from hdet_track.tracking.wandb import WandbTracker
+
+    def scheduler(run):
+        opt = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)
+        return opt, HDETScheduler(opt, 0.1, total_steps=4, sync_every=2, track=WandbTracker(run=run))
+
+    run = wandb.init(project="given", dir=str(tmp_path), mode="offline")
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):  # one after the other
+            opt, sched = scheduler(run)
+            for k in range(1, 5):
+                opt.step()
+                sched.step(1.0 / k)
+            sched.close()
+        assert "another scheduler is logging into W&B run" not in caplog.text
+        (g_opt, g), (d_opt, d) = scheduler(run), scheduler(run)
+        for k in range(1, 5):
+            for opt, sched in ((g_opt, g), (d_opt, d)):
+                opt.step()
+                sched.step(1.0 / k)
+        g.flush()
+        d.flush()
+        assert f"another scheduler is logging into W&B run {run.id} right now" in caplog.text
+        g.close()
+        d.close()
+    run.finish()

@@ -101,6 +101,11 @@ class _Logged:
 _LOGGED: dict[str, _Logged] = {}
 
 
+# Per run id, the trackers of this process logging into a given run right now: two at once (a
+# GAN's two schedulers in one wandb.init()) would write over each other's event archive.
+_GIVEN_OPEN: dict[str, set[int]] = {}
+
+
 def _stored_before(run: Any) -> StoredSteps | None:
     """What ``run`` holds already: its earlier sessions (offline, W&B writes a directory per session
     of a resumed run, beside this one; ``...-<id>-1`` when two start within a second) and this one
@@ -307,6 +312,16 @@ class WandbTracker(Tracker):
 
     def _setup(self, run: Any, tags: dict[str, str], run_start: RunStart) -> None:
         self._run = run
+        if self._existing is not None:
+            others = _GIVEN_OPEN.setdefault(run.id, set())
+            if others - {id(self)}:
+                logger.warning(
+                    "hdet-track: another scheduler is logging into W&B run %s right now: two at once write over "
+                    "each other's event archive and read back as one mixed run; give each scheduler its own run "
+                    "(close one before the next starts, as Hugging Face's train() and Lightning's fit() do)",
+                    run.id,
+                )
+            others.add(id(self))
 
         def define() -> None:
             run.define_metric(STEP, hidden=True)
@@ -451,6 +466,7 @@ class WandbTracker(Tracker):
     def finish(self, run_end: RunEnd) -> None:
         if self._run is None or not self._run_open:
             return
+        _GIVEN_OPEN.get(self._run.id, set()).discard(id(self))
         self._finish(run_end)
         # Ended (run_id still names it): the next start(), a later scheduler's, makes a new run.
         self.run_name = self._given_run_name
