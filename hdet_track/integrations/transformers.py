@@ -291,7 +291,7 @@ def _hdet_for(args: Any, optimizer: Any, model: Any, num_training_steps: int, hd
     )
 
 
-def _check_callback_form(args: Any, state: Any, lr_scheduler: Any) -> None:
+def _check_callback_form(args: Any, lr_scheduler: Any) -> None:
     """What the callback form cannot do (``hdet_track.wrap(trainer)`` can): a clear error at once."""
     if getattr(args, "label_smoothing_factor", 0):
         raise ValueError(
@@ -347,7 +347,7 @@ class HDETTrainerCallback(TrainerCallback):
         if self._hook is not None:  # the previous train() raised before on_train_end
             self._hook.remove()
             self._hook = None
-        _check_callback_form(args, state, lr_scheduler)
+        _check_callback_form(args, lr_scheduler)
         if self.scheduler is not None:
             self.scheduler.close()  # the previous train()'s run, left open for final metrics
         sched = _hdet_for(args, optimizer, model, state.max_steps, self.hdet_kwargs)

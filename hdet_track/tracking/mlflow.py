@@ -421,8 +421,7 @@ def _logged_through(client: Any, run: Any) -> int:
     tag = run.data.tags.get(LOGGED_THROUGH_TAG, "")
     if tag.lstrip("-").isdigit():
         return int(tag)
-    keys = (names.replica_metric(0, "loss"), names.replica_metric(0, names.LR), names.replica_metric(0, "lr/pg0"))
-    keys += (names.SYNC_LEFT_OUT,)
+    keys = (names.replica_metric(0, "loss"), names.replica_metric(0, names.LR), names.SYNC_LEFT_OUT)
     history = [m for key in keys for m in client.get_metric_history(run.info.run_id, key)]
     return max((m.step for m in history), default=-1)
 

@@ -101,9 +101,57 @@ class _Logged:
 _LOGGED: dict[str, _Logged] = {}
 
 
-# Per run id, the trackers of this process logging into a given run right now: two at once (a
-# GAN's two schedulers in one wandb.init()) would write over each other's event archive.
-_GIVEN_OPEN: dict[str, set[int]] = {}
+class _GivenRun:
+    """A run given to hdet-track (``WandbTracker(run=...)``): its owner may finish it first, and
+    another scheduler of this process may log into it at the same time."""
+
+    _open: dict[str, set[int]] = {}  # per run id, the trackers logging into it right now
+
+    def __init__(self, run: Any) -> None:
+        self.run = run
+        self._said_ended = False
+
+    def ended(self) -> bool:
+        """Its owner finished it (``with wandb.init() as run:`` left before the scheduler closed):
+        W&B takes nothing more into it; the event archive and user metrics still do."""
+        if not getattr(self.run, "_is_finished", False):
+            return False
+        if not self._said_ended:
+            self._said_ended = True
+            logger.warning(
+                "hdet-track: W&B run %s was finished by its owner before HDET's last steps: they are in "
+                "hdet-track's event archive (%s), which hdet-track's readers read, not in W&B's rows",
+                self.run.id,
+                Path(self.run.dir) / ARTIFACT_DIR,
+            )
+        return True
+
+    def call(self, calls: Callable[[], None]) -> None:
+        """W&B calls on the run: none once its owner finished it (also meanwhile, in another
+        thread: W&B then refuses them, and that is not an outage)."""
+        if self.ended():
+            return
+        try:
+            calls()
+        except Exception:
+            if not self.ended():
+                raise
+
+    def join(self, tracker: object) -> None:
+        """``tracker`` starts logging into the run; two at once (a GAN's two schedulers in one
+        ``wandb.init()``) would write over each other's event archive: said in a warning."""
+        others = self._open.setdefault(self.run.id, set())
+        if others - {id(tracker)}:
+            logger.warning(
+                "hdet-track: another scheduler is logging into W&B run %s right now: two at once write over "
+                "each other's event archive and read back as one mixed run; give each scheduler its own run "
+                "(close one before the next starts, as Hugging Face's train() and Lightning's fit() do)",
+                self.run.id,
+            )
+        others.add(id(tracker))
+
+    def leave(self, tracker: object) -> None:
+        self._open.get(self.run.id, set()).discard(id(tracker))
 
 
 def _stored_before(run: Any) -> StoredSteps | None:
@@ -166,6 +214,7 @@ class WandbTracker(Tracker):
             raise TypeError(f"Expected dir to be a path or None, but got {type(dir).__name__}")
         check_number("chunk_seconds", chunk_seconds, 0.0, math.inf, low_open=False, high_open=True)  # 0: every batch
         self._existing = run  # log into a run someone else started (e.g. Lightning's WandbLogger)
+        self._given = _GivenRun(run) if run is not None else None
         self.project = project
         self.entity = entity
         self.mode = mode
@@ -218,32 +267,12 @@ class WandbTracker(Tracker):
         }
         return settings | {"run_name": self.run_name, "dir": self._root()}
 
-    def _owner_ended(self) -> bool:
-        """A given run its owner finished (``with wandb.init() as run:`` left before the scheduler
-        closed): W&B takes nothing more into it; the event archive and user metrics still do."""
-        run = self._existing
-        if run is None or not getattr(run, "_is_finished", False):
-            return False
-        if not getattr(self, "_said_ended", False):
-            self._said_ended = True
-            logger.warning(
-                "hdet-track: W&B run %s was finished by its owner before HDET's last steps: they are in "
-                "hdet-track's event archive (%s), which hdet-track's readers read, not in W&B's rows",
-                run.id,
-                Path(run.dir) / ARTIFACT_DIR,
-            )
-        return True
-
-    def _unless_owner_ended(self, calls: Callable[[], None]) -> None:
-        """W&B calls on the run; a given run its owner finishes meanwhile (in another thread) takes
-        none of them, and that is not an outage."""
-        if self._owner_ended():
-            return
-        try:
+    def _call(self, calls: Callable[[], None]) -> None:
+        """W&B calls on the run (see :meth:`_GivenRun.call` for a given one)."""
+        if self._given is None:
             calls()
-        except Exception:
-            if not self._owner_ended():
-                raise
+        else:
+            self._given.call(calls)
 
     def _run_file(self) -> str | None:
         """The run file W&B writes (``run-<id>.wandb``); None when it writes none (mode disabled)."""
@@ -272,7 +301,7 @@ class WandbTracker(Tracker):
                 for k, v in run_params(run_start).items()
                 if k not in config or str(config[k]) != str(v)  # one it holds already, equal: left as it is
             }
-            self._unless_owner_ended(lambda: config.update(params, allow_val_change=True))
+            self._call(lambda: config.update(params, allow_val_change=True))
             self._setup(self._existing, tags, run_start)
             return
         run = wandb.init(
@@ -312,16 +341,8 @@ class WandbTracker(Tracker):
 
     def _setup(self, run: Any, tags: dict[str, str], run_start: RunStart) -> None:
         self._run = run
-        if self._existing is not None:
-            others = _GIVEN_OPEN.setdefault(run.id, set())
-            if others - {id(self)}:
-                logger.warning(
-                    "hdet-track: another scheduler is logging into W&B run %s right now: two at once write over "
-                    "each other's event archive and read back as one mixed run; give each scheduler its own run "
-                    "(close one before the next starts, as Hugging Face's train() and Lightning's fit() do)",
-                    run.id,
-                )
-            others.add(id(self))
+        if self._given is not None:
+            self._given.join(self)
 
         def define() -> None:
             run.define_metric(STEP, hidden=True)
@@ -336,7 +357,7 @@ class WandbTracker(Tracker):
             # the process killed in the second must not read as that FINISHED)
             run.summary["hdet/status"] = "RUNNING"
 
-        self._unless_owner_ended(define)
+        self._call(define)
         folder = Path(run.dir) / ARTIFACT_DIR  # a given run may hold an earlier scheduler's chunks: none overwritten
         start = max((chunk_index(p.name) for p in folder.glob("*.parquet")), default=0)
         self._archive = EventArchive(folder, chunk_seconds=self.chunk_seconds, start_index=start)
@@ -352,7 +373,9 @@ class WandbTracker(Tracker):
             logged = _LOGGED.get(run.id, _Logged()) if self._existing is not None else _Logged()
             stored.rows = max(stored.rows, logged.rows)  # what its file may not hold yet
             self._stored, self._user_through = stored, dict(logged.user)
-            if not self._owner_ended() and "hdet/error" in run.summary.keys():  # the failed attempt's error goes aside
+            if (
+                not (self._given and self._given.ended()) and "hdet/error" in run.summary.keys()
+            ):  # the failed attempt's error goes aside
                 run.summary["hdet/resumed_after"] = run.summary["hdet/error"]
                 del run.summary["hdet/error"]
 
@@ -393,7 +416,7 @@ class WandbTracker(Tracker):
             axis = SYNC_STEP if p.key.startswith(SYNC_PREFIXES) else STEP
             builtin = p.key in (names.LOSS, names.LR) or p.key.startswith("hdet/replica_")
             if axis == STEP and not builtin and p.key not in self._defined:
-                self._unless_owner_ended(partial(self._run.define_metric, p.key, step_metric=STEP))  # a user metric
+                self._call(partial(self._run.define_metric, p.key, step_metric=STEP))  # a user metric
                 self._defined.add(p.key)
             if not names.is_hdet_series(p.key):
                 self._user_points.append({"key": p.key, "step": p.step, "value": p.value})
@@ -411,7 +434,7 @@ class WandbTracker(Tracker):
                         elif key not in (STEP, SYNC_STEP):
                             logged.user[key] = max(logged.user.get(key, -1), step)
 
-        self._unless_owner_ended(log_rows)
+        self._call(log_rows)
         assert self._archive is not None
         self._archive.add(batch.events)
         for block in batch.steps:
@@ -466,7 +489,8 @@ class WandbTracker(Tracker):
     def finish(self, run_end: RunEnd) -> None:
         if self._run is None or not self._run_open:
             return
-        _GIVEN_OPEN.get(self._run.id, set()).discard(id(self))
+        if self._given is not None:
+            self._given.leave(self)
         self._finish(run_end)
         # Ended (run_id still names it): the next start(), a later scheduler's, makes a new run.
         self.run_name = self._given_run_name
@@ -480,7 +504,7 @@ class WandbTracker(Tracker):
             if run_end.error:
                 self._run.summary["hdet/error"] = run_end.error[-4000:]
 
-        self._unless_owner_ended(end)
+        self._call(end)
         if self._existing is not None and self._owner.pop("alive", None) is not None:
             self._write_owner()  # left open for its owner, whose process this tracker's heartbeat does not speak for
         if self._existing is None:
