@@ -9,10 +9,14 @@ side by side in this one process:
   unchanged);
 - a live run polled while W&B's file grows (a copy of one run's file appended in ``--polls``
   chunks): a whole parse at each poll (``read_wandb_file``, what a poll cost before) against the
-  readers' cache (only the new bytes parsed).
+  readers' cache (only the new bytes parsed);
+- the same polls as a tracker's ``flush()`` and end of run check the file (how far W&B wrote, and
+  its exit): a whole parse each time (what each check cost before) against ``RunFileProgress``
+  (only the new bytes, no rows kept).
 
-Ends with JSON lines ``wandb_reads.list_again_speedup`` (target >= 20x) and
-``wandb_reads.live_poll_speedup`` (target >= 5x).
+Ends with JSON lines ``wandb_reads.list_again_speedup`` (target >= 20x),
+``wandb_reads.live_poll_speedup`` (target >= 5x) and ``wandb_reads.flush_check_speedup``
+(target >= 5x).
 
 Run: .venv/bin/python bench/wandb_reads.py [--runs 4] [--rows 10000] [--replicas 8] [--polls 20]
 """
@@ -53,7 +57,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from hdet_track.readers import wandb as wandb_reader
-    from hdet_track.wandb_file import WandbFileCache, read_wandb_file
+    from hdet_track.wandb_file import RunFileProgress, WandbFileCache, read_wandb_file
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -75,8 +79,8 @@ def main() -> None:
         data = Path(files[0]).read_bytes()
         live = root / "live.wandb"
         cuts = [len(data) * (i + 1) // args.polls for i in range(args.polls)]
-        whole_s = cached_s = 0.0
-        cache = WandbFileCache()
+        whole_s = cached_s = progress_s = 0.0
+        cache, progress = WandbFileCache(), RunFileProgress(live)
         live.write_bytes(b"")
         for cut in cuts:  # both read the same file at the same size, one after the other
             with open(live, "ab") as f:
@@ -87,14 +91,23 @@ def main() -> None:
             t = time.perf_counter()
             b = cache.read(live)
             cached_s += time.perf_counter() - t
+            t = time.perf_counter()
+            progress.update()
+            progress_s += time.perf_counter() - t
             assert len(a.history) == len(b.history)
-        print(f"live run, {args.polls} polls: whole parse {whole_s:.2f} s, cache {cached_s:.2f} s")
+            assert progress.last_step == max((row["_step"] for row in a.history), default=None)
+        print(
+            f"live run, {args.polls} polls: whole parse {whole_s:.2f} s, cache {cached_s:.2f} s, "
+            f"a tracker's check {progress_s:.2f} s"
+        )
 
     list_speedup = cold / max(warm, 1e-9)
     poll_speedup = whole_s / max(cached_s, 1e-9)
+    check_speedup = whole_s / max(progress_s, 1e-9)
     lines = [
         {"bench": "wandb_reads.list_again_speedup", "value": round(list_speedup, 1), "unit": "x", "target": 20},
         {"bench": "wandb_reads.live_poll_speedup", "value": round(poll_speedup, 1), "unit": "x", "target": 5},
+        {"bench": "wandb_reads.flush_check_speedup", "value": round(check_speedup, 1), "unit": "x", "target": 5},
     ]
     for line in lines:
         print(json.dumps(line | {"pass": line["value"] >= line["target"]}))

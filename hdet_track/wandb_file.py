@@ -21,7 +21,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["iter_records", "read_wandb_file", "WandbFileCache", "WandbFileContents", "WandbFormatError"]
+__all__ = [
+    "iter_records",
+    "read_wandb_file",
+    "RunFileProgress",
+    "WandbFileCache",
+    "WandbFileContents",
+    "WandbFormatError",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -240,6 +247,53 @@ class WandbFileCache:
         with self._lock:
             self._parses.clear()
             self._cells.clear()
+
+
+class RunFileProgress:
+    """How far W&B has written one run file: its highest history ``_step`` and its exit code, for a
+    writer that checks again and again (a tracker's ``flush()``, the end of a run). Each
+    :meth:`update` parses only the bytes W&B appended since the last one and keeps no rows, so the
+    checks of a whole run parse its file about once instead of once per check. A file that shrank,
+    was replaced or was written over in place is read again from its start."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.last_step: int | None = None
+        self.exit_code: int | None = None
+        self.bytes_parsed = 0  # for tests and benches
+        self._identity: tuple[int, int, bytes] | None = None
+        self._scan = _Scan()
+
+    def update(self) -> RunFileProgress:
+        """Read what W&B appended; raises ``OSError`` (no file) or :class:`WandbFormatError`."""
+        with open(self.path, "rb") as f:
+            st = os.fstat(f.fileno())
+            head = f.read(_HEAD)
+            identity = (st.st_dev, st.st_ino, head)
+            if identity != self._identity or self._scan.pos > st.st_size:
+                _check_header(head)
+                self._identity, self._scan, self.last_step, self.exit_code = identity, _Scan(), None, None
+            f.seek(self._scan.pos)
+            data = f.read()
+        self.bytes_parsed += len(data)
+        for rec in _records(self._scan.payloads(data, self._scan.pos)):
+            kind = rec.WhichOneof("record_type")
+            if kind == "history":
+                step = _history_step(rec.history)
+                if isinstance(step, int) and (self.last_step is None or step > self.last_step):
+                    self.last_step = step
+            elif kind == "exit":
+                self.exit_code = rec.exit.exit_code
+        return self
+
+
+def _history_step(history: Any) -> Any:
+    """A history record's ``_step``: its own item if it has one (as :func:`_apply` reads it), else
+    the record's step."""
+    for item in history.item:
+        if _item_key(item) == "_step":
+            return _loads(item.value_json)
+    return history.step.num if history.HasField("step") else None
 
 
 def _loads(text: str) -> Any:

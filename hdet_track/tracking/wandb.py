@@ -18,8 +18,10 @@ from typing import Any
 
 from .. import names
 from .._checks import check_number, check_str
+from ..errors import needs_extra
 from ..events import RunEnd, RunStart
 from ..owner import process_identity
+from ..wandb_file import RunFileProgress, WandbFormatError
 from ..wandb_store import OWNER_FILE, SYNC_PREFIXES, USER_METRICS_FILE, StoredSteps
 from . import lifecycle
 from ._common import run_params, run_tags
@@ -55,28 +57,17 @@ FLUSH_WAIT_MARGIN = 5.0  # flush() waits at most the run's flush interval (<= 15
 _INTERVAL_ENV = ("WANDB__TRANSACTION_LOG_FLUSH_INTERVAL", "WANDB_X_TRANSACTION_LOG_FLUSH_INTERVAL")
 
 
-def _written_step(path: str | os.PathLike) -> int | None:
-    """The highest W&B ``_step`` among the history rows in the run file ``path``."""
-    from ..wandb_file import WandbFormatError, read_wandb_file
-
-    try:
-        steps = [row["_step"] for row in read_wandb_file(path).history if isinstance(row.get("_step"), int)]
-    except (OSError, WandbFormatError):
-        return None
-    return max(steps, default=None)
-
-
-def wait_until_written(path: str | os.PathLike, timeout: float) -> bool:
+def wait_until_written(path: str | os.PathLike, timeout: float, progress: RunFileProgress | None = None) -> bool:
     """Wait (at most ``timeout`` seconds) until the run file ``path`` (``run-<id>.wandb``) holds
     the run's exit record. W&B's service writes that file in blocks and closes it after
     ``run.finish()`` has returned, in its own process: until then a reader sees only part of the
-    run, or just the file's header."""
-    from ..wandb_file import WandbFormatError, read_wandb_file
-
+    run, or just the file's header. ``progress``, the file's reading so far (a tracker's
+    ``flush()``), is read on from where it stopped."""
+    progress = progress if progress is not None else RunFileProgress(path)
     deadline, pause = time.monotonic() + timeout, 0.02
     while True:
         try:
-            if read_wandb_file(path).exit_code is not None:
+            if progress.update().exit_code is not None:
                 return True
         except (OSError, WandbFormatError):
             pass
@@ -170,7 +161,7 @@ def _import_wandb():
     try:
         import wandb
     except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError("track='wandb' needs wandb: pip install 'hdet-track[wandb]'") from exc
+        raise ImportError(needs_extra("track='wandb'", "wandb", "wandb")) from exc
     return wandb
 
 
@@ -231,6 +222,7 @@ class WandbTracker(Tracker):
         self._stored: StoredSteps | None = None  # a resumed run: what its earlier sessions hold
         self._user_through: dict[str, int] = {}  # a given run resumed: each user metric's last step logged
         self._owner: dict[str, Any] = {}  # the owner file's record (process_identity, heartbeat)
+        self._progress: RunFileProgress | None = None  # how far W&B wrote this run's file, read on
 
     @property
     def run_id(self) -> str | None:
@@ -280,6 +272,12 @@ class WandbTracker(Tracker):
         if getattr(settings, "mode", "") == "disabled" or getattr(settings, "x_skip_transaction_log", False):
             return None
         return getattr(settings, "sync_file", None) or None
+
+    def _file_progress(self, path: str) -> RunFileProgress:
+        """The reading of the run file ``path`` so far: each check parses only what W&B added."""
+        if self._progress is None or self._progress.path != Path(path):
+            self._progress = RunFileProgress(path)
+        return self._progress
 
     def resume(self, run_id: str) -> None:
         if self._existing is None:
@@ -469,9 +467,12 @@ class WandbTracker(Tracker):
                 now = os.path.getsize(path)
             except OSError:
                 now = -1
-            if now != size:  # parse again only once W&B wrote more
+            if now != size:  # read on only once W&B wrote more
                 size = now
-                written = _written_step(path)
+                try:
+                    written = self._file_progress(path).update().last_step
+                except (OSError, WandbFormatError):
+                    written = None
                 if written is not None and written >= last:
                     return
             if time.monotonic() >= deadline:
@@ -511,7 +512,7 @@ class WandbTracker(Tracker):
             path = self._run_file()
             self._run.finish(exit_code=0 if run_end.status == "FINISHED" else 1)
             # so that the run reads back whole as soon as close() returns (readers, `compare`)
-            if path and not wait_until_written(path, FINISH_WAIT_SECONDS):
+            if path and not wait_until_written(path, FINISH_WAIT_SECONDS, self._file_progress(path)):
                 logger.warning(
                     "hdet-track: W&B had not written the end of run %s to %s within %.0f s; it will once "
                     "its service closes the run",
