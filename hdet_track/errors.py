@@ -48,3 +48,12 @@ class NonFiniteReplicasError(HDETError):
 
 class CheckpointMismatchError(HDETError):
     """A scheduler checkpoint does not fit the job that loads it."""
+
+
+def needs_extra(feature: str, package: str, extra: str) -> str:
+    """The text of the ImportError for a feature whose optional dependency is missing: what to
+    install, from PyPI and as hdet-track's extra (hdet-track installs from a clone)."""
+    return (
+        f"{feature} needs {package}: pip install {package} "
+        f"(or hdet-track's '{extra}' extra: pip install -e '.[{extra}]' in a clone of hdet-track)"
+    )

@@ -268,6 +268,17 @@ def test_study_report_matches_the_tracking_store(study):
     assert "an MLP 64-256-256-10, SGD (momentum 0.9, Nesterov, weight decay 0.0005)" in report
     assert (out / "lr_sensitivity.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "planned run(s) are not in the store" not in report
+    # the page says the command that runs this study, also when it was rebuilt from the store alone
+    command = f"Command: `python bench/quality.py {' '.join(ARGS)} --store {store}`"
+    assert command in report
+    rebuilt = out / "rebuilt"
+    rebuilt.mkdir()
+    _quality(rebuilt, store, "--report-only")
+    again = (rebuilt / "results.md").read_text()
+    assert command in again and "--report-only" not in again.split("Command:")[1]
+    assert [x for x in again.splitlines() if x.startswith("| image |")] == [
+        x for x in report.splitlines() if x.startswith("| image |")
+    ]
 
 
 def test_study_json_lines_are_the_store_s_numbers(study):

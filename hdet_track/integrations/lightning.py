@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import OneCycleLR
 
+from ..errors import needs_extra
 from ..scheduler import HDETScheduler, check_hdet_kwargs
 
 try:
@@ -25,9 +26,7 @@ except ImportError:  # pragma: no cover - the standalone package name
         import pytorch_lightning as pl  # type: ignore[no-redef]
         from pytorch_lightning.callbacks import Checkpoint  # type: ignore[no-redef]
     except ImportError as exc:
-        raise ImportError(
-            "hdet_track.integrations.lightning needs Lightning: pip install 'hdet-track[lightning]'"
-        ) from exc
+        raise ImportError(needs_extra("hdet_track.integrations.lightning", "lightning", "lightning")) from exc
 
 __all__ = ["HDETCallback", "wrap_trainer"]
 

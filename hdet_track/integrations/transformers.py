@@ -24,12 +24,13 @@ from typing import Any
 
 import torch
 
+from ..errors import needs_extra
 from ..scheduler import HDETScheduler, check_hdet_kwargs
 
 try:
     from transformers import TrainerCallback
 except ImportError as exc:  # pragma: no cover
-    raise ImportError("hdet_track.integrations.transformers needs transformers: pip install 'hdet-track[hf]'") from exc
+    raise ImportError(needs_extra("hdet_track.integrations.transformers", "transformers", "hf")) from exc
 
 __all__ = ["HDETTrainerCallback", "wrap_trainer"]
 

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from .. import names
+from ..errors import needs_extra
 from ..events import ControllerDecision
 from ..owner import described, overdue, owner_alive
 from ..summaries import SUMMARY_DIR
@@ -178,7 +179,7 @@ class MLflowReader:
         try:
             from mlflow.tracking import MlflowClient
         except ImportError as exc:  # pragma: no cover
-            raise ImportError("reading MLflow runs needs MLflow: pip install 'hdet-track[mlflow]'") from exc
+            raise ImportError(needs_extra("reading MLflow runs", "mlflow", "mlflow")) from exc
         self.uri = tracking_uri or default_tracking_uri()
         check_store_exists(self.uri)
         if self.uri.startswith(("http://", "https://")):

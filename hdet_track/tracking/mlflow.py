@@ -18,6 +18,7 @@ from typing import Any
 
 from .. import names
 from .._checks import check_number, check_str
+from ..errors import needs_extra
 from ..events import RunEnd, RunStart
 from ..owner import process_identity
 from ..summaries import SUMMARY_DIR
@@ -37,7 +38,7 @@ _MAX_PARAMS = 100
 LOGGED_THROUGH_TAG = "hdet.logged_through"
 
 
-_NEEDS_MLFLOW = "track='mlflow' needs MLflow: pip install 'hdet-track[mlflow]'"
+_NEEDS_MLFLOW = needs_extra("track='mlflow'", "mlflow", "mlflow")
 
 
 def _require_mlflow() -> None:
