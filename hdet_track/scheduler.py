@@ -254,11 +254,16 @@ class HDETScheduler(Reporting, Checkpointing, OneCycleLR):
             raise TypeError(f"from_onecycle() takes OneCycleLR's arguments from the scheduler; do not pass {clash}")
         sched = cls(scheduler.optimizer, **args, **hdet_kwargs)
         if scheduler.last_epoch > 0:
-            sched.last_epoch = scheduler.last_epoch
-            sched._step_count = scheduler._step_count
-            sched._bind_controller()
-            sched._refresh()
+            sched._start_at(scheduler.last_epoch)
         return sched
+
+    def _start_at(self, step: int) -> None:
+        """Put this new scheduler at ``step`` of its schedule: a job that continues a schedule
+        started without HDET (a OneCycleLR's progress, a trainer's step)."""
+        self.last_epoch = step
+        self._step_count = step + 1
+        self._bind_controller()
+        self._refresh()
 
     # ------------------------------------------------------------------ public views
     @property

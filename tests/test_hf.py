@@ -622,3 +622,51 @@ def test_hdets_means_do_not_mix_into_the_loss_hugging_face_logs_in_its_mlflow_ru
     run = MLflowReader(uri).read(run_id)
     (summary,) = MLflowReader(uri).list_runs()
     assert summary.final_loss == pytest.approx(run.final_loss()) == pytest.approx(ours[-1].value)
+
+
+def _failing_rank_worker(tmp_path, uri):
+    """One rank of a 2-rank gloo DDP Trainer (wrap form, tracked to MLflow); rank 1 raises at step 3."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    import hdet_track
+    from hdet_track.tracking.mlflow import MLflowTracker
+
+    rank = int(os.environ["RANK"])
+
+    class Boom(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if rank == 1 and state.global_step == 3:
+                raise RuntimeError("boom on rank 1")
+
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1 + rank)
+    data = [
+        {"input_ids": torch.randint(0, 32, (8,), generator=gen), "labels": torch.randint(0, 32, (8,))}
+        for _ in range(64)
+    ]
+    args = TrainingArguments(
+        output_dir=str(tmp_path / f"out{rank}"), max_steps=8, per_device_train_batch_size=2, learning_rate=1e-2,
+        report_to=[], use_cpu=True, disable_tqdm=True, logging_strategy="no", save_strategy="no", ddp_backend="gloo",
+    )  # fmt: skip
+    trainer = Trainer(model=_PlainLM(), args=args, train_dataset=data, callbacks=[Boom()])
+    trainer = hdet_track.wrap(trainer, sync_every=2, spread=0.2, track=MLflowTracker(tracking_uri=uri))
+    trainer.train()
+
+
+def test_a_rank_that_fails_fails_the_run_with_its_own_error(tmp_path):
+    """Under torchrun the rank that raises first takes the others down: rank 0 then fails on a
+    collective, and the run ended FAILED with rank 0's "Connection closed by peer" rather than the
+    error that stopped the training. The failing rank leaves a note as train() fails; rank 0 ends
+    the run with it."""
+    from hdet_track.launch import launch_local
+    from hdet_track.readers.mlflow import MLflowReader
+
+    uri = f"sqlite:///{tmp_path / 'hf.db'}"
+    with pytest.raises(Exception, match="boom on rank 1|ChildFailedError|failed"):
+        launch_local(_failing_rank_worker, 2, tmp_path, uri)
+    reader = MLflowReader(uri)
+    (summary,) = reader.list_runs()
+    run = reader.read(summary.run_id)
+    assert run.status == "FAILED"
+    error = run.tags["hdet.error"]
+    assert error.startswith("rank 1 failed:") and "RuntimeError: boom on rank 1" in error, error

@@ -26,6 +26,7 @@ import torch
 
 from ..errors import needs_extra
 from ..scheduler import HDETScheduler, check_hdet_kwargs
+from ..tracking import lifecycle
 
 try:
     from transformers import TrainerCallback
@@ -135,8 +136,7 @@ def end_of_training(sched: HDETScheduler) -> None:
 
 def _end_failed(sched: HDETScheduler, args: Any, exc: BaseException) -> None:
     """``train()`` raised ``exc``: the run ends FAILED (KILLED on ``KeyboardInterrupt``) with the error."""
-    status = "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED"
-    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-4000:]
+    status, text = lifecycle.caught_failure(exc)  # under torchrun: the error of the rank that failed first
     sched.close(status, text)
     report_to = args.report_to if isinstance(args.report_to, (list, tuple)) else [args.report_to]
     if "mlflow" in report_to:

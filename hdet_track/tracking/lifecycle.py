@@ -27,7 +27,15 @@ import threading
 import traceback
 from typing import Any
 
-__all__ = ["install", "register", "registered", "unregister", "exit_status", "end_runs_first_at_exit"]
+__all__ = [
+    "install",
+    "register",
+    "registered",
+    "unregister",
+    "exit_status",
+    "end_runs_first_at_exit",
+    "caught_failure",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +106,19 @@ def _record_exception(exc_type: type, exc: BaseException, tb: Any) -> None:
         peer = None if killed else _peer_failure()
         _STATE["failure"] = ("KILLED" if killed else "FAILED", peer or text)
     _leave_note(text)
+
+
+def caught_failure(exc: BaseException) -> tuple[str, str]:
+    """The status and error a run ends with when a trainer caught ``exc`` in training (Lightning's
+    ``on_exception``, Hugging Face's ``train()``): KILLED on ``KeyboardInterrupt``, else FAILED with
+    the error; under torch.distributed this rank leaves a note first, and rank 0 takes the note of
+    a rank that failed before it (it failed on a collective because that rank was gone), as an
+    uncaught exception does."""
+    if isinstance(exc, KeyboardInterrupt):
+        return "KILLED", _format(type(exc), exc, exc.__traceback__)
+    text = _format(type(exc), exc, exc.__traceback__)
+    _leave_note(text)  # rank 0 leaves none
+    return "FAILED", (_peer_failure() if _STATE["rank"] == 0 else None) or text
 
 
 def _store() -> Any:
