@@ -26,6 +26,7 @@ __all__ = [
     "SYNC_DIVERGENCE_MAX",
     "SYNC_LEFT_OUT",
     "SYNC_ROLLBACK",
+    "SYNC_BACKOFF",
     "SYNC_STEP_GUARD",
     "left_out_metric",
     "parse_left_out_metric",
@@ -85,6 +86,7 @@ SYNC_DIVERGENCE = "hdet/sync/divergence"
 SYNC_DIVERGENCE_MAX = "hdet/sync/divergence_max"
 SYNC_LEFT_OUT = "hdet/sync/left_out"
 SYNC_ROLLBACK = "hdet/sync/rollback"
+SYNC_BACKOFF = "hdet/sync/backoff"  # 1 where the guard cut the LR drift (a backoff) at that sync
 # The scope of the controller's step guard in the window, as a number (for runs read without their
 # event archive): 0 none, 1 collective ("all"), 2 local.
 SYNC_STEP_GUARD = "hdet/sync/step_guard"

@@ -5,6 +5,7 @@ hold): W&B's history rows, hdet-track's own user-metrics file and the event arch
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections import Counter
 from collections.abc import Iterable
@@ -22,6 +23,8 @@ __all__ = [
     "stored_steps",
     "archived_last_step",
     "archived_first_step",
+    "session_first_step",
+    "read_owner",
     "read_user_metrics",
     "session_user_metrics",
     "user_metrics",
@@ -37,6 +40,16 @@ SYNC_PREFIXES = ("hdet/sync/", "hdet/controller/", "hdet/onecycle/")
 EVENTS_DIR = ("files", "hdet_events")
 USER_METRICS_FILE = names.WANDB_USER_METRICS_FILE  # written by hdet_track.tracking.wandb.WandbTracker
 OWNER_FILE = names.WANDB_OWNER_FILE
+
+
+def read_owner(directory: Path) -> dict | None:
+    """The owner file of the run directory ``directory`` (the process that logs into it, its
+    heartbeat, the step its session started from), None when there is none or it is unreadable."""
+    try:
+        owner = json.loads((directory.joinpath(*EVENTS_DIR) / OWNER_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return owner if isinstance(owner, dict) else None
 
 
 def read_user_metrics(directory: Path) -> list[tuple[str, int, float]]:
@@ -189,10 +202,21 @@ def archived_last_step(directory: Path) -> int:
 
 
 def archived_first_step(directory: Path) -> int | None:
-    """The first step of the event archive's step rows in ``directory`` (None: none): where a
-    resumed session took over from the earlier ones."""
+    """The first step of the event archive's step rows in ``directory`` (None: none)."""
     found = _archived_steps(directory, "steps-*.parquet")
     return None if found is None else found[0]
+
+
+def session_first_step(directory: Path, rows: Iterable[int] = ()) -> float:
+    """Where the session of the run directory ``directory`` took over from the earlier ones: the
+    step after the one it resumed from (its owner file says; a session that resumed from step 17
+    redid 18 even where it wrote no row for it: the earlier session's row stood), else the first
+    step its archive or its rows (``rows``: its own HDET steps) hold; ``inf`` when none says."""
+    owner = read_owner(directory) or {}
+    start = owner.get("start_step")
+    starts = [start + 1] if isinstance(start, int) and not isinstance(start, bool) else []
+    starts += [s for s in (archived_first_step(directory), min(rows, default=None)) if s is not None]
+    return min(starts) if starts else math.inf
 
 
 @dataclass
@@ -213,9 +237,11 @@ def stored_steps(directories: Iterable[Path]) -> StoredSteps:
         history = _history(directory)
         sessions.append((history, read_user_metrics(directory)))
         out.archive = max(out.archive, archived_last_step(directory))
+        own = any(names.STEP in row or names.SYNC_STEP in row for row in history)  # else rows before 0.2
         hdet = [
             step
             for row in history
+            if not own or names.STEP in row or names.SYNC_STEP in row  # not an owner's row in a given run
             for key in row
             if names.is_hdet_series(key) and key not in (names.STEP, names.SYNC_STEP)
             if (step := row_step(row, key)) is not None

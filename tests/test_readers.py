@@ -210,16 +210,18 @@ def test_wandb_history_fallback_rebuilds_the_syncs():
 def test_history_fallback_knows_replicas_left_out_with_a_finite_window_loss(tmp_path, track):
     """A loss spike trips the step guard: the replica is rolled back and left out while its window
     loss stays finite. Without the event archive the histories still say which replica was left out
-    (they used to say none: only non-finite windows were read as left out)."""
+    (they used to say none: only non-finite windows were read as left out), that the guard rolled
+    back there and at a NaN (lost: the dashboard counted no rollback), and what the controller
+    decided at every sync (W&B's rows gave no decision at all: "auto_lr off")."""
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     uri = f"sqlite:///{tmp_path / 'spike.db'}"
     tracker = MLflowTracker(tracking_uri=uri) if track == "mlflow" else "wandb"
-    sched = HDETScheduler(opt, 0.1, total_steps=30, sync_every=10, auto_lr=True, model=model, track=tracker)
-    for k in range(1, 31):
+    sched = HDETScheduler(opt, 0.1, total_steps=40, sync_every=10, auto_lr=True, model=model, track=tracker)
+    for k in range(1, 41):
         opt.step()
-        sched.step(100.0 if k == 14 else 1.0)  # 100x the window's first loss at step 14
+        sched.step(100.0 if k == 14 else math.nan if k == 34 else 1.0)  # 100x the window's first loss at 14
     sched.close()
     run_id = sched.run_ids[track]
     if track == "mlflow":
@@ -234,11 +236,20 @@ def test_history_fallback_knows_replicas_left_out_with_a_finite_window_loss(tmp_
             shutil.rmtree(directory)
     fallback = reader.read(run_id)
     assert fallback.warnings and not full.warnings
-    assert [c.step for c in full.converge] == [10, 14, 20, 30]  # the step guard converged at step 14
-    assert [c.left_out for c in full.converge] == [[], [0], [], []]
+    assert [c.step for c in full.converge] == [10, 14, 20, 30, 34, 40]  # the step guard converged at 14, 34
+    assert [c.left_out for c in full.converge] == [[], [0], [], [], [0], []]
     assert np.isfinite(full.converge[1].window_losses).all()
     assert [(c.step, c.left_out) for c in fallback.converge] == [(c.step, c.left_out) for c in full.converge]
     assert fallback.converge[1].reasons == ["left out (reason not logged)"]  # not "non-finite": it was finite
+    assert [(g.step, g.action, g.replicas) for g in full.guard] == [(14, "rollback", [0]), (34, "rollback", [0])]
+    assert [(g.step, g.action, g.replicas) for g in fallback.guard] == [
+        (g.step, g.action, g.replicas) for g in full.guard
+    ]
+    assert len(full.controller) == 6
+    for a, b in zip(fallback.controller, full.controller, strict=True):
+        assert (a.step, a.name, len(a.weights)) == (b.step, b.name, len(b.weights))
+        np.testing.assert_allclose(a.weights, b.weights)
+        np.testing.assert_allclose(a.base_after, b.base_after)
 
 
 def test_left_out_markers_are_trusted_only_when_they_match_the_count():
@@ -293,7 +304,43 @@ def test_bad_sources_give_typed_errors_or_partial_runs(tmp_path):
     run = reader.read(tracker.run_id)
     assert any("unreadable archive chunk steps-" in w for w in run.warnings)
     assert any("upgrade hdet-track" in w for w in run.warnings)
-    assert len(run.converge) == 4 and len(run.steps) == 0
+    # the torn chunk's steps come from the per-replica histories; the syncs stay the archive's, once
+    assert any("gave no step rows: steps rebuilt from metric histories" in w for w in run.warnings)
+    assert len(run.converge) == 4 and run.steps.step.tolist() == list(range(1, 41))
+
+
+def test_an_attached_run_whose_archive_gave_no_rows_reads_hdets_loss_not_its_owners(tmp_path):
+    """In a run HDET attached to (``MLflowTracker(run_id=...)``: Hugging Face's, Lightning's), the
+    run's ``loss`` is its owner's and HDET's means are ``hdet/loss``/``hdet/lr``. When the archive
+    gave no step rows (a torn chunk), the run was read from the plain ``loss`` and ``lr``: the
+    owner's loss as HDET's in ``compare`` and on the Converge page, and no LR to export."""
+    from hdet_track.compare import comparison_rows
+
+    uri = f"sqlite:///{tmp_path / 'attached.db'}"
+    client = MlflowClient(uri)
+    owner = client.create_run(client.create_experiment("hdet"), run_name="owner").info.run_id
+    for s in range(1, 21):
+        client.log_metric(owner, "loss", 100.0 + s, step=s)  # the owner's own loss, far from HDET's
+    opt = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)
+    track = MLflowTracker(tracking_uri=uri, run_id=owner)
+    with HDETScheduler(opt, 0.1, total_steps=20, sync_every=5, track=track) as sched:
+        for k in range(1, 21):
+            opt.step()
+            sched.step(1.0 / k)
+    artifacts = Path(urlparse(client.get_run(owner).info.artifact_uri).path) / "hdet_events"
+    for chunk in artifacts.glob("steps-*.parquet"):
+        chunk.write_bytes(chunk.read_bytes()[:200])
+    for torn_only in (True, False):  # then with no archive at all
+        if not torn_only:
+            shutil.rmtree(artifacts)
+        run = MLflowReader(uri).read(owner)
+        assert run.final_loss() == pytest.approx(1 / 20)
+        assert run.replica_series("lr", 0)[0].tolist() == list(range(1, 21))
+        (row,) = comparison_rows([run])
+        assert row.final_train_loss == pytest.approx(1 / 20) and row.best_train_loss == pytest.approx(1 / 20)
+        assert "loss" not in run.metrics or max(run.metrics["loss"][1]) < 2  # never the owner's 101-120
+    (listed,) = MLflowReader(uri).list_runs("hdet")
+    assert listed.final_loss == pytest.approx(1 / 20)
 
 
 def test_wandb_directory_still_being_written(tmp_path):

@@ -10,6 +10,7 @@ import sys
 import time
 from collections import Counter
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
@@ -42,7 +43,7 @@ for k in range(18 if phase == "second" else 1, int(stop) + 1):
     opt.zero_grad()
     loss.backward()
     opt.step()
-    sched.step(loss)
+    sched.step(loss * float(os.environ.get("LOSS_SCALE", "1")) if phase == "second" else loss)
     if k in (19, 20, 25):
         sched.log_metrics({"val_loss": k + (0.5 if phase == "second" else 0.0)}, step=k)
     if phase == "first" and k == 17:
@@ -69,11 +70,12 @@ sched.close()
 """
 
 
-def _job(tmp_path, phase, stop, end, old_writer=False):
-    """Run one phase; returns its pid."""
+def _job(tmp_path, phase, stop, end, old_writer=False, loss_scale=1.0):
+    """Run one phase; returns its pid. ``loss_scale``: the second phase feeds HDET its loss times
+    this, so that its values are told from the first's."""
     script = tmp_path / "job.py"
     script.write_text(JOB)
-    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true")
+    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true", LOSS_SCALE=str(loss_scale))
     if old_writer:
         env["OLD_WRITER"] = "1"
     if end == "kill-unflushed":
@@ -275,6 +277,9 @@ def test_steps_only_in_the_killed_sessions_rows_are_read_back_after_a_resume(tmp
     assert [c.step for c in run.converge if c.step < 18] == synced  # from the rows
     assert [c.step for c in run.converge if c.step >= 18][:4] == [18, 24, 30, 36]  # the archive's, redone
     assert run.status == "FINISHED" and any("read from W&B's rows" in w for w in run.warnings)
+    # and the controller's decisions there (the Controller page said "auto_lr off" for them)
+    assert set(synced) <= {d.step for d in run.controller if d.name == "lr"}
+    assert all(np.isfinite(d.base_after).all() for d in run.controller)
     again = reader.read(run_id, previous=run)  # a later read does not build on the filled rows
     assert again.steps.step.tolist() == run.steps.step.tolist()
 
@@ -290,6 +295,22 @@ def test_a_killed_attempts_steps_past_the_checkpoint_are_not_read_into_the_resum
     assert run.status == "FINISHED"
     assert sorted(set(run.steps.step.tolist())) == list(range(1, 26))
     assert max(c.step for c in run.converge) <= 25
+
+
+def test_a_killed_attempts_rows_between_the_checkpoint_and_the_resumed_sessions_first_row_are_left_out(tmp_path):
+    """Both sessions killed before an archive chunk: the second resumed from the checkpoint at 17
+    but wrote its first row at 21 (rows the first session holds are not written twice to W&B), so
+    its rows said it took over at 21, and the first attempt's abandoned 18-20 (and its sync at 18)
+    were read as the run's. The owner file says where a session started."""
+    _job(tmp_path, "first", 21, "kill-unflushed")
+    _job(tmp_path, "second", 30, "kill-unflushed", loss_scale=1000.0)
+    reader, run_id = _read(tmp_path)
+    run = reader.read(run_id)
+    loss = dict(zip(run.steps.step.tolist(), run.steps.loss.tolist()))
+    # the first attempt's losses are below 0.01 from step 10 on, the second's (x1000) above 1
+    assert set(range(1, 18)) <= set(loss) and max(loss[s] for s in range(10, 18)) < 0.01
+    assert {s for s in loss if s >= 18} and all(loss[s] > 1 for s in loss if s >= 18)  # the second's only
+    assert all(c.step < 18 or min(c.window_losses) > 1 for c in run.converge)
 
 
 LIVE_JOB = """

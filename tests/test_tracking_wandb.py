@@ -774,6 +774,40 @@ def test_metrics_the_owner_logs_in_a_given_run_are_read_at_the_trainers_step(tmp
     assert "no_step" not in got.metrics and "train/global_step" not in got.metrics
 
 
+def test_hdets_means_in_a_given_run_go_beside_its_owners_loss(tmp_path):
+    """A given run's owner logs its own ``loss`` (Lightning's ``self.log("loss")`` at
+    trainer/global_step): HDET logged its mean under the same name and re-defined it on hdet/step,
+    so W&B's chart of the owner's loss held two series, and the run list read the owner's loss as
+    HDET's final loss. HDET's means are now hdet/loss and hdet/lr there, as in MLflow."""
+    import wandb
+
+    from hdet_track.readers.wandb import WandbReader
+    from hdet_track.tracking.wandb import WandbTracker
+
+    run = wandb.init(project="given", dir=str(tmp_path), mode="offline")
+    run.define_metric("trainer/global_step")
+    run.define_metric("*", step_metric="trainer/global_step", step_sync=True)  # as Lightning's logger does
+    opt = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)
+    sched = HDETScheduler(opt, 0.1, total_steps=20, sync_every=5, track=WandbTracker(run=run))
+    for k in range(1, 21):
+        opt.step()
+        sched.step(1.0 / k)
+        run.log({"loss": 100.0 + k, "trainer/global_step": k})
+    sched.close()
+    run.finish()
+    contents = read_finished(glob.glob(str(tmp_path / "wandb" / "*run-*" / "run-*.wandb"))[0], timeout=60)
+    hdet_rows = [r for r in contents.history if "hdet/step" in r and "hdet/loss" in r]
+    assert [r["hdet/loss"] for r in hdet_rows] == pytest.approx([1.0 / k for k in range(1, 21)])
+    assert all(r["loss"] > 100 for r in contents.history if "loss" in r)  # the owner's only
+    assert contents.step_metrics.get("loss") != "hdet/step" and contents.step_metrics["hdet/loss"] == "hdet/step"
+    reader = WandbReader(str(tmp_path))
+    (listed,) = reader.list_runs()
+    assert listed.final_loss == pytest.approx(1 / 20)  # the run list read the owner's 120
+    got = reader.read(run.id)
+    assert got.final_loss() == pytest.approx(1 / 20)
+    assert got.mean_series("lr")[0].tolist() == list(range(1, 21))
+
+
 def test_a_run_closed_finished_whose_file_lacks_wandbs_end_reads_finished(tmp_path):
     """hdet-track closed the run FINISHED (its status in the run's summary), then the process went
     before W&B's service wrote the run's end (a job teardown that killed the service): the run read

@@ -34,6 +34,14 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+NO_SCHEDULE = "plain"  # the schedule of a run without the hdet.schedule tag (not an HDET run), everywhere
+
+
+def schedule_label(schedule: str) -> str:
+    """A run's schedule as the table, the figures and the dashboard show it: ``hdet``, ``onecycle``
+    or ``plain``."""
+    return schedule or NO_SCHEDULE
+
 
 class ReaderError(HDETError):
     """A run could not be read."""
@@ -464,6 +472,103 @@ def converge_from_series(
         reasons=reasons,
         step_guard=scope,
     )
+
+
+def is_sync_series(key: str) -> bool:
+    """Whether ``key`` is one of the per-sync series :func:`sync_events_from_series` reads."""
+    return (
+        key in (names.SYNC_LEFT_OUT, names.SYNC_STEP_GUARD, names.SYNC_ROLLBACK, names.SYNC_BACKOFF)
+        or names.parse_window_loss_metric(key) is not None
+        or names.parse_left_out_metric(key) is not None
+        or names.parse_controller_metric(key) is not None
+        or names.parse_weight_metric(key) is not None
+        or key.startswith(names.onecycle_metric(""))
+    )
+
+
+def sync_events_from_series(
+    series: dict[str, dict[int, float]],
+) -> tuple[list[Converge], list[ControllerDecision], list[Guard]]:
+    """A run's syncs, controller decisions and guard actions rebuilt from its logged per-sync series
+    (a run read without its event archive, or steps only a tracker's rows hold): ``series`` maps
+    each metric of :func:`is_sync_series` to its values by sync step, in whatever the backend
+    gives (MLflow's histories, W&B's rows). What the series do not say is unknown: the rate of a
+    backoff or rollback (``drift_change`` NaN), the replicas a backoff answered, divergences."""
+    windows = {r: k for k in series if (r := names.parse_window_loss_metric(k)) is not None}
+    converge: list[Converge] = []
+    if windows:
+        hist = {r: series[k] for r, k in windows.items()}
+        n = max(hist) + 1
+        left, scope = series.get(names.SYNC_LEFT_OUT, {}), series.get(names.SYNC_STEP_GUARD, {})
+        left_at: dict[int, list[int]] = {}  # step -> the replicas marked left out there
+        for key, values in series.items():
+            if (r := names.parse_left_out_metric(key)) is not None:
+                for step, value in values.items():
+                    if value == 1.0:
+                        left_at.setdefault(int(step), []).append(r)
+        for step in sorted({s for h in hist.values() for s in h}):
+            losses = [hist.get(r, {}).get(step, math.nan) for r in range(n)]
+            converge.append(converge_from_series(step, losses, left.get(step), scope.get(step), left_at.get(step, [])))
+    controller: dict[str, dict[str, dict[int, float]]] = {}
+    weights: dict[str, dict[int, dict[int, float]]] = {}
+    for key, values in series.items():
+        if ctrl := names.parse_controller_metric(key):
+            controller.setdefault(ctrl[0], {})[ctrl[1]] = values
+        if weight := names.parse_weight_metric(key):
+            weights.setdefault(weight[0], {})[weight[1]] = values
+    by_name: dict[str, dict[int, dict[int, dict[str, float]]]] = {}
+    for key, parts in controller.items():
+        try:
+            name, target = names.parse_series_key(key)
+        except ValueError:
+            continue
+        onecycle = series.get(names.onecycle_metric(key), {})
+        for step, base in parts.get("base", {}).items():
+            drift = parts.get("drift", {}).get(step, math.nan)
+            by_name.setdefault(name, {}).setdefault(int(step), {})[target] = {
+                "base": base,
+                "velocity": parts.get("velocity", {}).get(step, math.nan),
+                "delta": parts.get("delta", {}).get(step, math.nan),
+                "onecycle": onecycle.get(step, math.nan),
+                "reference": base / drift if drift else onecycle.get(step, math.nan),
+            }
+    decisions = []
+    for name, steps in by_name.items():
+        w = weights.get(name, {})
+        n = max(w) + 1 if w else 0
+        for step, targets in sorted(steps.items()):
+            ts = [targets[t] for t in sorted(targets)]
+            weighed = any(step in w.get(r, {}) for r in range(n))  # none at a rollback
+            decisions.append(
+                ControllerDecision(
+                    step=step,
+                    name=name,
+                    weights=[float(w.get(r, {}).get(step, math.nan)) for r in range(n)] if weighed else [],
+                    delta=[t["delta"] for t in ts],
+                    velocity=[t["velocity"] for t in ts],
+                    base_before=[math.nan] * len(ts),
+                    base_after=[t["base"] for t in ts],
+                    gamma=math.nan,
+                    permutation=[],
+                    onecycle=[t["onecycle"] for t in ts] if name == "lr" else None,
+                    reference=[t["reference"] for t in ts],
+                )
+            )
+    decisions.sort(key=lambda d: d.step)
+    # the replicas a guard action answered: those left out at its sync (a rollback of a consensus
+    # that blew up as a whole: every replica)
+    world = max((len(c.window_losses) for c in converge), default=0)
+    left_at_sync = {c.step: list(c.left_out) for c in converge}
+    guards = [
+        Guard(int(step), action, left_at_sync.get(int(step)) or fallback, f"{action} (reason not logged)", math.nan)
+        for action, key, fallback in (
+            ("backoff", names.SYNC_BACKOFF, []),
+            ("rollback", names.SYNC_ROLLBACK, list(range(world))),
+        )
+        for step, value in series.get(key, {}).items()
+        if value == 1.0
+    ]
+    return converge, decisions, sorted(guards, key=lambda g: g.step)
 
 
 def _reference(decision: ControllerDecision, target: int) -> float:

@@ -22,12 +22,11 @@ import numpy as np
 
 from .. import names
 from ..errors import needs_extra
-from ..events import ControllerDecision
 from ..owner import described, overdue, owner_alive
 from ..summaries import SUMMARY_DIR
 from ..tracking.archive import ARTIFACT_DIR
 from .archive import read_archive
-from .base import HDETRun, ReaderError, RunNotFoundError, RunSummary, StepTable, converge_from_series
+from .base import HDETRun, ReaderError, RunNotFoundError, RunSummary, StepTable, is_sync_series, sync_events_from_series
 
 __all__ = ["MLflowReader", "StoreNotReady", "sqlite_file", "pending_store", "check_store_exists"]
 
@@ -323,6 +322,11 @@ class MLflowReader:
         files = sorted(f for f in files if f.endswith(".parquet"))
         if files:
             self._read_archive(run, files, previous, steps, max_rows)
+            if not run.has_step_series and any(names.parse_replica_metric(k) for k in info.data.metrics):
+                # chunks that gave no rows (torn, not downloadable): the per-replica histories, as
+                # for a run without an archive (not the run's plain loss/lr: an owner's, if attached)
+                run.warnings.append("the event archive gave no step rows: steps rebuilt from metric histories")
+                self._read_histories(run, info.data.metrics, events=not run.converge)
         else:
             if "hdet.schema_version" not in run.tags:
                 run.warnings.append("no HDET events in this run: only its metric histories are shown")
@@ -367,7 +371,7 @@ class MLflowReader:
         last[:-1] = steps[1:] != steps[:-1]
         return steps[last], values[last]
 
-    def _read_histories(self, run: HDETRun, latest: dict[str, float]) -> None:
+    def _read_histories(self, run: HDETRun, latest: dict[str, float], events: bool = True) -> None:
         per_replica: dict[int, dict[str, tuple[np.ndarray, np.ndarray]]] = defaultdict(dict)
         for key in latest:
             parsed = names.parse_replica_metric(key)
@@ -387,81 +391,22 @@ class MLflowReader:
                     values[name] = col
             tables.append(StepTable(steps, np.full(len(steps), r, dtype=np.int32), loss, values, {}))
         run.steps = StepTable.concat(tables)
-        self._rebuild_sync_events(run, latest)
+        if events:
+            self._rebuild_sync_events(run, latest)
 
     def _rebuild_sync_events(self, run: HDETRun, latest: dict[str, float]) -> None:
-        windows = {r: k for k in latest if (r := names.parse_window_loss_metric(k)) is not None}
-        if windows:
-            hist = {r: dict(zip(*self._history(run.run_id, k))) for r, k in windows.items()}
-            n = max(hist) + 1
-            left = dict(zip(*self._history(run.run_id, names.SYNC_LEFT_OUT))) if names.SYNC_LEFT_OUT in latest else {}
-            scope = (
-                dict(zip(*self._history(run.run_id, names.SYNC_STEP_GUARD))) if names.SYNC_STEP_GUARD in latest else {}
-            )
-            left_at: dict[int, list[int]] = defaultdict(list)  # step -> the replicas marked left out there
-            for key in latest:
-                if (r := names.parse_left_out_metric(key)) is not None:
-                    for step, value in zip(*self._history(run.run_id, key)):
-                        if value == 1.0:
-                            left_at[int(step)].append(r)
-            for step in sorted({s for h in hist.values() for s in h}):
-                losses = [hist.get(r, {}).get(step, np.nan) for r in range(n)]
-                marked = left_at.get(int(step), [])
-                run.converge.append(converge_from_series(step, losses, left.get(step), scope.get(step), marked))
-        controller: dict[str, dict[str, dict[int, float]]] = defaultdict(dict)
-        weights: dict[str, dict[int, dict[int, float]]] = defaultdict(dict)
-        for key in latest:
-            ctrl = names.parse_controller_metric(key)
-            if ctrl:
-                controller[ctrl[0]][ctrl[1]] = dict(zip(*self._history(run.run_id, key)))
-            weight = names.parse_weight_metric(key)
-            if weight:
-                weights[weight[0]][weight[1]] = dict(zip(*self._history(run.run_id, key)))
-        by_name: dict[str, dict[int, dict[int, dict[str, float]]]] = defaultdict(lambda: defaultdict(dict))
-        for key, parts in controller.items():
-            try:
-                name, target = names.parse_series_key(key)
-            except ValueError:
-                continue
-            onecycle_key = names.onecycle_metric(key)
-            onecycle = dict(zip(*self._history(run.run_id, onecycle_key))) if onecycle_key in latest else {}
-            for step in parts.get("base", {}):
-                drift = parts.get("drift", {}).get(step, np.nan)
-                by_name[name][int(step)][target] = {
-                    "base": parts["base"][step],
-                    "velocity": parts.get("velocity", {}).get(step, np.nan),
-                    "delta": parts.get("delta", {}).get(step, np.nan),
-                    "onecycle": onecycle.get(step, np.nan),
-                    "reference": parts["base"][step] / drift if drift else onecycle.get(step, np.nan),
-                }
-        for name, steps in by_name.items():
-            w = weights.get(name, {})
-            n = max(w) + 1 if w else 0
-            for step, targets in sorted(steps.items()):
-                ts = [targets[t] for t in sorted(targets)]
-                run.controller.append(
-                    ControllerDecision(
-                        step=step,
-                        name=name,
-                        weights=[float(w.get(r, {}).get(step, np.nan)) for r in range(n)],
-                        delta=[t["delta"] for t in ts],
-                        velocity=[t["velocity"] for t in ts],
-                        base_before=[np.nan] * len(ts),
-                        base_after=[t["base"] for t in ts],
-                        gamma=np.nan,
-                        permutation=[],
-                        onecycle=[t["onecycle"] for t in ts] if name == "lr" else None,
-                        reference=[t["reference"] for t in ts],
-                    )
-                )
-        run.controller.sort(key=lambda d: d.step)
+        series = {key: dict(zip(*self._history(run.run_id, key))) for key in latest if is_sync_series(key)}
+        run.converge, run.controller, run.guard = sync_events_from_series(series)
 
     def _read_user_metrics(self, run: HDETRun, latest: dict[str, float], archive: bool) -> None:
         """Metrics that are not part of the HDET series (val_loss, accuracy...), and loss/lr of a run
         without per-replica series (e.g. a OneCycle baseline logged by another tool)."""
+        attached = {given: mean for mean, given in names.MEANS_IN_GIVEN_RUN.items() if given in latest}
         for key in latest:
-            if key.startswith("hdet/"):
+            if key.startswith("hdet/") and key not in attached:
                 continue
-            if key in ("loss", "lr") and run.has_step_series:
+            if key in (names.LOSS, names.LR) and (run.has_step_series or attached):
+                continue  # HDET's own (rows), or an owner's in a run HDET attached to
+            if key in attached and run.has_step_series:
                 continue
-            run.metrics[key] = self._history(run.run_id, key)
+            run.metrics[attached.get(key, key)] = self._history(run.run_id, key)

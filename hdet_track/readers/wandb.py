@@ -7,7 +7,6 @@ its last complete record.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from pathlib import Path
@@ -19,19 +18,18 @@ from ..owner import described, overdue, owner_alive
 from ..summaries import SUMMARY_DIR
 from ..wandb_file import WandbFileCache, WandbFormatError
 from ..wandb_store import (
-    EVENTS_DIR,
-    OWNER_FILE,
-    archived_first_step,
     archived_last_step,
+    read_owner,
     read_user_metrics,
     row_step,
     series,
+    session_first_step,
     session_order,
     session_user_metrics,
     user_metrics,
 )
 from .archive import read_archive
-from .base import HDETRun, RunNotFoundError, RunSummary, StepTable, converge_from_series
+from .base import HDETRun, RunNotFoundError, RunSummary, StepTable, is_sync_series, sync_events_from_series
 
 __all__ = ["WandbReader", "find_run_dirs"]
 
@@ -167,10 +165,17 @@ class WandbReader:
                 else f"{gone} before it logged a step the run did not hold yet"
             )
         if summary_only:
+            # HDET's mean: hdet/loss in a run given to hdet-track, else loss in HDET's own rows (those
+            # with hdet/step: in a given run, the owner's rows may log a loss of their own)
+            key = names.MEANS_IN_GIVEN_RUN[names.LOSS]
+            key = key if any(key in r for r in history) else names.LOSS
+            own = any(names.STEP in r for r in history)
             loss = {  # one point per step: the latest session's
-                step: float(r[names.LOSS])
+                step: float(r[key])
                 for r in history
-                if isinstance(r.get(names.LOSS), (int, float)) and (step := row_step(r, names.LOSS)) is not None
+                if isinstance(r.get(key), (int, float))
+                and (names.STEP in r or not own)
+                and (step := row_step(r, key)) is not None
             }
             if loss:
                 run.metrics.update(series({names.LOSS: list(loss.items())}))
@@ -203,7 +208,7 @@ class WandbReader:
             run.metrics.update(session_user_metrics(sessions, skip=builtin))
         else:
             run.warnings.append("no event archive: rebuilt from the run's history")
-            self._read_history(run, history)
+            self._read_history(run, _rows_in_force(dirs[run_id], [h for h, _ in sessions]))
             run.metrics.update(session_user_metrics(sessions))
         return run
 
@@ -214,11 +219,8 @@ class WandbReader:
         KILLED and not live for ever; for an owner this host cannot check (another host or
         container), when its heartbeat is long overdue (:func:`~hdet_track.owner.silence`). None for
         a live owner, for an owner on time and for runs hdet-track did not start."""
-        try:
-            owner = json.loads((directory.joinpath(*EVENTS_DIR) / OWNER_FILE).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return None
-        if not isinstance(owner, dict):
+        owner = read_owner(directory)
+        if owner is None:
             return None
         alive = owner_alive(owner)
         if alive is None:  # another host or container: its heartbeat tells
@@ -246,30 +248,14 @@ class WandbReader:
         have = set(np.unique(run.steps.step).tolist())
         synced = {c.step for c in run.converge}
         lo, hi = view if view is not None else (-math.inf, math.inf)
-        firsts = []  # where each session took over: its archive's first step, else its rows'
-        for directory, history in zip(directories, histories):
-            own = [r[names.STEP] for r in history if isinstance(r.get(names.STEP), (int, float))]
-            starts = [s for s in (archived_first_step(directory), min(own, default=None)) if s is not None]
-            firsts.append(min(starts) if starts else math.inf)
-
-        def step_of(row: dict) -> float | None:
-            for axis in (names.SYNC_STEP, names.STEP):
-                if isinstance(row.get(axis), (int, float)):
-                    return row[axis]
-            return None
-
         rows = []
-        for i, history in enumerate(histories):
-            if i == len(histories) - 1 and run.status == "RUNNING":
-                break  # live: what its archive does not hold yet is in its next chunk
-            limit = min(firsts[i + 1 :], default=math.inf)
-            for row in history:
-                step = step_of(row)
-                if step is None or not (lo <= step <= hi and step < limit):
-                    continue
-                sync = isinstance(row.get(names.SYNC_STEP), (int, float))
-                if (int(step) not in synced) if sync else (int(step) not in have):
-                    rows.append(row)
+        for row in _rows_in_force(directories, histories, last=run.status != "RUNNING"):
+            step = _axis_step(row)
+            if step is None or not lo <= step <= hi:
+                continue
+            sync = isinstance(row.get(names.SYNC_STEP), (int, float))
+            if (int(step) not in synced) if sync else (int(step) not in have):
+                rows.append(row)
         if not rows:
             return
         extra = HDETRun(run_id=run.run_id)
@@ -278,6 +264,14 @@ class WandbReader:
             return
         run.steps = StepTable.concat([run.steps, extra.steps]).sorted()
         run.converge = sorted(run.converge + extra.converge, key=lambda c: c.step)
+        decided = {(d.step, d.name) for d in run.controller}
+        run.controller = sorted(
+            run.controller + [d for d in extra.controller if (d.step, d.name) not in decided], key=lambda d: d.step
+        )
+        guarded = {(g.step, g.action) for g in run.guard}
+        run.guard = sorted(
+            run.guard + [g for g in extra.guard if (g.step, g.action) not in guarded], key=lambda g: g.step
+        )
         run.filled_from_rows = True
         run.warnings.append(
             f"{len(np.unique(extra.steps.step))} steps and {len(extra.converge)} syncs read from W&B's rows: "
@@ -286,20 +280,13 @@ class WandbReader:
 
     def _read_history(self, run: HDETRun, history: list[dict]) -> None:
         rows: dict[int, dict[int, dict[str, float]]] = {}
-        syncs: dict[int, dict[str, float]] = {}
+        series: dict[str, dict[int, float]] = {}  # the per-sync series, by sync step (a later row wins)
         for row in history:
-            if isinstance(row.get(names.SYNC_STEP), (int, float)):
-                numbers = {k: float(v) for k, v in row.items() if isinstance(v, (int, float))}
-                syncs.setdefault(int(row[names.SYNC_STEP]), {}).update(numbers)
-        for step, values in sorted(syncs.items()):
-            windows = {r: v for k, v in values.items() if (r := names.parse_window_loss_metric(k)) is not None}
-            if windows:
-                losses = [windows.get(r, np.nan) for r in range(max(windows) + 1)]
-                left, scope = values.get(names.SYNC_LEFT_OUT), values.get(names.SYNC_STEP_GUARD)
-                marked = [
-                    r for k, v in values.items() if (r := names.parse_left_out_metric(k)) is not None and v == 1.0
-                ]
-                run.converge.append(converge_from_series(step, losses, left, scope, marked))
+            if isinstance(sync := row.get(names.SYNC_STEP), (int, float)):
+                for key, value in row.items():
+                    if is_sync_series(key) and isinstance(value, (int, float)):
+                        series.setdefault(key, {})[int(sync)] = float(value)
+        run.converge, run.controller, run.guard = sync_events_from_series(series)
         for row in history:
             for key, value in row.items():
                 step = row_step(row, key)
@@ -320,3 +307,27 @@ class WandbReader:
                 )
             )
         run.steps = StepTable.concat(tables)
+
+
+def _axis_step(row: dict) -> float | None:
+    """The step of one of hdet-track's rows (a sync's, or a step's); None for another row."""
+    for axis in (names.SYNC_STEP, names.STEP):
+        if isinstance(row.get(axis), (int, float)):
+            return row[axis]
+    return None
+
+
+def _rows_in_force(directories: list[Path], histories: list[list[dict]], last: bool = True) -> list[dict]:
+    """The sessions' rows (``histories``, one per directory of a resumed run, in order) that stand:
+    each session's hdet-track rows only below where a later session took over (a killed attempt's
+    steps past the checkpoint were redone, or dropped); ``last``: the last session's too (not for a
+    live run, whose rows ahead of its archive are the archive's next chunk, not a gap)."""
+    firsts = [  # where each session took over
+        session_first_step(d, [r[names.STEP] for r in h if isinstance(r.get(names.STEP), (int, float))])
+        for d, h in zip(directories, histories)
+    ]
+    rows = []
+    for i, history in enumerate(histories if last else histories[:-1]):
+        limit = min(firsts[i + 1 :], default=math.inf)
+        rows += [r for r in history if (step := _axis_step(r)) is None or step < limit]
+    return rows

@@ -183,6 +183,7 @@ def _sync_points(rec: SyncRecord, ts: int) -> list[Point]:
         Point(names.SYNC_DIVERGENCE_MAX, max(div) if div else math.nan, step, ts),
         Point(names.SYNC_LEFT_OUT, float(len(rec.left_out)), step, ts),
         Point(names.SYNC_ROLLBACK, float(rec.rolled_back), step, ts),
+        Point(names.SYNC_BACKOFF, float(any(a.kind == "backoff" for a in rec.guard)), step, ts),
         Point(names.SYNC_STEP_GUARD, names.STEP_GUARD_CODES.get(rec.step_guard, 0.0), step, ts),
     ]
     points += [Point(names.window_loss_metric(r), loss, step, ts) for r, loss in enumerate(rec.window_losses)]

@@ -39,6 +39,8 @@ _MODES = ("online", "offline", "disabled", "shared", "dryrun", "run")
 STEP = names.STEP
 SYNC_STEP = names.SYNC_STEP
 _STEP_GLOBS = (names.LOSS, names.LR, "hdet/replica_*")
+# in a run given to hdet-track, whose loss (Lightning's, Hugging Face's) is its owner's
+_GIVEN_STEP_GLOBS = (*names.MEANS_IN_GIVEN_RUN.values(), "hdet/replica_*")
 FINISH_WAIT_SECONDS = 15.0  # for W&B's service to close the run file after finish()
 # wandb-core buffers the run file (``.wandb``) and writes it every ``x_transaction_log_flush_interval``
 # seconds (15 by default): a SIGKILL (the OOM killer during evaluation) lost up to 15 s of history,
@@ -347,7 +349,7 @@ class WandbTracker(Tracker):
             run.define_metric(SYNC_STEP, hidden=True)
             for prefix in SYNC_PREFIXES:
                 run.define_metric(f"{prefix}*", step_metric=SYNC_STEP)
-            for glob in _STEP_GLOBS:
+            for glob in _STEP_GLOBS if self._existing is None else _GIVEN_STEP_GLOBS:
                 run.define_metric(glob, step_metric=STEP)
             for k, v in tags.items():
                 run.summary[k] = v
@@ -361,7 +363,8 @@ class WandbTracker(Tracker):
         self._archive = EventArchive(folder, chunk_seconds=self.chunk_seconds, start_index=start)
         # Who owns the run: a reader on this host tells a live run from one whose process was killed
         # (SIGKILL, the OOM killer) before it could end the run; W&B's file says neither.
-        self._owner = process_identity() | {"time": time.time()}
+        # and the step this session started from: where it took over from the run's earlier ones
+        self._owner = process_identity() | {"time": time.time(), "start_step": run_start.start_step}
         try:
             self._write_owner()
         except OSError as exc:  # pragma: no cover - an unwritable run directory fails later anyway
@@ -410,9 +413,12 @@ class WandbTracker(Tracker):
     def log(self, batch: Batch) -> None:
         rows: dict[tuple[str, int], dict[str, float]] = defaultdict(dict)
         points, batch = self._new(batch)
+        if self._existing is not None:  # the run's loss/lr are its owner's: HDET's means go beside them
+            points = [p._replace(key=names.MEANS_IN_GIVEN_RUN.get(p.key, p.key)) for p in points]
         for p in points:
             axis = SYNC_STEP if p.key.startswith(SYNC_PREFIXES) else STEP
-            builtin = p.key in (names.LOSS, names.LR) or p.key.startswith("hdet/replica_")
+            builtin = p.key in (names.LOSS, names.LR, *names.MEANS_IN_GIVEN_RUN.values())
+            builtin = builtin or p.key.startswith("hdet/replica_")
             if axis == STEP and not builtin and p.key not in self._defined:
                 self._call(partial(self._run.define_metric, p.key, step_metric=STEP))  # a user metric
                 self._defined.add(p.key)
