@@ -15,6 +15,7 @@ from typing import Any
 
 import streamlit as st
 
+from hdet_track.compare import schedule_label
 from hdet_track.readers import HDETRun, ReaderError, RunSummary, default_source, open_reader
 from hdet_track.readers.mlflow import StoreNotReady, check_store_exists, pending_store
 from hdet_track.summaries import full_rows_limit
@@ -181,7 +182,7 @@ def _wait_for_schema(source: str) -> None:
 
 def label(r: RunSummary) -> str:
     badge = " (live)" if r.live else ""
-    return f"{r.name} [{r.schedule or 'plain'}, {r.world_size}x]{badge}"
+    return f"{r.name} [{schedule_label(r.schedule)}, {r.world_size}x]{badge}"
 
 
 def selected_run() -> HDETRun | None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+from collections.abc import Iterator
 
 from . import __version__
 
@@ -201,34 +203,74 @@ def run_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         f"{steps} steps, max_lr {lrs}, runs: {', '.join(s.name for s in specs)}; compare group {group}",
         flush=True,
     )
-    results = run_ablation(cfg, args.quick)
+
+    def failed(name: str, why: str) -> None:  # one line, and the next run starts
+        print(f"\nhdet-track demo: run {name} failed: {why}; going on with the other runs", file=sys.stderr, flush=True)
+
+    with _quiet_worker_deaths():
+        results = run_ablation(cfg, args.quick, on_failure=failed)
+    any_failed = any(r.get("failed") for r in results)
     if args.tracker == "mlflow":
         print()
         code = run_compare(None, None, group, "table")
         print()
         for line in closing_hints(uri or "sqlite:///mlflow.db", "mlflow"):
             print(line)
-        return code
-    wandb_dir = os.environ.get("WANDB_DIR", ".")
+        return 1 if any_failed else code
+    # W&B writes its runs into a wandb/ folder of $WANDB_DIR (default: here); the hints name that
+    # folder, not its parent, which may hold an mlflow.db (bin/demo's) that would be read instead
+    wandb_dir = os.environ.get("WANDB_DIR") or "."
+    runs_dir = os.path.normpath(os.path.join(wandb_dir, "wandb"))
     print()
-    code = _wandb_table(wandb_dir, results)
+    code = _wandb_table(runs_dir, results, group)
     print()
-    for line in closing_hints(wandb_dir, "wandb"):
+    for line in closing_hints(runs_dir, "wandb"):
         print(line)
-    return code
+    return 1 if any_failed else code
 
 
-def _wandb_table(wandb_dir: str, results: list[dict]) -> int:
+@contextlib.contextmanager
+def _quiet_worker_deaths() -> Iterator[None]:
+    """Within: torch's elastic launcher logs no traceback of its own polling for a worker that died of
+    a signal (the demo says which rank died, and how, in one line); a worker's own exception (its
+    traceback) is still logged."""
+    import logging
+
+    from torch.multiprocessing import ProcessExitedException
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], ProcessExitedException))
+
+    logger = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
+
+
+def _wandb_table(wandb_dir: str, results: list[dict], group: str | None = None) -> int:
     """Print the comparison table of the demo's W&B runs, read back from ``wandb_dir`` as ``compare``
-    reads MLflow runs (the same rows, "diverged" included); 2 when a run cannot be read back."""
+    reads MLflow runs (the same rows, "diverged" included); 2 when a run cannot be read back. A run
+    whose processes failed (no run id came back) is found by its name in ``group``, when it logged."""
     from .compare import comparison_rows, format_rows
     from .readers import ReaderError
     from .readers.wandb import WandbReader
 
     runs, missing = [], []
+    listed = None
     for r in results:
         run_id = (r.get("run_ids") or {}).get("wandb")
         try:
+            if run_id is None and r.get("failed"):
+                if listed is None:
+                    try:
+                        listed = WandbReader(wandb_dir).list_runs(compare_group=group, limit=None) if group else []
+                    except ReaderError:
+                        listed = []  # no W&B directory: no run got as far as W&B
+                run_id = next((s.run_id for s in listed if s.name == r["name"]), None)  # newest first
+                if run_id is None:
+                    continue  # it died before its run was created: nothing to show
             if run_id is None:
                 raise ReaderError("its tracker reported no run id")
             runs.append(WandbReader(wandb_dir).read(run_id))
@@ -301,18 +343,23 @@ def run_compare(tracking_uri: str | None, experiment: str | None, group: str | N
     try:
         wandb = "://" not in resolve_source(tracking_uri)
         default = os.environ.get("WANDB_PROJECT" if wandb else "MLFLOW_EXPERIMENT_NAME")
+        named = experiment is not None  # --experiment given: look there only
         experiment = experiment or default or "hdet"
         reader = open_reader(tracking_uri)
+        scope: str | None = experiment  # where the runs are looked for; None: every experiment (project)
+        if not wandb and experiment not in (experiments := reader.experiments()):
+            if named or group is None:
+                return _fail(_no_experiment(experiment, named, tracking_uri, experiments))
+            scope = None  # --group alone: the group may be anywhere (an attached HF/Lightning run is in "Default")
         if group is None:  # the newest run's group
-            newest = reader.list_runs(experiment)
+            newest = reader.list_runs(scope)
             group = next((r.compare_group for r in newest if r.compare_group), None)
-        chosen = reader.list_runs(experiment, compare_group=group, limit=None if group else 1000)
+        chosen = reader.list_runs(scope, compare_group=group, limit=None if group else 1000)
+        if not chosen and group is not None and scope is not None and not named:
+            scope = None
+            chosen = reader.list_runs(None, compare_group=group, limit=None)
         if not chosen:
-            where = f" in {tracking_uri} (read as a W&B directory: it holds no mlflow.db)" if wandb else ""
-            kind = "W&B project" if wandb else "experiment"
-            return _fail(
-                f"no runs in {kind} {experiment!r}" + (f" with compare group {group!r}" if group else "") + where
-            )
+            return _fail(_no_runs(reader, wandb, tracking_uri, experiment, named, scope, group))
         # every row at full resolution: a run read as an overview has bucket means, not its last values
         runs = [reader.read(r.run_id, max_rows=sys.maxsize) for r in reversed(chosen)]  # oldest first
     except ReaderError as exc:
@@ -327,6 +374,42 @@ def run_compare(tracking_uri: str | None, experiment: str | None, group: str | N
         for warning in run.warnings:
             print(f"hdet-track compare: run {run.name or run.run_id}: {warning}", file=sys.stderr)
     return 0
+
+
+def _choices(values) -> str:
+    """``'a', 'b', 'c'`` (the first 20, then how many more)."""
+    values = sorted(values)
+    shown = ", ".join(repr(v) for v in values[:20])
+    return shown + (f" and {len(values) - 20} more" if len(values) > 20 else "")
+
+
+def _experiment_arg(named: bool, wandb: bool) -> str:
+    if named:
+        return "--experiment"
+    return f"--experiment (default: ${'WANDB_PROJECT' if wandb else 'MLFLOW_EXPERIMENT_NAME'}, else hdet)"
+
+
+def _no_experiment(experiment: str, named: bool, uri: str, experiments: list[str]) -> str:
+    """compare's error for an MLflow experiment that does not exist."""
+    allowed = f"expected one of {_choices(experiments)}" if experiments else "it has no experiments"
+    return f"{_experiment_arg(named, False)} {experiment!r}: no experiment of that name at {uri}; {allowed}"
+
+
+def _no_runs(reader, wandb: bool, uri: str, experiment: str, named: bool, scope: str | None, group: str | None) -> str:
+    """compare's error when nothing matched: the argument and value that found nothing, and what exists."""
+    kind = "W&B project" if wandb else "experiment"
+    where = f" in {uri} (read as a W&B directory: it holds no mlflow.db)" if wandb else f" at {uri}"
+    if group is not None:
+        inside = f"{kind} {experiment!r}" + ("" if scope is not None else f" or any other {kind}")
+        groups = {r.compare_group for r in reader.list_runs(scope, limit=None) if r.compare_group}
+        allowed = f"expected one of {_choices(groups)}" if groups else "no run there has a compare group"
+        return f"--group {group!r}: no runs with that compare group in {inside}{where}; {allowed}"
+    others = {r.experiment for r in reader.list_runs(None, limit=None) if r.experiment} - {experiment}
+    if others:
+        allowed = f"expected one of the {kind}s with runs: {_choices(others)}"
+    else:
+        allowed = "it holds no W&B runs" if wandb else "no experiment there has runs"
+    return f"{_experiment_arg(named, wandb)} {experiment!r}: no runs in {kind} {experiment!r}{where}; {allowed}"
 
 
 _FORWARDED = ("SIGTERM", "SIGINT", "SIGHUP")
@@ -410,10 +493,15 @@ def run_dashboard(source: str | None, host: str, port: int) -> int:
                 file=sys.stderr,
             )
             return 2
+    given = source is not None
     try:  # a directory holding mlflow.db, or a sqlite file: its sqlite:/// URI; a missing path: an error
         source = resolve_source(source)
     except ReaderError as exc:
         print(f"hdet-track dashboard: {exc}", file=sys.stderr)
+        return 2
+    bad = _unknown_scheme(source, given)
+    if bad:  # compare refuses it too (MLflow has no store for it): before a server starts on it
+        print(f"hdet-track dashboard: {bad}", file=sys.stderr)
         return 2
     db = pending_store(source)
     if db is not None:  # read-only, and ready before the first job: the runs appear once a job creates it
@@ -457,6 +545,25 @@ def run_dashboard(source: str | None, host: str, port: int) -> int:
     return _run_child(cmd, env)
 
 
+def _unknown_scheme(source: str, given: bool, spills: bool = False) -> str | None:
+    """Why ``source`` (SOURCE of dashboard and recover; ``given``: typed, else from the environment) is
+    refused: a URI whose scheme is no store's (MLflow has none for it, so no job logged there), else None."""
+    from .tracking.spill import unknown_scheme
+
+    scheme = unknown_scheme(source)
+    if scheme is None:
+        return None
+    what = "SOURCE" if given else "the default SOURCE (from the environment)"
+    paths = "a W&B directory, a directory holding mlflow.db, a sqlite file" + (
+        ", a .hdet-spill directory" if spills else ""
+    )
+    return (
+        f"{what} {source!r} has the URI scheme '{scheme}://', which is no MLflow store's; expected a path "
+        f"({paths}) or an MLflow tracking URI (sqlite:///PATH, file:///PATH, http(s)://HOST:PORT, "
+        "postgresql://, mysql://, mssql://, databricks://)"
+    )
+
+
 def run_recover(source: str | None) -> int:
     """Deliver every orphaned spill of ``source``; 1 when something could not be delivered, 2 when
     ``source`` (a directory, or a sqlite store with no spill beside it) does not exist."""
@@ -466,7 +573,11 @@ def run_recover(source: str | None) -> int:
     from .readers.mlflow import sqlite_file
     from .tracking.spill import recover, spill_dirs, store_spill_dir
 
+    given = source is not None
     source = _store(source)
+    bad = _unknown_scheme(source, given, spills=True)
+    if bad:
+        return _fail(f"recover: {bad}")
     if "://" not in source and not Path(source).exists():
         return _fail(
             f"recover: {source} does not exist; expected an MLflow tracking URI, a W&B directory or a "

@@ -15,9 +15,9 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from . import names
-from .readers.base import HDETRun
+from .readers.base import NO_SCHEDULE, HDETRun, schedule_label
 
-__all__ = ["ComparisonRow", "comparison_rows", "diverged_at", "format_rows", "FORMATS"]
+__all__ = ["ComparisonRow", "comparison_rows", "diverged_at", "format_rows", "schedule_label", "FORMATS", "NO_SCHEDULE"]
 
 FORMATS = ("table", "markdown", "json")
 
@@ -79,7 +79,7 @@ def _row(run: HDETRun) -> ComparisonRow:
     return ComparisonRow(
         run_id=run.run_id,
         name=run.name,
-        schedule=run.schedule or "onecycle",
+        schedule=schedule_label(run.schedule),
         world_size=run.world_size,
         status=run.status,
         mean_lr=float(lr_f.mean()) if len(lr_f) else math.nan,

@@ -506,6 +506,13 @@ def test_compare_reads_a_wandb_project_and_says_where_it_looked(tmp_path, capsys
     assert main(["compare", "--tracking-uri", str(tmp_path / "empty")]) == 2
     err = capsys.readouterr().err
     assert "no runs in W&B project 'proj2'" in err and "read as a W&B directory: it holds no mlflow.db" in err
+    assert "it holds no W&B runs" in err
+    # a project that is not there: the argument, and the projects that are
+    assert main(["compare", "--tracking-uri", str(tmp_path / "wb"), "--experiment", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "--experiment 'nope': no runs in W&B project 'nope'" in err
+    assert "expected one of the W&B projects with runs: 'proj2'" in err, err
 
 
 def test_compare_and_recover_ignore_the_dashboards_source_variable(demo_store, tmp_path, capsys, monkeypatch):
@@ -624,3 +631,163 @@ def test_compare_and_dashboard_leave_a_sqlite_file_that_is_not_a_store_alone(tmp
     assert main(["dashboard", uri, "--port", str(_free_port())]) == 2
     assert uri in capsys.readouterr().err
     assert db.read_bytes() == before
+
+
+# ---------------------------------------------------------------------- a worker that dies, W&B hints
+
+
+@pytest.mark.parametrize("tracker", ["mlflow", "wandb"])
+def test_demo_goes_on_when_a_worker_dies_and_says_which(tmp_path, tracker):
+    """Rank 1 of the first run SIGKILLed (the OOM killer, a lost node; through the worker's test hook):
+    the demo dumped torch's ChildFailedError traceback, exited 1, skipped the other runs and printed no
+    table. Now it says which run and rank died and how in one line, runs the rest, prints the table of
+    what was logged (the dead run marked as the readers see it) and exits 1."""
+    import re
+
+    from hdet_track.examples.ablation import TEST_KILL_ENV
+
+    env = _env_without_tracking()
+    env[TEST_KILL_ENV] = "baseline-high:1:30"
+    if tracker == "mlflow":
+        env["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp_path / 'demo.db'}"
+    else:  # W&B writes its runs into $WANDB_DIR/wandb
+        env.update(WANDB_SILENT="true", WANDB_DIR=str(tmp_path / "runs"))
+        (tmp_path / "runs").mkdir()
+    argv = ["demo", "--quick", "--replicas", "2", "--steps", "50", "--tracker", tracker, "--group", "dies"]
+    proc = _cli(argv, tmp_path, env)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "ChildFailedError" not in proc.stderr and "cli.py" not in proc.stderr, proc.stderr[-3000:]
+    (said,) = [line for line in proc.stderr.splitlines() if line.startswith("hdet-track demo: run ")]
+    # the launcher reports the first failure it sees: the killed rank (or, rarely, its peer's error)
+    assert re.fullmatch(
+        r"hdet-track demo: run baseline-high failed: rank (1 was killed by SIGKILL \(exit code -9\)"
+        r"|0 exited with code 1.*); going on with the other runs",
+        said,
+    ), said
+    table = proc.stdout.split("\nrun ", 1)[1].split("\n\n", 1)[0].splitlines()[2:]
+    assert [row.split("  ")[0] for row in table][1:] == ["hdet"]  # the run after it ran, and ended well
+    assert re.match(r"baseline-high \((KILLED|FAILED)\) ", table[0]), table
+    hint = proc.stdout.strip().splitlines()[-1 if tracker == "wandb" else -2]
+    expected = str(tmp_path / "runs" / "wandb") if tracker == "wandb" else env["MLFLOW_TRACKING_URI"]
+    assert hint.startswith("Open the dashboard:") and hint.endswith(f" dashboard {expected}"), hint
+
+
+def test_wandb_demo_hint_names_the_wandb_folder_not_a_directory_holding_mlflow_db(tmp_path, capsys):
+    """The W&B demo's dashboard hint named the working directory ('.'); bin/demo leaves ./mlflow.db
+    there, so the dashboard and compare read that MLflow store instead of the W&B runs."""
+    import shlex
+
+    from hdet_track.readers import resolve_source
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")  # an earlier `bash bin/demo`'s store
+    client.create_run(client.create_experiment("hdet"), run_name="mlflow-run", tags={"hdet.compare_group": "m"})
+    env = _env_without_tracking()
+    env["WANDB_SILENT"] = "true"
+    argv = ["demo", "--quick", "--replicas", "2", "--steps", "25", "--tracker", "wandb", "--group", "wb-hint"]
+    proc = _cli(argv, tmp_path, env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    hint = proc.stdout.strip().splitlines()[-1]
+    assert hint.startswith("Open the dashboard:"), hint
+    source = shlex.split(hint.split(":", 1)[1])[-1]
+    assert source == "wandb"
+    assert resolve_source(source) == source  # what the dashboard reads: the W&B folder, not mlflow.db
+    assert main(["compare", "--tracking-uri", source, "--format", "json"]) == 0, capsys.readouterr().err
+    assert [r["name"] for r in json.loads(capsys.readouterr().out)] == ["baseline-high", "hdet"]
+
+
+# ---------------------------------------------------------------------- compare: what it could not find
+
+
+def _attached_run(uri: str, experiment: str | None, name: str, group: str) -> str:
+    """A run created by its owner (Hugging Face's or Lightning's MLflow logger: experiment "Default"
+    when none is named) that HDET attaches to with a compare group."""
+    import torch
+
+    from hdet_track import HDETScheduler
+    from hdet_track.tracking.mlflow import MLflowTracker
+
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name(experiment or "Default")
+    exp_id = exp.experiment_id if exp else client.create_experiment(experiment)
+    run_id = client.create_run(exp_id, run_name=name).info.run_id
+    opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+    track = MLflowTracker(tracking_uri=uri, run_id=run_id)
+    with HDETScheduler(opt, 0.1, total_steps=10, sync_every=5, compare_group=group, track=track) as sched:
+        for k in range(1, 11):
+            opt.step()
+            sched.step(1.0 / k)
+    client.set_terminated(run_id, "FINISHED")
+    return run_id
+
+
+@pytest.fixture(scope="module")
+def groups_store(tmp_path_factory):
+    """Experiment hdet with group "demo-1", "Default" with an attached run of group "hf-run", and a bare
+    MLflow run (no hdet.* tag) in experiment "bare"."""
+    uri = f"sqlite:///{tmp_path_factory.mktemp('groups') / 'mlflow.db'}"
+    _attached_run(uri, "hdet", "demo-run", "demo-1")
+    _attached_run(uri, None, "hf", "hf-run")
+    client = MlflowClient(uri)
+    bare = client.create_run(client.create_experiment("bare"), run_name="bare").info.run_id
+    for step in range(1, 6):
+        client.log_metric(bare, "loss", 1.0 / step, step=step)
+    client.set_terminated(bare, "FINISHED")
+    return uri
+
+
+def test_compare_names_an_unknown_experiment_and_lists_those_there(groups_store, capsys):
+    """It said "Expected an experiment named 'nope' at ..., but there is none": not which argument,
+    nor which experiments there are."""
+    assert main(["compare", "--tracking-uri", groups_store, "--experiment", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "--experiment 'nope'" in err and groups_store in err
+    assert "expected one of 'Default', 'bare', 'hdet'" in err, err
+
+
+def test_compare_finds_a_group_in_any_experiment_unless_one_is_named(groups_store, capsys):
+    """--group without --experiment looked only in the default experiment: an attached run (in
+    "Default") was not found. A group that is nowhere lists the groups there are."""
+    assert main(["compare", "--tracking-uri", groups_store, "--group", "hf-run", "--format", "json"]) == 0
+    assert [r["name"] for r in json.loads(capsys.readouterr().out)] == ["hf"]
+    assert main(["compare", "--tracking-uri", groups_store, "--group", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "--group 'nope'" in err and "any other experiment" in err
+    assert "expected one of 'demo-1', 'hf-run'" in err, err
+    # --experiment named: that experiment only, and its groups
+    assert main(["compare", "--tracking-uri", groups_store, "--experiment", "hdet", "--group", "hf-run"]) == 2
+    err = capsys.readouterr().err
+    assert "--group 'hf-run'" in err and "experiment 'hdet'" in err and "any other" not in err
+    assert "expected one of 'demo-1'" in err and "'hf-run'" not in err.split("expected", 1)[1], err
+
+
+def test_compare_labels_a_run_without_a_schedule_tag_plain(groups_store, capsys):
+    """A bare MLflow run (no hdet.schedule) was "onecycle" in compare's table, "plain" on the
+    dashboard's Runs page: one label, "plain"."""
+    assert main(["compare", "--tracking-uri", groups_store, "--experiment", "bare", "--format", "json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert (row["name"], row["schedule"]) == ("bare", "plain")
+
+
+# ---------------------------------------------------------------------- a URI of no store
+
+
+def test_recover_and_dashboard_refuse_a_uri_of_no_store(tmp_path, capsys):
+    """`recover foo://bar` exited 0 having "looked in foo:/bar/.hdet-spill"; `dashboard foo://bar`
+    started its server on a source compare refuses. Both: exit 2, the value and what is allowed."""
+    assert main(["recover", "foo://bar"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "SOURCE 'foo://bar'" in err and "'foo://'" in err, err
+    assert "sqlite:///PATH" in err and "http(s)://HOST:PORT" in err and ".hdet-spill directory" in err
+    proc = _cli(["dashboard", "foo://bar", "--port", str(_free_port())], tmp_path, _env_without_tracking(), 60)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
+    assert "SOURCE 'foo://bar'" in proc.stderr and "sqlite:///PATH" in proc.stderr
+    assert main(["compare", "--tracking-uri", "foo://bar"]) == 2
+    capsys.readouterr()
+    # a store of MLflow's with no path of its own: its spills in the cache, named without credentials
+    assert main(["recover", "postgresql+psycopg2://me:secret@db.example:5432/runs"]) == 0
+    out = capsys.readouterr().out
+    looked = out.split("(looked in ", 1)[1]
+    assert "nothing to deliver" in out and looked.startswith(str(tmp_path / "cache")) and "secret" not in looked
+    assert list(tmp_path.iterdir()) == [tmp_path / "wandb-root"]  # nothing created in the working directory

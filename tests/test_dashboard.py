@@ -367,3 +367,60 @@ def _last_x(figure):
     if isinstance(x, dict):
         x = np.frombuffer(base64.b64decode(x["bdata"]), dtype=x["dtype"])
     return int(max(x))
+
+
+def test_the_compare_page_opens_on_the_selected_run_s_group(monkeypatch, tmp_path):
+    """The Compare page opened on the alphabetically first group whatever run was picked; now on the
+    group of the run picked in the sidebar (with none picked, the newest run's, as `hdet-track compare`
+    takes it), again when another run is picked there; a group picked on the page stays meanwhile."""
+    uri = f"sqlite:///{tmp_path / 'groups.db'}"
+    _tiny_run(uri, "hdet", "z1", "z-group")
+    _tiny_run(uri, "hdet", "a1", "a-group")
+    _tiny_run(uri, "hdet", "z2", "z-group")  # the newest
+
+    def group_box(at):
+        return next(s for s in at.selectbox if s.label == "Compare group")
+
+    at = app(monkeypatch, uri)
+    at.switch_page("app_pages/compare.py").run()
+    assert not at.exception
+    assert group_box(at).value == "z-group"
+    assert sorted(at.dataframe[0].value["run"]) == ["z1", "z2"]
+    select_run(at, "a1")
+    assert group_box(at).value == "a-group"
+    assert list(at.dataframe[0].value["run"]) == ["a1"]
+    group_box(at).set_value("z-group").run()
+    at.run()
+    assert not at.exception
+    assert group_box(at).value == "z-group"
+    assert sorted(at.dataframe[0].value["run"]) == ["z1", "z2"]
+    select_run(at, "z1")
+    at.switch_page("app_pages/fanout.py").run()
+    select_run(at, "a1")
+    at.switch_page("app_pages/compare.py").run()  # back on the page: the group of the run picked since
+    assert group_box(at).value == "a-group"
+
+
+def test_a_run_without_a_schedule_tag_is_plain_on_every_page(monkeypatch, tmp_path):
+    """A bare MLflow run (no hdet.schedule tag) was "plain" on the Runs page, "onecycle" in the Compare
+    page's table and "(?)" in its legend: "plain" everywhere."""
+    uri = f"sqlite:///{tmp_path / 'bare.db'}"
+    _tiny_run(uri, "hdet", "hdet-run", "g")
+    client = MlflowClient(uri)
+    bare = client.create_run(client.get_experiment_by_name("hdet").experiment_id, run_name="bare").info.run_id
+    for step in range(1, 6):
+        client.log_metric(bare, "loss", 1.0 / step, step=step)
+    client.set_terminated(bare, "FINISHED")
+    at = app(monkeypatch, uri)
+    table = at.dataframe[0].value
+    assert dict(zip(table["name"], table["schedule"]))["bare"] == "plain"
+    labels = next(s for s in at.sidebar.selectbox if s.label == "Run")
+    assert "bare [plain, 1x]" in labels.options, labels.options
+    at.switch_page("app_pages/compare.py").run()
+    next(s for s in at.selectbox if s.label == "Compare group").set_value("(pick runs)").run()
+    at.multiselect[0].set_value([bare]).run()
+    assert not at.exception
+    table = at.dataframe[0].value
+    assert dict(zip(table["run"], table["schedule"])) == {"bare": "plain"}
+    legend = [t["name"] for t in figures(at)[0]["data"]]
+    assert legend == ["bare (plain)"], legend

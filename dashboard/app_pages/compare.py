@@ -15,10 +15,17 @@ if not runs:
     st.info("No runs to compare yet.")
 else:
     groups = sorted({r.compare_group for r in runs if r.compare_group})
+    options = ["(pick runs)"] + groups
+    # the group of the run picked in the sidebar (else of the newest run, as `hdet-track compare`
+    # takes it), again whenever another run is picked there; keyed: a group picked here stays while
+    # the run does, and a run or group that appears in the lists does not reset it
+    selected = next((r for r in runs if r.run_id == st.session_state.get("selected")), runs[0])
+    if st.session_state.get("_compare_for") != selected.run_id or st.session_state.get("compare_group") not in options:
+        st.session_state["_compare_for"] = selected.run_id
+        st.session_state["compare_group"] = selected.compare_group if selected.compare_group in groups else options[0]
     c1, c2 = st.columns([1, 3])
-    # keyed: a run or group that appears in the list keeps what was picked
-    group = c1.selectbox("Compare group", ["(pick runs)"] + groups, index=1 if groups else 0, key="compare_group")
-    default = [r.run_id for r in runs if r.compare_group == group] if group != "(pick runs)" else [runs[0].run_id]
+    group = c1.selectbox("Compare group", options, key="compare_group")
+    default = [r.run_id for r in runs if r.compare_group == group] if group != "(pick runs)" else [selected.run_id]
     labels = {r.run_id: label(r) for r in runs}
     chosen = c2.multiselect("Runs", list(labels), default=default, format_func=labels.get, key=f"compare_runs_{group}")
     loaded = []

@@ -7,6 +7,8 @@ import datetime as dt
 import streamlit as st
 from hdet_track.dashboard.state import current_source
 
+from hdet_track.readers.base import schedule_label
+
 st.header("Runs")
 runs = st.session_state.get("runs", [])
 if not runs:
@@ -14,14 +16,14 @@ if not runs:
 else:
     c1, c2 = st.columns(2)
     text = c1.text_input("Filter by name, id or compare group", "")
-    schedules = sorted({r.schedule or "plain" for r in runs})
+    schedules = sorted({schedule_label(r.schedule) for r in runs})
     chosen = c2.multiselect("Schedule", schedules, default=schedules)
     rows = [
         {
             "name": r.name,
             "status": r.status,
             "live": "LIVE" if r.live else "",
-            "schedule": r.schedule or "plain",
+            "schedule": schedule_label(r.schedule),
             "replicas": r.world_size,
             "final loss": r.final_loss,
             "compare group": r.compare_group or "",
@@ -30,7 +32,7 @@ else:
             "run id": r.run_id,
         }
         for r in runs
-        if (r.schedule or "plain") in chosen
+        if (schedule_label(r.schedule)) in chosen
         and (not text or text.lower() in f"{r.name} {r.run_id} {r.compare_group or ''}".lower())
     ]
     st.caption(f"{len(rows)} of {len(runs)} runs at `{current_source()}`")

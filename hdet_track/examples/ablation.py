@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -206,6 +208,7 @@ def train_one(cfg: AblationConfig, spec: RunSpec) -> dict:
         close_at_end=False,
     )
     batches = torch.Generator().manual_seed(cfg.seed * 1000 + rank)  # the same data order in every run
+    kill_at = _test_kill_step(spec.name, rank)
     started = time.monotonic()
     diverged_at = None
     try:
@@ -221,6 +224,8 @@ def train_one(cfg: AblationConfig, spec: RunSpec) -> dict:
             if tracked is not opt:
                 tracked.step()  # the placeholder has no gradient: a no-op that keeps torch's step-order check quiet
             sched.step(loss)
+            if kill_at == k:
+                os.kill(os.getpid(), signal.SIGKILL)
             report = sched.last_sync
             if report is not None and report.step == k:
                 val_loss, val_acc = _evaluate(task, model, opt)
@@ -250,6 +255,18 @@ def train_one(cfg: AblationConfig, spec: RunSpec) -> dict:
         "diverged_at": diverged_at,
         "world": world,
     }
+
+
+# Test hook, not a feature: HDET_TEST_KILL="<run name>:<rank>:<step>" makes that rank of that run
+# SIGKILL itself after that step (what the OOM killer or a lost node does to one replica), so that
+# tests/test_cli.py can check how `hdet-track demo` goes on when a worker process dies.
+TEST_KILL_ENV = "HDET_TEST_KILL"
+
+
+def _test_kill_step(name: str, rank: int) -> int | None:
+    run, _, rest = os.environ.get(TEST_KILL_ENV, "").partition(":")
+    who, _, step = rest.partition(":")
+    return int(step) if run == name and who == str(rank) and step.isdigit() else None
 
 
 def _evaluate(task, model: nn.Module, opt) -> tuple[float, float]:
@@ -292,14 +309,49 @@ def worker(cfg: AblationConfig, spec: RunSpec) -> dict:
 
 
 def launch_run(cfg: AblationConfig, spec: RunSpec) -> dict:
-    """Start ``cfg.replicas`` local processes (gloo on CPU, nccl on GPUs) for one run; rank 0's result."""
+    """Start ``cfg.replicas`` local processes (gloo on CPU, nccl on GPUs) for one run; rank 0's result.
+
+    Raises:
+        ChildFailedError: (torch's elastic launcher) a replica process died or raised.
+    """
     return launch_local(worker, cfg.replicas, cfg, spec)[0]
 
 
-def run_ablation(cfg: AblationConfig, quick: bool) -> list[dict]:
+def describe_failure(exc: BaseException) -> str:
+    """One line on a launch that failed: which rank first, and its exit code or signal."""
+    failures = getattr(exc, "failures", None)
+    if not failures:
+        return f"{type(exc).__name__}: {exc}".splitlines()[0]
+    rank, failure = exc.get_first_failure()
+    if failure.exitcode < 0:
+        line = f"rank {rank} was killed by {failure.signal_name()} (exit code {failure.exitcode})"
+    else:
+        line = f"rank {rank} exited with code {failure.exitcode}"
+    message = failure.message if os.path.isfile(failure.error_file) else ""  # the worker's error file's words
+    if isinstance(message, dict):
+        message = str(message.get("message", ""))
+    message = message.strip().splitlines()[-1] if message and message.strip() else ""
+    others = len(failures) - 1
+    return line + (f": {message}" if message else "") + (f" ({others} more rank(s) failed)" if others else "")
+
+
+def run_ablation(cfg: AblationConfig, quick: bool, on_failure: Callable[[str, str], None] | None = None) -> list[dict]:
+    """Every run of the ablation, one after the other (rank 0's results). A run whose processes
+    failed does not stop the others: its result is ``{"name": ..., "run_ids": {}, "failed": why}``
+    (one line, :func:`describe_failure`), also passed to ``on_failure(name, why)`` at once."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
     specs = cfg.runs or cfg.ablation(quick)
     cfg.task()  # fail fast, before any process starts
-    return [launch_run(replace(cfg, runs=()), spec) for spec in specs]
+    results = []
+    for spec in specs:
+        try:
+            results.append(launch_run(replace(cfg, runs=()), spec))
+        except ChildFailedError as exc:
+            results.append({"name": spec.name, "run_ids": {}, "failed": describe_failure(exc)})
+            if on_failure is not None:
+                on_failure(spec.name, results[-1]["failed"])
+    return results
 
 
 __all__ = [
@@ -307,6 +359,7 @@ __all__ = [
     "RunSpec",
     "run_ablation",
     "launch_run",
+    "describe_failure",
     "train_one",
     "choose_device",
     "DataError",

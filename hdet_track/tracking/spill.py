@@ -6,7 +6,8 @@ process that logs to the same store finds it, and delivers it (or ``hdet-track r
 
 - MLflow, a ``sqlite:`` store: ``.hdet-spill/`` beside the database file; a ``file:`` store or a
   plain path: ``.hdet-spill/`` inside it; an ``http(s)://`` server:
-  ``~/.cache/hdet-track/spill/<host>_<port>/`` (``$XDG_CACHE_HOME`` is honoured);
+  ``~/.cache/hdet-track/spill/<host>_<port>/`` (``$XDG_CACHE_HOME`` is honoured); any other MLflow
+  store (a database server, Databricks, a plugin's): ``~/.cache/hdet-track/spill/<scheme>_<host>_<port><path>/``;
 - W&B: ``.hdet-spill/`` inside the ``wandb`` directory;
 - other trackers: ``~/.cache/hdet-track/spill/<name>/``.
 
@@ -42,6 +43,7 @@ __all__ = [
     "SpillFile",
     "cache_dir",
     "store_spill_dir",
+    "unknown_scheme",
     "spill_dirs",
     "replay_file",
     "recover",
@@ -61,6 +63,30 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hdet-track" / "spill"
 
 
+# The URI schemes of MLflow's own tracking stores (a SQLAlchemy URI's "dialect+driver" counts as its
+# dialect); a store of an MLflow plugin registers its scheme under the entry points' group below.
+STORE_SCHEMES = ("sqlite", "file", "http", "https", "postgresql", "mysql", "mssql", "databricks", "databricks-uc", "uc")
+PLUGIN_GROUP = "mlflow.tracking_store"
+
+
+def uri_scheme(source: str) -> str | None:
+    """The scheme of ``source`` when it is a URI (``postgresql`` for ``postgresql+psycopg2://...``), else None (a path)."""
+    if "://" not in source:
+        return None
+    return source.split("://", 1)[0].split("+", 1)[0].lower()
+
+
+def unknown_scheme(source: str) -> str | None:
+    """The scheme of ``source`` when it is a URI of no store MLflow knows (a typo such as ``foo://bar``:
+    a job cannot have logged there), else None (a path, or a known store's URI)."""
+    scheme = uri_scheme(source)
+    if scheme is None or scheme in STORE_SCHEMES:
+        return None
+    from importlib.metadata import entry_points
+
+    return None if scheme in {ep.name for ep in entry_points(group=PLUGIN_GROUP)} else scheme
+
+
 def store_spill_dir(source: str) -> Path:
     """Where spills of the store ``source`` live (an MLflow tracking URI or a W&B directory)."""
     if source.startswith("sqlite:///"):  # sqlite:///relative.db, sqlite:////absolute.db
@@ -70,6 +96,14 @@ def store_spill_dir(source: str) -> Path:
         return cache_dir() / re.sub(r"[^A-Za-z0-9_.-]", "_", f"{url.hostname}_{url.port or ''}{url.path}")
     if source.startswith("file:"):
         return Path(urlparse(source).path) / DIRNAME
+    if uri_scheme(source) is not None:  # a database server, Databricks, a plugin's store: not a path
+        url = urlparse(source)  # its host, port and path name it (never its credentials)
+        try:
+            port = url.port
+        except ValueError:  # not a number: the store will say so
+            port = None
+        where = f"{uri_scheme(source)}_{url.hostname or ''}_{port or ''}{url.path}"
+        return cache_dir() / re.sub(r"[^A-Za-z0-9_.-]", "_", where)
     return Path(source) / DIRNAME
 
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import plotly.graph_objects as go
 
-from ..readers.base import HDETRun
+from ..readers.base import HDETRun, schedule_label
 from ._common import MAX_POINTS, color, downsample, empty_figure, layout
 
 __all__ = ["plot_compare"]
@@ -28,7 +28,7 @@ def plot_compare(
                 x=s,
                 y=v,
                 mode="lines",
-                name=f"{run.name} ({run.schedule or '?'})"
+                name=f"{run.name} ({schedule_label(run.schedule)})"
                 + ("" if run.resolution is None else f", mean per {run.resolution:,} steps"),
                 line={"color": color(i), "dash": "dash" if run.schedule == "onecycle" else "solid"},
             )
