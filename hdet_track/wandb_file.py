@@ -185,6 +185,22 @@ def _apply(out: WandbFileContents, rec: Any) -> None:
         out.exit_code = rec.exit.exit_code
 
 
+def _read_on(path: Path, identity: tuple | None, scan: _Scan | None) -> tuple[tuple, _Scan, bytes, bool]:
+    """The bytes of ``path`` a scan has not consumed: (the file's identity, the scan to go on with,
+    its new bytes, whether it starts afresh). A file that is not the one scanned (another inode, its
+    first 4 KiB changed: written over in place) or shrank is scanned again from its start."""
+    with open(path, "rb") as f:
+        st = os.fstat(f.fileno())
+        head = f.read(_HEAD)  # the run's first records: another run's file written over this one differs
+        now = (st.st_dev, st.st_ino, head)
+        fresh = scan is None or now != identity or scan.pos > st.st_size
+        if fresh:
+            _check_header(head)
+            scan = _Scan()
+        f.seek(scan.pos)
+        return now, scan, f.read(), fresh
+
+
 class WandbFileCache:
     """:func:`read_wandb_file` for files read again and again (a dashboard polling a directory of
     runs, some live): a file is parsed once and, while W&B appends to it, only its new bytes are.
@@ -207,17 +223,10 @@ class WandbFileCache:
         path = Path(path)
         key = str(path.resolve())
         with self._lock:
-            with open(path, "rb") as f:
-                st = os.fstat(f.fileno())
-                head = f.read(_HEAD)  # the run's first records: another run's file written over this one differs
-                identity = (st.st_dev, st.st_ino, head)
-                cached = self._parses.pop(key, None)
-                if cached is None or cached[0] != identity or cached[1].pos > st.st_size:
-                    _check_header(head)
-                    cached = (identity, _Scan(), WandbFileContents())
-                scan, contents = cached[1], cached[2]
-                f.seek(scan.pos)
-                data = f.read()
+            cached = self._parses.pop(key, None)
+            identity, scan, data, fresh = _read_on(path, *(cached[:2] if cached else (None, None)))
+            cached = (identity, scan, WandbFileContents() if fresh else cached[2])  # type: ignore[index]
+            contents = cached[2]
             self.bytes_parsed += len(data)
             rows = len(contents.history)
             for rec in _records(scan.payloads(data, scan.pos)):
@@ -266,15 +275,9 @@ class RunFileProgress:
 
     def update(self) -> RunFileProgress:
         """Read what W&B appended; raises ``OSError`` (no file) or :class:`WandbFormatError`."""
-        with open(self.path, "rb") as f:
-            st = os.fstat(f.fileno())
-            head = f.read(_HEAD)
-            identity = (st.st_dev, st.st_ino, head)
-            if identity != self._identity or self._scan.pos > st.st_size:
-                _check_header(head)
-                self._identity, self._scan, self.last_step, self.exit_code = identity, _Scan(), None, None
-            f.seek(self._scan.pos)
-            data = f.read()
+        self._identity, self._scan, data, fresh = _read_on(self.path, self._identity, self._scan)
+        if fresh:
+            self.last_step, self.exit_code = None, None
         self.bytes_parsed += len(data)
         for rec in _records(self._scan.payloads(data, self._scan.pos)):
             kind = rec.WhichOneof("record_type")

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
@@ -19,6 +20,11 @@ def _isolated_tracking_env(monkeypatch, tmp_path):
     (tmp_path / "wandb-root").mkdir()
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # spills of http stores land here
     monkeypatch.chdir(tmp_path)
+    # nor MLflow's process-wide URI an earlier test set in code (Lightning's MLFlowLogger does): it
+    # wins over $MLFLOW_TRACKING_URI for MLflow, and Hugging Face's run would go there
+    utils = sys.modules.get("mlflow.tracking._tracking_service.utils")
+    if utils is not None and hasattr(utils, "_tracking_uri"):
+        monkeypatch.setattr(utils, "_tracking_uri", None)
 
 
 @pytest.fixture(scope="session")

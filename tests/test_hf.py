@@ -599,6 +599,33 @@ def test_report_to_mlflow_and_wandb_puts_hdets_series_in_both_runs(tmp_path, mon
         assert [c.step for c in run.converge] == [5, 10]
 
 
+def test_report_to_mlflow_follows_the_store_mlflow_was_pointed_at_in_code(tmp_path, monkeypatch):
+    """``mlflow.set_tracking_uri()`` in code wins over ``$MLFLOW_TRACKING_URI`` in MLflow, so Hugging
+    Face opens its run there; HDET looked for that run in the environment's store, found none and
+    logged nothing. (MLflow sets the variable too; it differs once the variable is set after, as
+    when a Lightning MLFlowLogger earlier in the process pointed MLflow elsewhere.)"""
+    import mlflow
+    import mlflow.tracking._tracking_service.utils as tracking_utils
+
+    import hdet_track
+    from hdet_track.readers.mlflow import MLflowReader
+
+    code, env = f"sqlite:///{tmp_path / 'code.db'}", f"sqlite:///{tmp_path / 'env.db'}"
+    monkeypatch.setattr(tracking_utils, "_tracking_uri", None)  # MLflow's process-wide URI, put back after
+    mlflow.set_tracking_uri(code)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", env)
+    trainer = hdet_track.wrap(_tiny_trainer(tmp_path / "out", report_to=["mlflow"]), sync_every=5)
+    trainer.train()
+    sched = trainer.lr_scheduler
+    run_id = sched.run_ids.get("mlflow")
+    sched.close()
+    if mlflow.active_run() is not None:
+        mlflow.end_run()
+    assert run_id is not None
+    run = MLflowReader(code).read(run_id)
+    assert sorted(set(run.steps.step.tolist())) == list(range(1, 11)) and [c.step for c in run.converge] == [5, 10]
+
+
 def test_hdets_means_do_not_mix_into_the_loss_hugging_face_logs_in_its_mlflow_run(tmp_path, monkeypatch):
     """Both logged ``loss`` into Hugging Face's MLflow run: two different values at each logged step
     (HDET's replica mean and the Trainer's mean over its logging interval) in one chart."""

@@ -88,6 +88,8 @@ class _Module(pl.LightningModule):
         if self.schedule == "cosine":
             sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=self.total)
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        if self.schedule == "weight":
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": _LossWeight(opt), "interval": "step"}}
         onecycle = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=self.total)
         configs = [{"scheduler": onecycle, "interval": "step"}]
         if self.schedule == "onecycle+weight":
@@ -178,14 +180,23 @@ def test_max_lr_over_a_fit_of_unknown_length_is_refused(tmp_path, kwargs, loader
         (0.05, "cosine", r"no learning-rate scheduler .* with HDETCallback\(max_lr=0\.05\), but got CosineAnnealingLR"),
         (None, "cosine", r"Expected configure_optimizers to return a OneCycleLR .*, but got CosineAnnealingLR$"),
         (None, None, r"but got no scheduler$"),
+        (None, "weight", r"Expected configure_optimizers to return a OneCycleLR .*, but got _LossWeight$"),
     ],
-    ids=["max_lr+onecycle", "max_lr+cosine", "cosine", "nothing"],
+    ids=["max_lr+onecycle", "max_lr+cosine", "cosine", "nothing", "not-torchs"],
 )
 def test_conflicting_schedules_are_refused(tmp_path, max_lr, schedule, message):
     """max_lr= silently won over the module's OneCycleLR, and over a CosineAnnealingLR that Lightning
     went on stepping; without max_lr the error did not say what it got."""
     with pytest.raises(ValueError, match=message):
         _trainer(tmp_path, [HDETCallback(max_lr=max_lr, track=False)]).fit(_Module(schedule), _data())
+
+
+def test_a_scheduler_not_torchs_beside_hdet_is_named_in_a_warning(tmp_path, caplog):
+    """A scheduler Lightning steps through lr_scheduler_step (timm's kind) may set learning rates HDET
+    overwrites at every step: it went unmentioned (and alone it was reported as "no scheduler")."""
+    with caplog.at_level(logging.WARNING, logger="hdet_track.integrations.lightning"):
+        _trainer(tmp_path, [HDETCallback(sync_every=4, track=False)]).fit(_Module("onecycle+weight"), _data())
+    assert any("_LossWeight from configure_optimizers is stepped by Lightning too" in r.message for r in caplog.records)
 
 
 def test_two_optimizers_are_refused(tmp_path):
@@ -335,12 +346,11 @@ def test_max_lr_resuming_a_checkpoint_without_hdet_starts_at_its_step(tmp_path):
 
 
 def _job(tmp_path, mode: str) -> subprocess.CompletedProcess:
-    from .jobs import lightning_failures
-
+    job = os.path.join(os.path.dirname(__file__), "jobs", "lightning_failures.py")  # not imported: it runs a fit
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "HDET_", "WANDB_"))}
     env["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp_path / 'pl.db'}"
     return subprocess.run(
-        [sys.executable, lightning_failures.__file__, mode],
+        [sys.executable, job, mode],
         capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env,
     )  # fmt: skip
 
@@ -376,3 +386,28 @@ def test_ddp_spawn_final_metrics_are_logged_inside_the_fit(tmp_path):
     (summary,) = reader.list_runs()
     run = reader.read(summary.run_id)
     assert run.status == "FINISHED" and list(run.metrics["final_loss"][1]) == [0.5]
+
+
+def test_a_fit_whose_last_average_fails_ends_its_run_failed(tmp_path, monkeypatch):
+    """A fit stopped early averages the replicas in on_train_end, a collective: when it fails (a
+    peer gone there), Lightning's on_exception no longer takes the fit for a running one, and the run
+    was left RUNNING for the process's exit to guess at."""
+    from hdet_track.readers.mlflow import MLflowReader
+
+    uri = f"sqlite:///{tmp_path / 'pl.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+
+    class PeerGone(pl.Callback):
+        def on_train_start(self, trainer, pl_module):  # after HDET's: its scheduler is built
+            def sync_now():
+                raise RuntimeError("peer gone in the last average")
+
+            hdet.scheduler.sync_now = sync_now
+
+    hdet = HDETCallback(sync_every=4, track="mlflow")
+    with pytest.raises(RuntimeError, match="peer gone"):
+        _trainer(tmp_path, [hdet, PeerGone()], max_steps=6).fit(_Module("onecycle", total=12), _data())
+    reader = MLflowReader(uri)
+    (summary,) = reader.list_runs()
+    run = reader.read(summary.run_id)
+    assert run.status == "FAILED" and "RuntimeError: peer gone in the last average" in run.tags["hdet.error"]

@@ -56,7 +56,7 @@ if unflushed:  # killed once W&B's file holds the rows through the step before t
     while time.time() < deadline:
         try:
             rows = read_wandb_file(tracker.run.settings.sync_file).history
-            if int(stop) - 1 in [r.get("hdet/step") for r in rows]:
+            if int(os.environ.get("WAIT_FOR") or int(stop) - 1) in [r.get("hdet/step") for r in rows]:
                 break
         except Exception:
             pass
@@ -70,12 +70,14 @@ sched.close()
 """
 
 
-def _job(tmp_path, phase, stop, end, old_writer=False, loss_scale=1.0):
+def _job(tmp_path, phase, stop, end, old_writer=False, loss_scale=1.0, wait_for=None):
     """Run one phase; returns its pid. ``loss_scale``: the second phase feeds HDET its loss times
-    this, so that its values are told from the first's."""
+    this, so that its values are told from the first's. ``wait_for``: with ``kill-unflushed``, the
+    step whose row W&B's file must hold before the kill (default: the step before ``stop``)."""
     script = tmp_path / "job.py"
     script.write_text(JOB)
     env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true", LOSS_SCALE=str(loss_scale))
+    env["WAIT_FOR"] = str(wait_for or "")
     if old_writer:
         env["OLD_WRITER"] = "1"
     if end == "kill-unflushed":
@@ -295,6 +297,8 @@ def test_a_killed_attempts_steps_past_the_checkpoint_are_not_read_into_the_resum
     assert run.status == "FINISHED"
     assert sorted(set(run.steps.step.tolist())) == list(range(1, 26))
     assert max(c.step for c in run.converge) <= 25
+    (listed,) = reader.list_runs()  # the run list (the Runs page): step 25's loss, not the attempt's 31
+    assert listed.final_loss == pytest.approx(run.final_loss(), rel=1e-9)
 
 
 def test_a_killed_attempts_rows_between_the_checkpoint_and_the_resumed_sessions_first_row_are_left_out(tmp_path):
@@ -303,7 +307,7 @@ def test_a_killed_attempts_rows_between_the_checkpoint_and_the_resumed_sessions_
     its rows said it took over at 21, and the first attempt's abandoned 18-20 (and its sync at 18)
     were read as the run's. The owner file says where a session started."""
     _job(tmp_path, "first", 21, "kill-unflushed")
-    _job(tmp_path, "second", 30, "kill-unflushed", loss_scale=1000.0)
+    _job(tmp_path, "second", 30, "kill-unflushed", loss_scale=1000.0, wait_for=21)  # its rows from 19 on
     reader, run_id = _read(tmp_path)
     run = reader.read(run_id)
     loss = dict(zip(run.steps.step.tolist(), run.steps.loss.tolist()))

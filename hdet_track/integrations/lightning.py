@@ -37,8 +37,10 @@ __all__ = ["HDETCallback", "wrap_trainer"]
 
 logger = logging.getLogger(__name__)
 
-# How long rank 0 holds off Lightning's SIGKILL (its launcher's child-process observer, after another
-# rank died) while this fit's run is still being ended: the tracker's writer gets that long.
+# How long rank 0 holds off Lightning's SIGKILL of every rank (its launcher's child-process observer,
+# after another rank died): while the fit still runs, long enough for rank 0 to fail on the dead
+# rank's collective and start ending the run; while it ends the run, for the tracker's writer.
+_FAIL_GRACE_S = 10.0
 _END_GRACE_S = 60.0
 
 
@@ -236,6 +238,15 @@ class HDETCallback(pl.Callback):
             for c in configs
             if isinstance(c.scheduler, (LRScheduler, ReduceLROnPlateau)) and not isinstance(c.scheduler, OneCycleLR)
         ]
+        # not torch's (a timm-style scheduler Lightning steps through lr_scheduler_step): what it
+        # schedules cannot be told (a loss weight, or a learning rate HDET would overwrite)
+        foreign = [c for c in configs if not isinstance(c.scheduler, (LRScheduler, ReduceLROnPlateau))]
+        if foreign and (onecycles or self.max_lr is not None):
+            logger.warning(
+                "hdet-track: HDETCallback sets the optimizer's learning rates at every step; %s from "
+                "configure_optimizers is stepped by Lightning too: if it sets learning rates, HDET overwrites them",
+                _names(c.scheduler for c in foreign),
+            )
         if self.max_lr is not None:
             if onecycles:
                 onecycle = onecycles[0].scheduler
@@ -255,7 +266,7 @@ class HDETCallback(pl.Callback):
                 )
             return optimizers[0], None, _fit_steps(trainer)
         if not onecycles:
-            got = _names(c.scheduler for c in others) if others else "no scheduler"
+            got = _names(c.scheduler for c in others + foreign) or "no scheduler"
             raise ValueError(
                 "Expected configure_optimizers to return a OneCycleLR (stepped every optimizer step), or "
                 f"HDETCallback(max_lr=...) and no scheduler, but got {got}"
@@ -369,7 +380,11 @@ class HDETCallback(pl.Callback):
         self._fitting = False
         try:
             if sched is not None and sched.last_epoch < sched.total_steps:
-                sched.sync_now()
+                try:
+                    sched.sync_now()
+                except BaseException as exc:  # a peer gone in this collective: on_exception sees no fit
+                    sched.close(*lifecycle.caught_failure(exc))
+                    raise
                 sched.close()
         finally:
             self._closing = False
@@ -390,9 +405,6 @@ class HDETCallback(pl.Callback):
             sched.close(*lifecycle.caught_failure(exception))
         finally:
             self._closing = False
-
-    def _ending_run(self) -> bool:
-        return self._fitting or self._closing
 
 
 def _names(objects: Any) -> str:
@@ -448,11 +460,13 @@ def _step_loss(losses: list[torch.Tensor | float], trainer: Any, pl_module: Any)
 def _hold_kill(callback: HDETCallback) -> None:
     """Rank 0 of ``strategy="ddp"``: Lightning's launcher watches the ranks it started (a thread of
     rank 0's process that polls them every 5 s) and SIGKILLs rank 0 as soon as one of them exited
-    with an error. Rank 0 then is ending the run (the failed rank's exit fails its collective at
-    once), and a kill would leave the run open, without its end or its last rows. The kill waits
-    while this callback's fit runs or ends its run, at most ``_END_GRACE_S``. This leans on that
-    thread's private names (``_ChildProcessObserver._terminate_all``, lightning.fabric): without
-    them nothing changes."""
+    with an error. Rank 0 then is about to end the run (the failed rank's exit fails its next
+    collective under gloo), and a kill would leave the run open, without its end or its last rows.
+    The kill (of every rank) waits while this callback's fit runs, at most ``_FAIL_GRACE_S`` (a
+    rank 0 that does not fail by then, blocked in an nccl collective, is killed as before), and
+    while it ends its run, at most ``_END_GRACE_S`` in all. This leans on that thread's private
+    names (``_ChildProcessObserver._terminate_all``, lightning.fabric): without them nothing
+    changes."""
     for thread in threading.enumerate():
         terminate = getattr(thread, "_terminate_all", None)
         if type(thread).__name__ != "_ChildProcessObserver" or not callable(terminate):
@@ -464,8 +478,13 @@ def _hold_kill(callback: HDETCallback) -> None:
         holder = [callback]
 
         def terminate_all(terminate: Any = terminate, holder: list = holder) -> None:
-            deadline = time.monotonic() + _END_GRACE_S
-            while holder[0]._ending_run() and time.monotonic() < deadline:
+            start = time.monotonic()
+            while True:
+                waited, callback = time.monotonic() - start, holder[0]
+                if not (
+                    (callback._closing and waited < _END_GRACE_S) or (callback._fitting and waited < _FAIL_GRACE_S)
+                ):
+                    break
                 time.sleep(0.05)
             terminate()
 

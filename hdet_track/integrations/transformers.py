@@ -160,7 +160,10 @@ def _report_tracker(args: Any, track: Any) -> Any:
         from ..tracking.mlflow import MLflowTracker
 
         active = mlflow.active_run()
-        trackers.append(MLflowTracker(run_id=active.info.run_id if active is not None else None))
+        # the store Hugging Face opened it in: MLflow's own (mlflow.set_tracking_uri() wins over
+        # $MLFLOW_TRACKING_URI there), not the environment's alone
+        uri = mlflow.get_tracking_uri() if active is not None else None
+        trackers.append(MLflowTracker(tracking_uri=uri, run_id=active.info.run_id if active is not None else None))
     if "wandb" in report_to:
         import wandb
 

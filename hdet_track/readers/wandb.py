@@ -170,16 +170,20 @@ class WandbReader:
             key = names.MEANS_IN_GIVEN_RUN[names.LOSS]
             key = key if any(key in r for r in history) else names.LOSS
             own = any(names.STEP in r for r in history)
+            # not a killed attempt's rows past the checkpoint the run resumed from
+            standing = _rows_in_force(dirs[run_id], [h for h, _ in sessions])
             loss = {  # one point per step: the latest session's
                 step: float(r[key])
-                for r in history
+                for r in standing
                 if isinstance(r.get(key), (int, float))
                 and (names.STEP in r or not own)
                 and (step := row_step(r, key)) is not None
             }
             if loss:
                 run.metrics.update(series({names.LOSS: list(loss.items())}))
-            behind = run.status != "FINISHED" and archived_last_step(dirs[run_id][-1]) > max(loss, default=-1)
+            # (a resumed run's, finished too: its sessions write no rows for steps an earlier one holds)
+            unsure = run.status != "FINISHED" or len(dirs[run_id]) > 1
+            behind = unsure and archived_last_step(dirs[run_id][-1]) > max(loss, default=-1)
             if not behind:
                 return run
             # W&B's file stops short of the archive (a killed or live run: W&B writes its file every

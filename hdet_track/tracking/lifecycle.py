@@ -133,31 +133,50 @@ def _store() -> Any:
 
 
 def _leave_note(text: str) -> None:
-    """This rank failed: say so in torch.distributed's store, for rank 0 to report."""
+    """This rank failed: say so in torch.distributed's store, for rank 0 to report; numbered in the
+    order the ranks fail, once per process (its first failure: a later one, the same error
+    propagating to the excepthook, or a collective failing after it, is not the cause)."""
     store = _store()
-    if store is not None and _STATE["rank"] != 0:
+    if store is not None and _STATE["rank"] != 0 and not _STATE.get("noted"):
         try:
-            store.set(f"{_NOTE}{_STATE['rank']}", text)
+            order = store.add(f"{_NOTE}order", 1)
+            store.set(f"{_NOTE}{_STATE['rank']}", f"{order}\n{text}")
+            _STATE["noted"] = True
         except Exception:  # noqa: BLE001
             pass
 
 
 def _peer_failure() -> str | None:
-    """Another rank's failure note, if one was left (rank 0, when it is torn down or fails itself)."""
+    """The failure note of the rank that failed first, if one was left (rank 0, when it is torn
+    down or fails itself): with three ranks or more, the ranks the first failure took down leave
+    notes too (their collective failed), after it."""
     store = _store()
     if store is None:
         return None
+    previous = None
     try:
         import torch.distributed as dist
 
+        previous = store.timeout
         store.set_timeout(datetime.timedelta(seconds=2))
+        notes = []
         for rank in range(1, dist.get_world_size()):
             key = f"{_NOTE}{rank}"
             if store.check([key]):
-                return f"rank {rank} failed:\n" + store.get(key).decode(errors="replace")[-3900:]
+                order, _, text = store.get(key).decode(errors="replace").partition("\n")
+                notes.append((int(order) if order.isdigit() else sys.maxsize, rank, text))
+        if not notes:
+            return None
+        _, rank, text = min(notes)
+        return f"rank {rank} failed:\n" + text[-3900:]
     except Exception:  # noqa: BLE001
         return None
-    return None
+    finally:
+        if previous is not None:
+            try:
+                store.set_timeout(previous)
+            except Exception:  # noqa: BLE001
+                pass
 
 
 def install(rank: int) -> None:
