@@ -397,13 +397,20 @@ def test_dashboard_sigterm_stops_streamlit_and_frees_the_port(tmp_path, store):
                 os.kill(child, signal.SIGKILL)
 
 
-def test_wandb_demo_logs_offline_without_wandb_mode_and_prints_compare_s_table(tmp_path):
+def test_wandb_demo_logs_offline_without_wandb_mode_and_prints_compare_s_table(tmp_path, capsys):
     """`demo --tracker wandb` with no WANDB_MODE and no login: the runs are written offline (not ~30 s
     per run waiting for a server), and the demo's summary is compare's table of the runs read back
-    from the W&B directory, so "diverged" means what it means in `hdet-track compare`."""
+    from the W&B directory, so "diverged" means what it means in `hdet-track compare`. Its dashboard
+    hint named the working directory ('.'), where bin/demo leaves ./mlflow.db: the dashboard and
+    compare read that MLflow store instead of the W&B runs; it names the wandb folder."""
+    import shlex
+
     from hdet_track.compare import comparison_rows, format_rows
+    from hdet_track.readers import resolve_source
     from hdet_track.readers.wandb import WandbReader
 
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")  # an earlier `bash bin/demo`'s store
+    client.create_run(client.create_experiment("hdet"), run_name="mlflow-run", tags={"hdet.compare_group": "m"})
     env = _env_without_tracking()  # no WANDB_MODE, WANDB_API_KEY or WANDB_DIR
     env["WANDB_SILENT"] = "true"
     proc = _cli(
@@ -423,7 +430,12 @@ def test_wandb_demo_logs_offline_without_wandb_mode_and_prints_compare_s_table(t
     assert expected in proc.stdout
     rows = comparison_rows(runs)
     assert all(r.val_accuracy == r.val_accuracy for r in rows)  # read back: not NaN
-    assert "hdet-track dashboard" in proc.stdout
+    hint = proc.stdout.strip().splitlines()[-1]
+    assert hint.startswith("Open the dashboard:") and "hdet-track dashboard" in hint, hint
+    source = shlex.split(hint.split(":", 1)[1])[-1]
+    assert source == "wandb" and resolve_source(source) == source  # the W&B folder, not ./mlflow.db
+    assert main(["compare", "--tracking-uri", source, "--format", "json"]) == 0, capsys.readouterr().err
+    assert [r["name"] for r in json.loads(capsys.readouterr().out)] == ["baseline-high", "hdet"]
 
 
 def test_compare_reads_a_directory_holding_mlflow_db_or_the_bare_file(demo_store, tmp_path, capsys):
@@ -670,29 +682,6 @@ def test_demo_goes_on_when_a_worker_dies_and_says_which(tmp_path, tracker):
     hint = proc.stdout.strip().splitlines()[-1 if tracker == "wandb" else -2]
     expected = str(tmp_path / "runs" / "wandb") if tracker == "wandb" else env["MLFLOW_TRACKING_URI"]
     assert hint.startswith("Open the dashboard:") and hint.endswith(f" dashboard {expected}"), hint
-
-
-def test_wandb_demo_hint_names_the_wandb_folder_not_a_directory_holding_mlflow_db(tmp_path, capsys):
-    """The W&B demo's dashboard hint named the working directory ('.'); bin/demo leaves ./mlflow.db
-    there, so the dashboard and compare read that MLflow store instead of the W&B runs."""
-    import shlex
-
-    from hdet_track.readers import resolve_source
-
-    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")  # an earlier `bash bin/demo`'s store
-    client.create_run(client.create_experiment("hdet"), run_name="mlflow-run", tags={"hdet.compare_group": "m"})
-    env = _env_without_tracking()
-    env["WANDB_SILENT"] = "true"
-    argv = ["demo", "--quick", "--replicas", "2", "--steps", "25", "--tracker", "wandb", "--group", "wb-hint"]
-    proc = _cli(argv, tmp_path, env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    hint = proc.stdout.strip().splitlines()[-1]
-    assert hint.startswith("Open the dashboard:"), hint
-    source = shlex.split(hint.split(":", 1)[1])[-1]
-    assert source == "wandb"
-    assert resolve_source(source) == source  # what the dashboard reads: the W&B folder, not mlflow.db
-    assert main(["compare", "--tracking-uri", source, "--format", "json"]) == 0, capsys.readouterr().err
-    assert [r["name"] for r in json.loads(capsys.readouterr().out)] == ["baseline-high", "hdet"]
 
 
 # ---------------------------------------------------------------------- compare: what it could not find
