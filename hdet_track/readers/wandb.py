@@ -326,10 +326,15 @@ def _rows_in_force(directories: list[Path], histories: list[list[dict]], last: b
     each session's hdet-track rows only below where a later session took over (a killed attempt's
     steps past the checkpoint were redone, or dropped); ``last``: the last session's too (not for a
     live run, whose rows ahead of its archive are the archive's next chunk, not a gap)."""
-    firsts = [  # where each session took over
-        session_first_step(d, [r[names.STEP] for r in h if isinstance(r.get(names.STEP), (int, float))])
-        for d, h in zip(directories, histories)
-    ]
+    if len(histories) == 1:  # one session (most runs: the run list reads every one at each refresh)
+        return list(histories[0]) if last else []
+    firsts = (
+        [math.inf]
+        + [  # where each later session took over (the first's is never a limit)
+            session_first_step(d, [r[names.STEP] for r in h if isinstance(r.get(names.STEP), (int, float))])
+            for d, h in zip(directories[1:], histories[1:])
+        ]
+    )
     rows = []
     for i, history in enumerate(histories if last else histories[:-1]):
         limit = min(firsts[i + 1 :], default=math.inf)

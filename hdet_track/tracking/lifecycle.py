@@ -114,9 +114,9 @@ def caught_failure(exc: BaseException) -> tuple[str, str]:
     the error; under torch.distributed this rank leaves a note first, and rank 0 takes the note of
     a rank that failed before it (it failed on a collective because that rank was gone), as an
     uncaught exception does."""
-    if isinstance(exc, KeyboardInterrupt):
-        return "KILLED", _format(type(exc), exc, exc.__traceback__)
     text = _format(type(exc), exc, exc.__traceback__)
+    if isinstance(exc, KeyboardInterrupt):
+        return "KILLED", text
     _leave_note(text)  # rank 0 leaves none
     return "FAILED", (_peer_failure() if _STATE["rank"] == 0 else None) or text
 
