@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
+import time
 from collections.abc import Iterator
 
 from . import __version__
@@ -207,6 +208,7 @@ def run_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     def failed(name: str, why: str) -> None:  # one line, and the next run starts
         print(f"\nhdet-track demo: run {name} failed: {why}; going on with the other runs", file=sys.stderr, flush=True)
 
+    started = time.time()
     with _quiet_worker_deaths():
         results = run_ablation(cfg, args.quick, on_failure=failed)
     any_failed = any(r.get("failed") for r in results)
@@ -222,7 +224,7 @@ def run_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     wandb_dir = os.environ.get("WANDB_DIR") or "."
     runs_dir = os.path.normpath(os.path.join(wandb_dir, "wandb"))
     print()
-    code = _wandb_table(runs_dir, results, group)
+    code = _wandb_table(runs_dir, results, group, started)
     print()
     for line in closing_hints(runs_dir, "wandb"):
         print(line)
@@ -249,10 +251,11 @@ def _quiet_worker_deaths() -> Iterator[None]:
         logger.removeFilter(keep)
 
 
-def _wandb_table(wandb_dir: str, results: list[dict], group: str | None = None) -> int:
+def _wandb_table(wandb_dir: str, results: list[dict], group: str | None = None, since: float = 0.0) -> int:
     """Print the comparison table of the demo's W&B runs, read back from ``wandb_dir`` as ``compare``
     reads MLflow runs (the same rows, "diverged" included); 2 when a run cannot be read back. A run
-    whose processes failed (no run id came back) is found by its name in ``group``, when it logged."""
+    whose processes failed (no run id came back) is found by its name in ``group`` among the runs
+    started at ``since`` or later (not an earlier demo's of the same name), when it logged."""
     from .compare import comparison_rows, format_rows
     from .readers import ReaderError
     from .readers.wandb import WandbReader
@@ -268,7 +271,8 @@ def _wandb_table(wandb_dir: str, results: list[dict], group: str | None = None) 
                         listed = WandbReader(wandb_dir).list_runs(compare_group=group, limit=None) if group else []
                     except ReaderError:
                         listed = []  # no W&B directory: no run got as far as W&B
-                run_id = next((s.run_id for s in listed if s.name == r["name"]), None)  # newest first
+                found = (s.run_id for s in listed if s.name == r["name"] and s.start_time >= since)
+                run_id = next(found, None)  # newest first
                 if run_id is None:
                     continue  # it died before its run was created: nothing to show
             if run_id is None:
@@ -571,14 +575,14 @@ def run_recover(source: str | None) -> int:
 
     from .readers import ReaderError, resolve_source
     from .readers.mlflow import sqlite_file
-    from .tracking.spill import recover, spill_dirs, store_spill_dir
+    from .tracking.spill import recover, spill_dirs, store_spill_dir, uri_scheme
 
     given = source is not None
     source = _store(source)
     bad = _unknown_scheme(source, given, spills=True)
     if bad:
         return _fail(f"recover: {bad}")
-    if "://" not in source and not Path(source).exists():
+    if uri_scheme(source) is None and not Path(source).exists():
         return _fail(
             f"recover: {source} does not exist; expected an MLflow tracking URI, a W&B directory or a "
             ".hdet-spill directory"

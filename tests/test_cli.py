@@ -684,6 +684,32 @@ def test_demo_goes_on_when_a_worker_dies_and_says_which(tmp_path, tracker):
     assert hint.startswith("Open the dashboard:") and hint.endswith(f" dashboard {expected}"), hint
 
 
+def test_a_wandb_demo_run_that_died_unlogged_is_not_an_earlier_demos_run_of_its_name(tmp_path, capsys):
+    """A W&B demo's run whose processes failed is looked up by its name in the demo's group. In a
+    reused ``--group``, a run that died before W&B created its run was shown as an earlier demo's run
+    of the same name; only runs started since this demo began count."""
+    import time
+
+    import torch
+
+    from hdet_track import HDETScheduler
+    from hdet_track.cli import _wandb_table
+
+    opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+    with HDETScheduler(
+        opt, 0.1, total_steps=10, sync_every=5, track="wandb", run_name="baseline-high", compare_group="reused"
+    ) as sched:
+        for k in range(1, 11):
+            opt.step()
+            sched.step(1.0 / k)
+    runs_dir = str(tmp_path / "wandb-root" / "wandb")
+    failed = [{"name": "baseline-high", "failed": True}]
+    assert _wandb_table(runs_dir, failed, "reused", since=0.0) == 0  # a demo that began before it: its run
+    assert capsys.readouterr().out.splitlines()[2].startswith("baseline-high ")
+    assert _wandb_table(runs_dir, failed, "reused", since=time.time()) == 0
+    assert capsys.readouterr().out == ""  # nothing of this demo's to show
+
+
 # ---------------------------------------------------------------------- compare: what it could not find
 
 
@@ -779,4 +805,7 @@ def test_recover_and_dashboard_refuse_a_uri_of_no_store(tmp_path, capsys):
     out = capsys.readouterr().out
     looked = out.split("(looked in ", 1)[1]
     assert "nothing to deliver" in out and looked.startswith(str(tmp_path / "cache")) and "secret" not in looked
+    # Databricks' default profile is the URI "databricks", not a folder of that name here
+    assert main(["recover", "databricks"]) == 0
+    assert capsys.readouterr().out.split("(looked in ", 1)[1].startswith(str(tmp_path / "cache" / "hdet-track"))
     assert list(tmp_path.iterdir()) == [tmp_path / "wandb-root"]  # nothing created in the working directory

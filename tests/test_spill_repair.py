@@ -4,6 +4,7 @@ MLflow tracker on a real sqlite store (tests/jobs/outage.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -11,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -181,7 +183,7 @@ def test_a_torn_last_batch_is_set_aside_and_the_rest_delivered(tmp_path, outage,
     with caplog.at_level(logging.WARNING):
         (line,) = recover(str(tmp_path / ".hdet-spill"))
     assert "2 batches delivered" in line and _val_steps(uri) == [[1, 2]]
-    assert "was cut short" in caplog.text
+    assert "were cut short" in caplog.text
     (torn,) = (tmp_path / ".hdet-spill").glob("torn-*.jsonl")
     assert torn.read_text() == text[: len(text) - 20].splitlines()[-1] + "\n"
 
@@ -304,3 +306,276 @@ def test_a_spill_of_another_host_is_delivered_once_it_has_been_still_for_long(tm
     old = time.time() - 600
     os.utime(sink.spill_path, (old, old))
     assert list(orphans(tmp_path / ".hdet-spill")) == [sink.spill_path]
+
+
+def test_a_job_resuming_the_run_of_a_spill_takes_it_in_up_to_its_checkpoint_and_keeps_the_run_open(tmp_path, outage):
+    """Attempt 1 logged run X, the backend went down after step 2, the job was killed at step 6 (its
+    checkpoint at step 4). Attempt 2 resumes X: at its start the hub replayed attempt 1's spill into X
+    apart, which ended X FAILED while attempt 2 trained, and put attempt 1's steps 5-6 (done again
+    by attempt 2) in beside attempt 2's. Now attempt 2 takes the spill in through its own tracker, up
+    to its checkpoint's step, and the run stays RUNNING until attempt 2 ends it."""
+    from hdet_track.tracking.hub import TrackingHub
+
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    outage.reset(logs_left=2)
+    first = _Sink(outage(tracking_uri=uri, experiment="out"), None, retry_seconds=1e9)
+    for step in range(1, 7):
+        first.deliver(
+            Batch(
+                points=[Point("val_loss", float(step), step, 1000 + step), Point("loss", float(step), step, 0)],
+                events=[_start()] if step == 1 else [],
+            )
+        )
+    run_id = first.tracker.run_id
+    assert json.loads(first.spill_path.open().readline())["run_id"] == run_id
+    _orphaned(first.spill_path, _dead_identity())
+    outage.reset()  # the backend is back for attempt 2
+    client = MlflowClient(uri)
+    second = outage(tracking_uri=uri, experiment="out")
+    second.resume(run_id)
+    hub = TrackingHub([second], shutdown_timeout=5, heartbeat_seconds=None)
+    hub.start(dataclasses.replace(_start(), start_step=4, total_steps=8))
+    hub.metrics({"val_loss": 105.0, "loss": 105.0}, 5)
+    hub.note_step(5)
+    hub.flush()
+    assert client.get_run(run_id).info.status == "RUNNING"  # attempt 2 still trains
+    assert not list(first.spill_path.parent.glob("spill-*"))  # taken in
+    for step in (6, 7, 8):
+        hub.metrics({"val_loss": 100.0 + step, "loss": 100.0 + step}, step)
+        hub.note_step(step)
+    hub.close("FINISHED", step=8)
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and "hdet.error" not in run.data.tags
+    history = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "val_loss"))
+    assert history == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 105.0), (6, 106.0), (7, 107.0), (8, 108.0)]
+    assert len(client.search_runs([client.get_experiment_by_name("out").experiment_id])) == 1
+
+
+def test_a_replay_never_goes_to_the_run_its_process_environment_names(tmp_path, outage, monkeypatch):
+    """`recover` (or the next job's start) in a shell or job with $MLFLOW_RUN_ID set (`mlflow run`)
+    delivered the orphaned spill into that run and ended it FAILED; the spill's own experiment was
+    never created."""
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    sink = _spill_while_down(outage, uri, tmp_path / ".hdet-spill", 3)
+    _orphaned(sink.spill_path, _dead_identity())
+    outage.reset()
+    client = MlflowClient(uri)
+    other = client.create_run(client.create_experiment("mine")).info.run_id
+    monkeypatch.setenv("MLFLOW_RUN_ID", other)
+    (line,) = recover(str(tmp_path / ".hdet-spill"))
+    assert "3 batches delivered" in line and other not in line, line
+    assert client.get_run(other).info.status == "RUNNING" and not client.get_metric_history(other, "val_loss")
+    assert _val_steps(uri) == [[1, 2, 3]]
+    # the job ended without a word (no end in its spill): KILLED, as the readers call such a run
+    (run,) = client.search_runs([client.get_experiment_by_name("out").experiment_id])
+    assert run.info.status == "KILLED" and "without ending its run" in run.data.tags["hdet.error"]
+
+
+def test_a_resumed_job_spilled_whole_goes_to_the_run_it_resumed(tmp_path, outage):
+    """A job resumed from a checkpoint (tracker.resume(run)) with the backend down the whole time:
+    its spill did not name the run to resume, and its replay made a new run."""
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    client = MlflowClient(uri)
+    first = client.create_run(client.create_experiment("out"), run_name="attempt-1").info.run_id
+    for step in range(1, 6):
+        client.log_metric(first, "val_loss", float(step), step=step)
+    client.set_terminated(first, "FAILED")
+    outage.reset(down=True)
+    tracker = outage(tracking_uri=uri, experiment="out")
+    tracker.resume(first)
+    sink = _Sink(tracker, tmp_path / ".hdet-spill", retry_seconds=0.0)
+    resumed = dataclasses.replace(_start(), start_step=5)
+    for step in range(6, 9):
+        sink.deliver(Batch(points=[Point("val_loss", float(step), step, 0)], events=[resumed] if step == 6 else []))
+    sink.deliver(Batch(events=[base.RunEnd(status="FINISHED", step=8)]))
+    assert json.loads(sink.spill_path.open().readline())["run_id"] == first
+    _orphaned(sink.spill_path, _dead_identity())
+    outage.reset()
+    (line,) = recover(str(tmp_path / ".hdet-spill"))
+    assert f"run {first}" in line, line
+    assert _val_steps(uri) == [list(range(1, 9))] and client.get_run(first).info.status == "FINISHED"
+
+
+def test_a_replay_keeps_the_given_run_the_parent_the_tags_and_the_default_experiment(tmp_path, outage, monkeypatch):
+    """The spill's settings dropped ``run_id=`` (a given run got nothing, a new run got it all),
+    ``parent_run_id=`` and ``tags=``, and left the experiment to the replaying shell's
+    $MLFLOW_EXPERIMENT_NAME when the job had used the default."""
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    client = MlflowClient(uri)
+    given = client.create_run(client.create_experiment("owners"), run_name="hf").info.run_id
+    parent = client.create_run(client.get_experiment_by_name("owners").experiment_id).info.run_id
+    spills = tmp_path / ".hdet-spill"
+    outage.reset(down=True)
+    for kwargs in ({"run_id": given}, {"parent_run_id": parent, "tags": {"team": "vision"}}):
+        sink = _Sink(outage(tracking_uri=uri, **kwargs), spills, retry_seconds=0.0)
+        for step in range(1, 4):
+            sink.deliver(_batch(step, start=step == 1))
+        _orphaned(sink.spill_path, _dead_identity())
+    outage.reset()
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "recover-shell")
+    lines = recover(str(spills))
+    assert len(lines) == 2 and all("3 batches delivered" in line for line in lines), lines
+    assert [m.step for m in client.get_metric_history(given, "val_loss")] == [1, 2, 3]
+    assert client.get_experiment_by_name("recover-shell") is None
+    (child,) = client.search_runs([client.get_experiment_by_name("hdet").experiment_id])
+    assert child.data.tags["mlflow.parentRunId"] == parent and child.data.tags["team"] == "vision"
+
+
+def test_a_wandb_replay_never_goes_to_the_run_wandb_run_id_names(tmp_path, monkeypatch):
+    """W&B takes $WANDB_RUN_ID (a sweep agent's, a resumable job's) when wandb.init gets no id: a
+    replay in such a process wrote the spill into that run."""
+    from hdet_track.events import RunEnd
+    from hdet_track.readers.wandb import WandbReader
+    from hdet_track.tracking.spill import SpillFile, header
+    from hdet_track.tracking.wandb import WandbTracker
+
+    tracker = WandbTracker(dir=str(tmp_path), project="proj")
+    head = header(tracker, _start())
+    dead = _dead_identity()
+    head["pid"], head["owner"] = dead, dict(head["owner"], pid=dead)
+    spill = SpillFile(tracker.spill_dir() / "spill-wandb-1-1.jsonl", head)
+    spill.append(_batch(1, start=True))
+    spill.append(Batch(points=[Point("val_loss", 2.0, 2, 0)], events=[RunEnd(status="FINISHED", step=2)]))
+    monkeypatch.setenv("WANDB_RUN_ID", "currentjob01")
+    line = replay_file(spill.path)
+    assert "2 batches delivered" in line and "currentjob01" not in line, line
+    assert not list((tmp_path / "wandb").glob("*currentjob01*"))
+    (listed,) = WandbReader(str(tmp_path / "wandb")).list_runs()
+    assert listed.status == "FINISHED" and listed.run_id in line
+
+
+def test_a_line_cut_short_in_the_middle_loses_only_itself(tmp_path, outage, caplog):
+    """A write that failed half-way (a full disk) left a cut line, the writer went on, and its next
+    batch was glued onto that line: every replay then failed on it and kept the whole spill."""
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    sink = _spill_while_down(outage, uri, tmp_path / ".hdet-spill", 2)
+    cut = '{"events": [], "points": [["val_loss", 3'
+    with open(sink.spill_path, "a") as f:
+        f.write(cut)  # what reached the disk of batch 3
+    for step in (4, 5):
+        sink.deliver(_batch(step))
+    _orphaned(sink.spill_path, _dead_identity())
+    outage.reset()
+    with caplog.at_level(logging.WARNING):
+        (line,) = recover(str(tmp_path / ".hdet-spill"))
+    assert "4 batches delivered" in line and _val_steps(uri) == [[1, 2, 4, 5]], line
+    assert "1 batch(es)" in caplog.text and "cut short" in caplog.text
+    (torn,) = (tmp_path / ".hdet-spill").glob("torn-*.jsonl")
+    assert torn.read_text() == cut + "\n"
+
+
+def test_a_spill_is_found_however_the_store_is_spelled_and_goes_where_the_job_ran(tmp_path, monkeypatch):
+    """An MLflow server's spills went to a folder named after the URI's spelling (a last ``/``, an
+    upper-case scheme), so `recover http://HOST:PORT` missed the job's ``http://HOST:PORT/`` spill;
+    a relative file store (``mlruns``, ``file:./mlruns``) was replayed into a new store where
+    `recover` ran; `recover .hdet-spill` inside ``wandb/`` wrote the run one level too deep."""
+    from hdet_track.tracking.spill import _anchored, store_spill_dir
+
+    spelled = {store_spill_dir(u) for u in ("http://127.0.0.1:5000", "http://127.0.0.1:5000/", "HTTP://127.0.0.1:5000")}
+    assert len(spelled) == 1 and store_spill_dir("http://127.0.0.1:5001") not in spelled
+    job = tmp_path / "job"
+    for spills in (job / "mlruns" / ".hdet-spill", job / "wandb" / ".hdet-spill", tmp_path / "elsewhere"):
+        spills.mkdir(parents=True)
+    monkeypatch.chdir(job / "wandb")
+    assert _anchored("wandb", {"dir": None}, Path(".hdet-spill"))["dir"] == str(job)
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    for uri, store in [
+        ("mlruns", str(job / "mlruns")),
+        ("file:./mlruns", f"file://{job / 'mlruns'}"),
+        ("file:///abs/mlruns", "file:///abs/mlruns"),
+        ("http://127.0.0.1:5000", "http://127.0.0.1:5000"),
+    ]:
+        assert _anchored("mlflow", {"tracking_uri": uri}, job / "mlruns" / ".hdet-spill")["tracking_uri"] == store
+
+
+def test_a_part_refused_before_a_replay_is_cut_short_is_set_aside(tmp_path, outage):
+    """The backend refused a part of batch 2 for its content (a metric key over MLflow's limit),
+    then went down before batch 5: batches 1-4 left the spill, and the refused part with them,
+    set aside nowhere (only a replay that went through wrote the refused file)."""
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    spills = tmp_path / ".hdet-spill"
+    outage.reset(down=True)
+    sink = _Sink(outage(tracking_uri=uri, experiment="out"), spills, retry_seconds=0.0)
+    bad = "bad/" + "x" * 300
+    for step in range(1, 6):
+        extra = [Point(bad, 7.0, step, 0)] if step == 2 else []
+        sink.deliver(
+            Batch(points=[*extra, Point("val_loss", float(step), step, 0)], events=[_start()] if step == 1 else [])
+        )
+    _orphaned(sink.spill_path, _dead_identity())
+    outage.reset(logs_left=6)  # batch 1, batch 2 refused then its two parts one by one, batches 3 and 4
+    (line,) = recover(str(spills))
+    assert line.endswith("; kept"), line
+    (aside,) = spills.glob("refused-*.jsonl")
+    assert bad in aside.read_text() and bad not in sink.spill_path.read_text()
+    outage.reset()
+    (line,) = recover(str(spills))
+    assert "batches delivered" in line and _val_steps(uri) == [[1, 2, 3, 4, 5]], line
+    assert aside.read_text().count(bad) == 1
+
+
+def test_two_runs_of_one_tracker_object_in_turn_spill_apart(tmp_path, outage):
+    """A spill was named after id(tracker): the same tracker object logging a second run (a sweep's
+    next trial; or a new tracker at a freed object's address) appended to the first run's spill,
+    under its header, and both runs' batches were replayed into one run."""
+    from hdet_track.events import RunEnd
+
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    spills = tmp_path / ".hdet-spill"
+    outage.reset(down=True)
+    tracker = outage(tracking_uri=uri, experiment="out")
+    paths = []
+    for _ in range(2):
+        sink = _Sink(tracker, spills, retry_seconds=0.0)
+        for step in range(1, 4):
+            sink.deliver(_batch(step, start=step == 1))
+        sink.deliver(Batch(events=[RunEnd(status="FINISHED", step=3)]))
+        paths.append(sink.spill_path)
+    assert paths[0] != paths[1]
+    dead = _dead_identity()
+    for path in paths:
+        _orphaned(path, dead)
+    outage.reset()
+    lines = recover(str(spills))
+    assert len(lines) == 2 and all("4 batches delivered" in line for line in lines), lines
+    assert _val_steps(uri) == [[1, 2, 3], [1, 2, 3]]
+
+
+def test_orphaned_spills_are_replayed_in_the_order_they_were_written(tmp_path, outage):
+    """Spills were replayed by name: a resumed attempt's (pid 10000) before its earlier attempt's
+    (pid 9999), whose end then won."""
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    spills = tmp_path / ".hdet-spill"
+    older = _spill_while_down(outage, uri, spills, 1).spill_path
+    newer = _spill_while_down(outage, uri, spills, 1).spill_path
+    dead = _dead_identity()
+    for path, name, when in [(older, "spill-mlflow-9999-a.jsonl", 1000), (newer, "spill-mlflow-10000-b.jsonl", 2000)]:
+        _orphaned(path, dead)
+        os.utime(path.rename(spills / name), (when, when))
+    assert [p.name for p in orphans(spills)] == ["spill-mlflow-9999-a.jsonl", "spill-mlflow-10000-b.jsonl"]
+
+
+def test_a_spill_that_cannot_be_written_loses_that_batch_only(tmp_path, outage, monkeypatch, caplog):
+    """The backend down and the disk full: the spill's write raised out of the writer's pass, so
+    that pass's flush() callers waited out their timeout and a run end in it was never sent. Now the
+    batch is lost with an error, and the end still reaches the backend once it is back."""
+    from hdet_track.events import RunEnd
+    from hdet_track.tracking.spill import SpillFile
+
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    outage.reset(down=True)
+    sink = _Sink(outage(tracking_uri=uri, experiment="out"), tmp_path / ".hdet-spill", retry_seconds=0.0)
+    sink.deliver(_batch(1, start=True))
+
+    def full(self, batch):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as patch, caplog.at_level(logging.ERROR):
+        patch.setattr(SpillFile, "append", full)  # the fault: the disk is full
+        sink.deliver(_batch(2))
+    assert "cannot be written" in caplog.text and "No space left" in caplog.text
+    outage.reset()
+    sink.deliver(Batch(events=[RunEnd(status="FINISHED", step=2)]))
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("out").experiment_id])
+    assert run.info.status == "FINISHED" and _val_steps(uri) == [[1]]

@@ -73,6 +73,18 @@ class Batch:
             records=[r for r in self.records if r.record.step > step],
         )
 
+    def until(self, step: int) -> Batch:
+        """Only what belongs to steps up to ``step``, without the run's start and end (an earlier
+        attempt's data that a job resumed from a checkpoint at ``step`` takes over)."""
+        return Batch(
+            points=[p for p in self.points if p.step <= step],
+            events=[
+                e for e in self.events if getattr(e, "step", step) <= step and e.kind not in ("run_start", "run_end")
+            ],
+            steps=[b.select(b.step <= step) for b in self.steps if (b.step <= step).any()],
+            records=[r for r in self.records if r.record.step <= step],
+        )
+
 
 class Tracker:
     """Base class of a tracking backend (one run per job; rank 0 only).
@@ -159,6 +171,17 @@ class Tracker:
         """Continue run ``run_id`` (a resumed job) instead of creating one, where the backend can.
 
         Called before :meth:`start`. A tracker that was given a run explicitly ignores it."""
+
+    @property
+    def resume_id(self) -> str | None:
+        """The run :meth:`resume` asked for, until :meth:`start` used it (a spill written before the
+        run could be reopened names it, so that its replay goes there and not to a new run)."""
+        return None
+
+    def replaying(self) -> None:
+        """This tracker delivers a spill (:func:`~hdet_track.tracking.spill.replay_file`): its run is
+        the spill's (:meth:`resume`) or a new one, never one the environment of the replaying
+        process names (``$MLFLOW_RUN_ID``, ``$WANDB_RUN_ID``: that process's own job's run)."""
 
     def spill_dir(self) -> Path:
         """Where this tracker's undelivered batches wait (see :mod:`hdet_track.tracking.spill`)."""

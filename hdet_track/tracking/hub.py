@@ -19,6 +19,7 @@ import os
 import threading
 import time
 import traceback
+import uuid
 from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
@@ -39,6 +40,7 @@ from .spill import (
     pending_orphans,
     refused_path,
     replay_file,
+    take_over,
     upload_pending_folder,
 )
 from .spill import header as spill_header
@@ -56,7 +58,9 @@ class _Sink:
         self.label = type(tracker).__name__  # for messages: the backend, not a process wrapper around it
         tracker = self.tracker = maybe_isolated(tracker)
         directory = spill_dir if spill_dir is not None else tracker.spill_dir()
-        name = f"spill-{tracker.name or type(tracker).__name__}-{os.getpid()}-{id(tracker)}.jsonl"
+        # one file per sink: not id(tracker), which a later run's tracker (or the same object, run
+        # again) has too, and whose batches then went under the earlier run's header
+        name = f"spill-{tracker.name or type(tracker).__name__}-{os.getpid()}-{uuid.uuid4().hex[:12]}.jsonl"
         self.spill = SpillFile(directory / name, {})
         self.refused = SpillFile(refused_path(self.spill.path), {})
         self.set_aside = 0  # parts the backend refused for their content
@@ -126,9 +130,18 @@ class _Sink:
             logger.warning("hdet-track: %s", line)
 
     def _deliver_orphans(self) -> None:
-        """The backend works: deliver what earlier processes left undelivered in the same place."""
+        """The backend works: deliver what earlier processes left undelivered in the same place. An
+        earlier attempt's spill of the run this job resumes goes into the run through this tracker,
+        up to the checkpoint's step (replayed apart, it ended the run FAILED while this job trained
+        and put the steps this job redoes in twice)."""
+        run_id = self.tracker.run_id
+        upto = self.run_start.start_step if self.run_start is not None else 0
         for path in orphans(self.spill.path.parent):
-            logger.warning("hdet-track: %s", replay_file(path))
+            line = take_over(path, run_id, upto, self._log_taken_over) if run_id else None
+            logger.warning("hdet-track: %s", line or replay_file(path))
+
+    def _log_taken_over(self, part: Batch) -> None:
+        log_or_set_aside(self.tracker, part, self._set_aside)
 
     def _went_down(self, exc: BaseException) -> None:
         self.broken = broken_backend(exc)
@@ -145,7 +158,16 @@ class _Sink:
 
     def _spill(self, batch: Batch) -> None:
         self.spill.header = spill_header(self.tracker, self.run_start)
-        self.spill.append(materialize(batch))
+        try:
+            self.spill.append(materialize(batch))
+        except OSError as exc:  # a full disk: this batch cannot be kept; the flushes and the run's end still go on
+            logger.error(
+                "hdet-track: %s is down and its spill %s cannot be written (%s): a batch is lost",
+                self.label,
+                self.spill.path,
+                exc,
+            )
+            return
         self.spilled += 1
 
     def _replay(self) -> bool:

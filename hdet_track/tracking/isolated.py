@@ -138,6 +138,13 @@ class IsolatedTracker(Tracker):
     def resume(self, run_id: str) -> None:
         self.inner.resume(run_id)
 
+    @property
+    def resume_id(self) -> str | None:
+        return self.inner.resume_id
+
+    def replaying(self) -> None:
+        self.inner.replaying()
+
     def spill_dir(self):  # noqa: ANN201
         return self.inner.spill_dir()
 

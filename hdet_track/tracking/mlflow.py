@@ -113,6 +113,7 @@ class MLflowTracker(Tracker):
         self._attached = False
         self._given = False  # a run someone else opened: the means go under MEANS_IN_GIVEN_RUN
         self._resume_id: str | None = None
+        self._from_environment = True  # $MLFLOW_RUN_ID attaches (not in a replay: see replaying())
         self._skip_until = -1  # HDET's metric points up to this step are in the store already
         self._archived = (-1, -1)  # a resumed run: the archive's step rows, and its events, up to these steps
         self._user_steps: dict[str, set[int]] | None = None  # a resumed run: user key -> steps in the store
@@ -157,8 +158,16 @@ class MLflowTracker(Tracker):
         return store_spill_dir(self._uri())
 
     def spill_settings(self) -> dict[str, Any]:
-        experiment = self.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME")
-        return {"tracking_uri": self._uri(), "experiment": experiment, "run_name": self.run_name}
+        # as this process resolved them: the replaying process's environment is another job's
+        experiment = self.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT
+        return {
+            "tracking_uri": self._uri(),
+            "experiment": experiment,
+            "run_name": self.run_name,
+            "run_id": self._attach_id,
+            "parent_run_id": self.parent_run_id,
+            "tags": dict(self.extra_tags) or None,
+        }
 
     @staticmethod
     def upload_pending(folder: Path, settings: dict[str, Any]) -> str:
@@ -168,6 +177,13 @@ class MLflowTracker(Tracker):
     def resume(self, run_id: str) -> None:
         if not self._attach_id:
             self._resume_id = run_id
+
+    @property
+    def resume_id(self) -> str | None:
+        return self._resume_id
+
+    def replaying(self) -> None:
+        self._from_environment = False
 
     def start(self, run_start: RunStart) -> None:
         # Once per run (a retry of start is a no-op); after finish() a new run (the next scheduler's).
@@ -192,7 +208,7 @@ class MLflowTracker(Tracker):
         tags[names.MLFLOW_OWNER_TAG] = json.dumps(getattr(self, "owner", None) or process_identity())
         if self.parent_run_id:
             tags["mlflow.parentRunId"] = self.parent_run_id
-        attach = self._attach_id or os.environ.get("MLFLOW_RUN_ID")
+        attach = self._attach_id or (os.environ.get("MLFLOW_RUN_ID") if self._from_environment else None)
         resumed = None if attach else self._resume_id
         self._attached = bool(attach)
         # one given in code (Hugging Face's, Lightning's run), not $MLFLOW_RUN_ID (`mlflow run`'s, this job's own)

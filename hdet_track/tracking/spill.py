@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import time
@@ -69,10 +70,15 @@ STORE_SCHEMES = ("sqlite", "file", "http", "https", "postgresql", "mysql", "mssq
 PLUGIN_GROUP = "mlflow.tracking_store"
 
 
+# MLflow tracking URIs that are a scheme alone (Databricks' default profile)
+BARE_SCHEMES = ("databricks",)
+
+
 def uri_scheme(source: str) -> str | None:
-    """The scheme of ``source`` when it is a URI (``postgresql`` for ``postgresql+psycopg2://...``), else None (a path)."""
+    """The scheme of ``source`` when it is a URI (``postgresql`` for ``postgresql+psycopg2://...``,
+    ``databricks`` for ``databricks``), else None (a path)."""
     if "://" not in source:
-        return None
+        return source if source in BARE_SCHEMES else None
     return source.split("://", 1)[0].split("+", 1)[0].lower()
 
 
@@ -91,13 +97,13 @@ def store_spill_dir(source: str) -> Path:
     """Where spills of the store ``source`` live (an MLflow tracking URI or a W&B directory)."""
     if source.startswith("sqlite:///"):  # sqlite:///relative.db, sqlite:////absolute.db
         return Path(source[len("sqlite:///") :]).resolve().parent / DIRNAME
-    if source.startswith(("http://", "https://")):
+    if uri_scheme(source) in ("http", "https"):  # one place however the URI is spelled (case, a last /)
         url = urlparse(source)
-        return cache_dir() / re.sub(r"[^A-Za-z0-9_.-]", "_", f"{url.hostname}_{url.port or ''}{url.path}")
+        return cache_dir() / re.sub(r"[^A-Za-z0-9_.-]", "_", f"{url.hostname}_{url.port or ''}{url.path.rstrip('/')}")
     if source.startswith("file:"):
         return Path(urlparse(source).path) / DIRNAME
     if uri_scheme(source) is not None:  # a database server, Databricks, a plugin's store: not a path
-        url = urlparse(source)  # its host, port and path name it (never its credentials)
+        url = urlparse(source if "://" in source else f"{source}://")  # host, port, path: never its credentials
         try:
             port = url.port
         except ValueError:  # not a number: the store will say so
@@ -115,36 +121,43 @@ class SpillFile:
         self.header = header
 
     def append(self, batch: Batch) -> None:
+        """One line, in one write. After a write that failed half-way (a full disk) the next line
+        starts on a line of its own, so that only the cut line is lost."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        new = not self.path.exists()
-        with open(self.path, "a") as f:
-            if new:
-                f.write(json.dumps(self.header) + "\n")
-            f.write(json.dumps(_encode(batch)) + "\n")
+        text = json.dumps(_encode(batch)) + "\n"
+        with open(self.path, "ab") as f:
+            size = f.seek(0, os.SEEK_END)
+            if size == 0:
+                text = json.dumps(self.header) + "\n" + text
+            elif not _ends_a_line(self.path, size):
+                text = "\n" + text
+            f.write(text.encode())
 
     def batches(self) -> list[Batch]:
-        """The batches, in order. A last line cut short (the writer was killed while appending) is
-        moved to ``torn-<name>`` beside the spill, with a warning, so that it does not hold back the
-        batches before it."""
-        lines = [line for line in self.path.read_text().splitlines()[1:] if line.strip()]
-        out = []
-        for i, line in enumerate(lines):
+        """The batches, in order. A line that does not decode (cut short: its writer was killed, or
+        its disk filled, while appending) is moved to ``torn-<name>`` beside the spill, with a
+        warning, so that it holds back none of the batches around it."""
+        head, *rest = self.path.read_text().splitlines()
+        good, torn, out = [], [], []
+        for line in (x for x in rest if x.strip()):
             try:
                 out.append(_decode(json.loads(line)))
-            except ValueError:
-                if i + 1 < len(lines):
-                    raise
-                torn = self.path.with_name("torn-" + self.path.name.split(".jsonl")[0] + ".jsonl")
-                with open(torn, "a") as f:
-                    f.write(line + "\n")
-                self.keep_lines(len(lines) - 1)
-                logger.warning(
-                    "hdet-track: the last batch of %s was cut short (its writer was killed while writing "
-                    "it); moved to %s, the %d batches before it go on",
-                    self.path.name,
-                    torn,
-                    len(out),
-                )
+                good.append(line)
+            except (ValueError, KeyError, TypeError):
+                torn.append(line)
+        if torn:
+            aside = self.path.with_name("torn-" + self.path.name.split(".jsonl")[0] + ".jsonl")
+            with open(aside, "a") as f:
+                f.write("".join(line + "\n" for line in torn))
+            self._write([head, *good], keep_empty=True)
+            logger.warning(
+                "hdet-track: %d batch(es) of %s were cut short (their writer was killed, or its disk filled, "
+                "while writing them); moved to %s, the %d others go on",
+                len(torn),
+                self.path.name,
+                aside,
+                len(out),
+            )
         return out
 
     def keep_from(self, index: int, keep_empty: bool = False) -> None:
@@ -155,11 +168,6 @@ class SpillFile:
         head = json.dumps(self.header) if self.header else lines[0]
         self._write([head] + lines[1 + index :], keep_empty=keep_empty)
 
-    def keep_lines(self, count: int) -> None:
-        """Keep the header and the first ``count`` batches."""
-        lines = self.path.read_text().splitlines()
-        self._write(lines[: 1 + count], keep_empty=True)
-
     def _write(self, lines: list[str], keep_empty: bool = False) -> None:
         if len(lines) == 1 and not keep_empty:
             self.path.unlink()
@@ -167,6 +175,12 @@ class SpillFile:
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text("".join(x + "\n" for x in lines))
         os.replace(tmp, self.path)
+
+
+def _ends_a_line(path: Path, size: int) -> bool:
+    with open(path, "rb") as f:
+        f.seek(size - 1)
+        return f.read(1) == b"\n"
 
 
 def log_or_set_aside(tracker: Tracker, batch: Batch, set_aside: Callable[[Batch, BaseException], None]) -> None:
@@ -239,7 +253,7 @@ def header(tracker: Tracker, run_start: RunStart | None) -> dict[str, Any]:
     return {
         "backend": tracker.name,
         "settings": tracker.spill_settings() if hasattr(tracker, "spill_settings") else {},
-        "run_id": tracker.run_id,
+        "run_id": tracker.run_id or getattr(tracker, "resume_id", None),  # a resumed run the backend never reopened
         "run_start": run_start.to_dict() if run_start is not None else None,
         "pid": os.getpid(),
         "owner": process_identity(),  # host, pid and start time: a reused pid is not its writer
@@ -323,7 +337,7 @@ def orphans(directory: Path, held: list[Path] | None = None) -> Iterator[Path]:
                 os.rename(path, directory / match[1])
             except OSError:
                 continue
-    for path in sorted(directory.glob("spill-*.jsonl")):
+    for path in sorted(directory.glob("spill-*.jsonl"), key=_written_order):  # an earlier attempt's first
         try:
             head = json.loads(path.open().readline())
         except (OSError, ValueError):
@@ -332,6 +346,14 @@ def orphans(directory: Path, held: list[Path] | None = None) -> Iterator[Path]:
             yield path
         elif held is not None:
             held.append(path)
+
+
+def _written_order(path: Path) -> tuple[float, str]:
+    """Spills in the order they were last written (not by name: a pid of 10000 sorts before 9999)."""
+    try:
+        return path.stat().st_mtime, path.name
+    except OSError:
+        return math.inf, path.name
 
 
 def pending_orphans(directory: Path) -> Iterator[Path]:
@@ -384,10 +406,12 @@ def replay_file(path: Path) -> str:
     spill = SpillFile(claimed, json.loads(claimed.open().readline()))
     head = spill.header
     sink: Tracker | None = None
-    delivered, batches = 0, []
+    delivered, batches, settled = 0, [], []  # settled[i]: how many parts were refused up to batch i
+    refused: list[tuple[Batch, BaseException]] = []
     try:
         settings = _anchored(head["backend"], head.get("settings", {}), path.parent)
         tracker = get_tracker_class(head["backend"])(**settings)
+        tracker.replaying()
         if head.get("run_id"):
             tracker.resume(head["run_id"])
         sink = maybe_isolated(tracker)
@@ -399,7 +423,6 @@ def replay_file(path: Path) -> str:
             raise ValueError("the spill has no run start: nothing to attach its data to")
         sink.start(start)
         ended = False
-        refused: list[tuple[Batch, BaseException]] = []
         for batch in batches:
             events = [e for e in batch.events if not isinstance(e, (RunStart, RunEnd))]
             log_or_set_aside(sink, Batch(points=batch.points, events=events, steps=batch.steps), _keep(refused))
@@ -407,35 +430,77 @@ def replay_file(path: Path) -> str:
                 sink.finish(end)
                 ended = True
             delivered += 1
+            settled.append(len(refused))
             _touch(claimed)  # still replaying (read from another host)
         if not ended:
             last = max((p.step for b in batches for p in b.points), default=0)
+            # its process went without a word (SIGKILL, the OOM killer): KILLED, as the readers
+            # call such a run and as a writer process does that outlives it
             text = "recovered from a spill: the job ended without ending its run"
-            sink.finish(RunEnd(status="FAILED", step=last, error=text))
+            sink.finish(RunEnd(status="KILLED", step=last, error=text))
     except Exception as exc:  # noqa: BLE001 - the backend is still down: keep the spill
-        _keep_undelivered(spill, sink, min(delivered, max(len(batches) - 1, 0)) if sink is not None else 0)
+        dropped = _keep_undelivered(spill, sink, min(delivered, max(len(batches) - 1, 0)))
         os.rename(claimed, path)
+        if dropped and settled[dropped - 1]:  # what the backend refused of the batches that left the spill
+            _set_aside(path, head, refused[: settled[dropped - 1]])
         return f"{path.name}: not delivered ({type(exc).__name__}: {exc}); kept"
     claimed.unlink()
     where = settings.get("tracking_uri") or settings.get("dir") or ""
     line = f"{path.name}: {len(batches)} batches delivered to {head['backend']} run {sink.run_id}" + (
         f" in {where}" if where else ""
     )
-    if refused:  # written once the rest went through (a replay that stops half-way sets nothing aside)
-        aside = SpillFile(refused_path(path), head)
-        for part, _ in refused:
-            aside.append(part)
+    if refused:
         parts = "; ".join(f"{describe_part(part)}: {exc}" for part, exc in refused[:3])
-        line += f"; the backend refused {len(refused)} part(s) for their content ({parts}), set aside in {aside.path}"
+        where = _set_aside(path, head, refused)
+        line += f"; the backend refused {len(refused)} part(s) for their content ({parts}), set aside in {where}"
     return line
 
 
-def _keep_undelivered(spill: SpillFile, sink: Tracker | None, delivered: int) -> None:
+def _set_aside(spill: Path, head: dict[str, Any], refused: list[tuple[Batch, BaseException]]) -> Path:
+    """The parts of ``spill``'s batches that the backend refused, in its refused file."""
+    aside = SpillFile(refused_path(spill), head)
+    for part, _ in refused:
+        aside.append(part)
+    return aside.path
+
+
+def take_over(path: Path, run_id: str, upto: int, send: Callable[[Batch], None]) -> str | None:
+    """An orphaned spill of run ``run_id``, which this process has just resumed from a checkpoint at
+    step ``upto`` (its earlier attempt, killed while the backend was down): its data up to that step
+    sent through ``send`` (this process's own tracker of the run), neither its start nor its end
+    (the run goes on) nor the steps after the checkpoint (the job does them again). None, and the
+    file left alone, when the spill is another run's: :func:`replay_file` delivers that."""
+    try:
+        head = json.loads(path.open().readline())
+    except (OSError, ValueError):
+        return None
+    if head.get("run_id") != run_id:
+        return None
+    claimed = path.with_name(path.name + _claim_suffix())
+    try:
+        os.rename(path, claimed)
+    except OSError:
+        return f"{path.name}: taken by another process"
+    try:
+        batches = SpillFile(claimed, head).batches()
+        for batch in batches:
+            part = batch.until(upto)
+            if part:
+                send(part)
+    except BaseException:
+        os.rename(claimed, path)  # the backend went down again: the next start (or recover) delivers it
+        raise
+    claimed.unlink()
+    return f"{path.name}: {len(batches)} batches of an earlier attempt of run {run_id} taken into it up to step {upto}"
+
+
+def _keep_undelivered(spill: SpillFile, sink: Tracker | None, delivered: int) -> int:
     """A replay that stopped half-way: the spill keeps only what did not go through, under the run
     it went to (a rerun continues that run), and that run is left as it is (not ended KILLED by a
-    writer process that takes the replay's exit for its training process's)."""
+    writer process that takes the replay's exit for its training process's). Returns how many
+    batches left the spill."""
     if sink is None:
-        return
+        return 0
     run_id = sink.run_id
     if delivered:
         # their step rows and events wait in the tracker's archive buffer: written out now, to the
@@ -450,6 +515,7 @@ def _keep_undelivered(spill: SpillFile, sink: Tracker | None, delivered: int) ->
     detach = getattr(sink, "detach", None)
     if detach is not None:
         detach()
+    return delivered
 
 
 def refused_path(spill: Path) -> Path:
@@ -497,8 +563,14 @@ def _anchored(backend: str, settings: dict[str, Any], directory: Path) -> dict[s
     anywhere)."""
     out = dict(settings)
     uri = out.get("tracking_uri")
+    directory = directory.resolve()  # `recover .hdet-spill` names no parent
     if backend == "mlflow" and isinstance(uri, str) and uri.startswith("sqlite:///") and uri[10:11] != "/":
-        out["tracking_uri"] = f"sqlite:///{directory.resolve().parent / Path(uri[len('sqlite:///') :]).name}"
+        out["tracking_uri"] = f"sqlite:///{directory.parent / Path(uri[len('sqlite:///') :]).name}"
+    elif backend == "mlflow" and isinstance(uri, str) and (uri.startswith("file:") or uri_scheme(uri) is None):
+        # a file store (``mlruns``, ``file:./mlruns``) keeps its spills in <store>/.hdet-spill
+        file = uri.startswith("file:")
+        if not Path(urlparse(uri).path if file else uri).is_absolute():
+            out["tracking_uri"] = f"file://{directory.parent}" if file else str(directory.parent)
     if backend == "wandb" and directory.parent.name == "wandb" and not Path(out.get("dir") or ".").is_absolute():
-        out["dir"] = str(directory.resolve().parent.parent)  # the tracker keeps its spills in <dir>/wandb/
+        out["dir"] = str(directory.parent.parent)  # the tracker keeps its spills in <dir>/wandb/
     return out

@@ -8,6 +8,8 @@ import json
 import logging
 import math
 import os
+import secrets
+import string
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -77,6 +79,29 @@ def wait_until_written(path: str | os.PathLike, timeout: float, progress: RunFil
             return False
         time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
         pause = min(pause * 2, 0.5)
+
+
+def wait_until_holds(path: str | os.PathLike, step: int, timeout: float, progress: RunFileProgress) -> bool:
+    """Wait (at most ``timeout`` seconds) until the run file ``path`` holds W&B's row ``step`` (its
+    ``_step``); ``progress`` is read on only when the file grew."""
+    deadline, size, pause = time.monotonic() + timeout, -1, 0.02
+    while True:
+        try:
+            now = os.path.getsize(path)
+        except OSError:
+            now = -1
+        if now != size:  # read on only once W&B wrote more
+            size = now
+            try:
+                written = progress.update().last_step
+            except (OSError, WandbFormatError):
+                written = None
+            if written is not None and written >= step:
+                return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(pause)
+        pause = min(pause * 2, 0.2)
 
 
 @dataclass
@@ -159,6 +184,28 @@ def _stored_before(run: Any) -> StoredSteps | None:
     return stored_steps(sessions) if sessions else None
 
 
+def _run_settings(wandb: Any) -> Any:
+    """Settings for a run hdet-track starts: W&B's run file written every second, unless the user
+    chose an interval (in the environment, ``wandb.setup(settings=...)`` or W&B's settings file)."""
+    if any(os.environ.get(name) for name in _INTERVAL_ENV):
+        return None  # the user's choice
+    field = "x_transaction_log_flush_interval"
+    try:
+        chosen = getattr(wandb.setup().settings, field)  # what wandb.init would use
+        default = wandb.Settings.model_fields[field].default
+    except Exception:  # noqa: BLE001 - an older or newer wandb: keep to the environment check
+        chosen = default = None
+    if chosen != default:
+        return None  # the user's choice
+    return wandb.Settings(**{field: TRANSACTION_LOG_FLUSH_INTERVAL})
+
+
+def _new_run_id() -> str:
+    """A new W&B run id (8 characters of [a-z0-9], as W&B draws its own)."""
+    alphabet = string.ascii_lowercase + string.digits
+    return "".join(secrets.choice(alphabet) for _ in range(8))
+
+
 def _import_wandb():
     try:
         import wandb
@@ -219,6 +266,7 @@ class WandbTracker(Tracker):
         self._run: Any = None
         self._archive: EventArchive | None = None
         self._resume_id: str | None = None
+        self._replaying = False  # a spill's replay: never the run $WANDB_RUN_ID names
         self._defined: set[str] = set()
         self._user_points: list[dict[str, Any]] = []  # user metrics not yet in user_metrics.jsonl
         self._stored: StoredSteps | None = None  # a resumed run: what its earlier sessions hold
@@ -285,6 +333,13 @@ class WandbTracker(Tracker):
         if self._existing is None:
             self._resume_id = run_id
 
+    @property
+    def resume_id(self) -> str | None:
+        return self._resume_id
+
+    def replaying(self) -> None:
+        self._replaying = True
+
     def start(self, run_start: RunStart) -> None:
         # Once per run (a retry of start is a no-op); after finish() a new run (the next scheduler's).
         self._start_claimed(lambda: self._start(run_start))
@@ -315,29 +370,14 @@ class WandbTracker(Tracker):
             # W&B's tags are at most 64 characters: longer ones stay in the summary only
             tags=[tag for k, v in tags.items() if len(tag := f"{k}={v}") <= 64][:20],
             reinit="create_new",
-            id=self._resume_id,
-            resume="allow" if self._resume_id else None,
-            settings=self._settings(wandb),
+            # a replay names its run: W&B would take $WANDB_RUN_ID (the replaying process's job's run)
+            id=self._resume_id or (_new_run_id() if self._replaying else None),
+            resume="allow" if self._resume_id or self._replaying else None,
+            settings=_run_settings(wandb),
         )
         lifecycle.end_runs_first_at_exit()  # before the exit handler wandb.init registered
         self._resume_id = None  # used up: a later run of this object is a new one unless resumed again
         self._setup(run, tags, run_start)
-
-    @staticmethod
-    def _settings(wandb: Any) -> Any:
-        """Settings for a run hdet-track starts: W&B's run file written every second, unless the user
-        chose an interval (in the environment, ``wandb.setup(settings=...)`` or W&B's settings file)."""
-        if any(os.environ.get(name) for name in _INTERVAL_ENV):
-            return None  # the user's choice
-        field = "x_transaction_log_flush_interval"
-        try:
-            chosen = getattr(wandb.setup().settings, field)  # what wandb.init would use
-            default = wandb.Settings.model_fields[field].default
-        except Exception:  # noqa: BLE001 - an older or newer wandb: keep to the environment check
-            chosen = default = None
-        if chosen != default:
-            return None  # the user's choice
-        return wandb.Settings(**{field: TRANSACTION_LOG_FLUSH_INTERVAL})
 
     def _setup(self, run: Any, tags: dict[str, str], run_start: RunStart) -> None:
         self._run = run
@@ -466,32 +506,15 @@ class WandbTracker(Tracker):
         if not path or last < getattr(self._run, "starting_step", 0):
             return  # nothing logged, or no run file to wait for
         interval = float(getattr(settings, "x_transaction_log_flush_interval", 15.0) or 0.0)
-        deadline = time.monotonic() + min(max(interval, 0.0), 15.0) + FLUSH_WAIT_MARGIN
-        size, pause = -1, 0.02
-        while True:
-            try:
-                now = os.path.getsize(path)
-            except OSError:
-                now = -1
-            if now != size:  # read on only once W&B wrote more
-                size = now
-                try:
-                    written = self._file_progress(path).update().last_step
-                except (OSError, WandbFormatError):
-                    written = None
-                if written is not None and written >= last:
-                    return
-            if time.monotonic() >= deadline:
-                logger.warning(
-                    "hdet-track: W&B had not written step %d of run %s to %s when flush() gave up; hdet-track's "
-                    "readers take it from the event archive",
-                    last,
-                    self._run.id,
-                    path,
-                )
-                return
-            time.sleep(pause)
-            pause = min(pause * 2, 0.2)
+        timeout = min(max(interval, 0.0), 15.0) + FLUSH_WAIT_MARGIN
+        if not wait_until_holds(path, last, timeout, self._file_progress(path)):
+            logger.warning(
+                "hdet-track: W&B had not written step %d of run %s to %s when flush() gave up; hdet-track's "
+                "readers take it from the event archive",
+                last,
+                self._run.id,
+                path,
+            )
 
     def finish(self, run_end: RunEnd) -> None:
         if self._run is None or not self._run_open:
