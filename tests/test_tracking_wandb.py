@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 import time
 import warnings
 
@@ -806,6 +807,15 @@ def test_hdets_means_in_a_given_run_go_beside_its_owners_loss(tmp_path):
     got = reader.read(run.id)
     assert got.final_loss() == pytest.approx(1 / 20)
     assert got.mean_series("lr")[0].tolist() == list(range(1, 21))
+    assert "loss" not in got.metrics or max(got.metrics["loss"][1]) < 2  # never the owner's 101-120
+    # read again from W&B's rows alone (no event archive): the owner's loss was HDET's metric "loss"
+    for archive in glob.glob(str(tmp_path / "wandb" / "*run-*" / "files" / "hdet_events")):
+        shutil.rmtree(archive)
+    got = WandbReader(str(tmp_path)).read(run.id)
+    assert any("no event archive" in w for w in got.warnings)
+    assert got.final_loss() == pytest.approx(1 / 20) and len(got.converge) == 4
+    assert "loss" not in got.metrics or max(got.metrics["loss"][1]) < 2
+    assert "lr" not in got.metrics or max(got.metrics["lr"][1]) <= 0.1
 
 
 def test_a_run_closed_finished_whose_file_lacks_wandbs_end_reads_finished(tmp_path):

@@ -255,3 +255,46 @@ def test_comparison_reports_where_the_loss_broke_not_where_the_run_stopped():
     stopped.metrics["diverged_at_step"] = (np.array([30]), np.array([30.0]))
     row = comparison_rows([stopped])[0]
     assert row.diverged and row.diverged_at_step == 30
+
+
+def test_a_diverged_runs_syncs_and_resets_stay_on_the_loss_chart():
+    """Where every replica's loss is NaN the mean is NaN, and the sync and reset markers placed on it
+    got y=NaN: plotly drew none of them, so a diverged run's last syncs vanished from the chart."""
+    run = make_run(n=2, steps=60, T=10)
+    broken = run.steps.step >= 45
+    run.steps.loss[broken] = np.nan
+    run.converge[-1].left_out[:] = [0, 1]
+    fig = plot_sync_loss(run)
+    syncs = next(t for t in fig.data if t.name.startswith("sync"))
+    assert list(syncs.x) == [10, 20, 30, 40, 50, 60] and np.isfinite(syncs.y).all()
+    last_finite = float(run.mean_series("loss")[1][43])
+    assert list(syncs.y[-2:]) == [last_finite] * 2  # at the last finite loss
+    assert list(syncs.text[-2:]) == ["loss not finite here"] * 2 and syncs.text[0] == ""
+    resets = next(t for t in fig.data if t.name.startswith("replica left out"))
+    assert np.isfinite(resets.y).all() and resets.text[0].endswith("; loss not finite here")
+
+
+def test_a_single_replica_run_draws_no_exploration_band():
+    """One replica explores nothing (its only multiplier is 1): the fan-out page drew a +-spread band."""
+    one = make_run(n=1, spread=0.3)
+    assert [t.name for t in plot_fanout(one).data] == ["replica 0", "base (mean)"]
+
+
+def test_the_export_snippet_credits_hdet_only_for_an_hdet_run():
+    """A OneCycle baseline's (or another tool's) schedule was exported as "Discovered by HDET"."""
+    assert "# Discovered by HDET in run run " in lambdalr_snippet(make_run())
+    for schedule, label in [("onecycle", "onecycle"), ("", "plain")]:
+        snippet = lambdalr_snippet(make_run(schedule=schedule))
+        assert f"# The {label} schedule of run run " in snippet and "Discovered" not in snippet
+
+
+def test_a_run_read_without_its_archive_shows_the_divergence_its_metrics_hold():
+    run = make_run(n=3)
+    for c in run.converge:
+        c.divergence[:] = [math.nan] * 3
+    assert "No divergence recorded" in str(plot_divergence(run).layout.annotations)
+    run.metrics["hdet/sync/divergence"] = (np.array([10, 20]), np.array([0.02, 0.03]))
+    run.metrics["hdet/sync/divergence_max"] = (np.array([10, 20]), np.array([0.05, 0.06]))
+    fig = plot_divergence(run)
+    assert [t.name for t in fig.data] == ["mean over replicas", "largest replica"]
+    assert list(fig.data[1].y) == [0.05, 0.06] and "read without" in str(fig.layout.annotations)

@@ -5,11 +5,17 @@ from __future__ import annotations
 import streamlit as st
 from hdet_track.dashboard.state import selected_run
 
+from hdet_track.readers.base import schedule_label
 from hdet_track.viz import lambdalr_snippet, schedule_csv, schedule_json
 
 st.header("Export the discovered schedule")
 run = selected_run()
 if run is not None:
+    if run.schedule != "hdet":
+        st.caption(
+            f"This run is {schedule_label(run.schedule)}: below is the learning-rate schedule it logged, "
+            "not one HDET discovered."
+        )
     keys = run.series_keys("lr") or ["lr"]
     key = st.selectbox("Param group", keys)
     if run.overview:

@@ -474,10 +474,26 @@ def converge_from_series(
     )
 
 
+# the divergences a run's metrics hold (mean and largest over replicas; per replica only in the archive)
+DIVERGENCE_SUMMARIES = (names.SYNC_DIVERGENCE, names.SYNC_DIVERGENCE_MAX)
+
+
+def divergence_summaries(series: dict[str, dict[int, float]]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """From a run's per-sync series (see :func:`sync_events_from_series`), its divergence summaries
+    as metrics (key -> (sync steps, values)): what a run read without its archive has of them."""
+    out = {}
+    for key in DIVERGENCE_SUMMARIES:
+        if values := series.get(key):
+            steps = sorted(values)
+            out[key] = (np.array(steps, dtype=np.int64), np.array([values[s] for s in steps], dtype=float))
+    return out
+
+
 def is_sync_series(key: str) -> bool:
     """Whether ``key`` is one of the per-sync series :func:`sync_events_from_series` reads."""
     return (
         key in (names.SYNC_LEFT_OUT, names.SYNC_STEP_GUARD, names.SYNC_ROLLBACK, names.SYNC_BACKOFF)
+        or key in DIVERGENCE_SUMMARIES
         or names.parse_window_loss_metric(key) is not None
         or names.parse_left_out_metric(key) is not None
         or names.parse_controller_metric(key) is not None

@@ -26,7 +26,16 @@ from ..owner import described, overdue, owner_alive
 from ..summaries import SUMMARY_DIR
 from ..tracking.archive import ARTIFACT_DIR
 from .archive import read_archive
-from .base import HDETRun, ReaderError, RunNotFoundError, RunSummary, StepTable, is_sync_series, sync_events_from_series
+from .base import (
+    HDETRun,
+    ReaderError,
+    RunNotFoundError,
+    RunSummary,
+    StepTable,
+    divergence_summaries,
+    is_sync_series,
+    sync_events_from_series,
+)
 
 __all__ = ["MLflowReader", "StoreNotReady", "sqlite_file", "pending_store", "check_store_exists"]
 
@@ -397,6 +406,7 @@ class MLflowReader:
     def _rebuild_sync_events(self, run: HDETRun, latest: dict[str, float]) -> None:
         series = {key: dict(zip(*self._history(run.run_id, key))) for key in latest if is_sync_series(key)}
         run.converge, run.controller, run.guard = sync_events_from_series(series)
+        run.metrics.update(divergence_summaries(series))
 
     def _read_user_metrics(self, run: HDETRun, latest: dict[str, float], archive: bool) -> None:
         """Metrics that are not part of the HDET series (val_loss, accuracy...), and loss/lr of a run

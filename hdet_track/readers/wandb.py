@@ -26,10 +26,17 @@ from ..wandb_store import (
     session_first_step,
     session_order,
     session_user_metrics,
-    user_metrics,
 )
 from .archive import read_archive
-from .base import HDETRun, RunNotFoundError, RunSummary, StepTable, is_sync_series, sync_events_from_series
+from .base import (
+    HDETRun,
+    RunNotFoundError,
+    RunSummary,
+    StepTable,
+    divergence_summaries,
+    is_sync_series,
+    sync_events_from_series,
+)
 
 __all__ = ["WandbReader", "find_run_dirs"]
 
@@ -212,8 +219,12 @@ class WandbReader:
             run.metrics.update(session_user_metrics(sessions, skip=builtin))
         else:
             run.warnings.append("no event archive: rebuilt from the run's history")
-            self._read_history(run, _rows_in_force(dirs[run_id], [h for h, _ in sessions]))
-            run.metrics.update(session_user_metrics(sessions))
+            rows = _rows_in_force(dirs[run_id], [h for h, _ in sessions])
+            self._read_history(run, rows)
+            # in a given run, loss and lr are its owner's and HDET's means hdet/loss and hdet/lr (as in MLflow)
+            given = any(key in r for key in names.MEANS_IN_GIVEN_RUN.values() for r in rows)
+            builtin = (names.LOSS, names.LR) if run.has_step_series or given else ()
+            run.metrics.update(session_user_metrics(sessions, skip=builtin))
         return run
 
     @staticmethod
@@ -291,13 +302,13 @@ class WandbReader:
                     if is_sync_series(key) and isinstance(value, (int, float)):
                         series.setdefault(key, {})[int(sync)] = float(value)
         run.converge, run.controller, run.guard = sync_events_from_series(series)
+        run.metrics.update(divergence_summaries(series))
         for row in history:
             for key, value in row.items():
                 step = row_step(row, key)
                 parsed = names.parse_replica_metric(key)
                 if parsed and isinstance(value, (int, float)) and step is not None:
                     rows.setdefault(parsed[0], {}).setdefault(step, {})[parsed[1]] = float(value)
-        run.metrics.update(user_metrics(history))
         tables = []
         for r, by_step in sorted(rows.items()):
             steps = np.array(sorted(by_step), dtype=np.int64)

@@ -8,10 +8,14 @@ from typing import NamedTuple
 import numpy as np
 import plotly.graph_objects as go
 
+from .. import names
 from ..readers.base import HDETRun
 from ._common import MAX_POINTS, color, downsample, empty_figure, layout, titled
 
 __all__ = ["plot_sync_loss", "plot_divergence", "plot_sync_heatmap", "guard_rows", "step_guard_note"]
+
+# what a run read from its metric histories has of its divergences (per replica only in the archive)
+_SUMMARIES = (("mean over replicas", names.SYNC_DIVERGENCE), ("largest replica", names.SYNC_DIVERGENCE_MAX))
 
 
 class SyncInfo(NamedTuple):
@@ -94,13 +98,13 @@ def plot_sync_loss(run: HDETRun, log_y: bool = True, max_points: int = MAX_POINT
     s, v = downsample(steps, loss, max_points)
     fig = go.Figure(go.Scatter(x=s, y=v, mode="lines", name="mean loss", line={"color": "black"}))
     if info.steps:
-        at = np.interp(info.steps, steps, np.where(np.isfinite(loss), loss, np.nan))
         fig.add_trace(
             go.Scatter(
                 x=info.steps,
-                y=at,
+                y=_on_the_line(info.steps, steps, loss),
                 mode="markers",
                 name="sync (parameters averaged)",
+                text=[_at(s, steps, loss) for s in info.steps],
                 marker={"symbol": "diamond", "size": 8, "color": "#1f77b4"},
             )
         )
@@ -109,10 +113,10 @@ def plot_sync_loss(run: HDETRun, log_y: bool = True, max_points: int = MAX_POINT
         fig.add_trace(
             go.Scatter(
                 x=xs,
-                y=np.interp(xs, steps, loss),
+                y=_on_the_line(xs, steps, loss),
                 mode="markers",
                 name="replica left out and reset",
-                text=[f"replica {r}: {why}" for _, r, why in info.left_out],
+                text=[f"replica {r}: {why}{_at(s, steps, loss, '; ')}" for s, r, why in info.left_out],
                 marker={"symbol": "x", "size": 12, "color": "red"},
             )
         )
@@ -126,9 +130,40 @@ def plot_sync_loss(run: HDETRun, log_y: bool = True, max_points: int = MAX_POINT
     return layout(fig, titled("Loss with converge points", run), "loss", log_y)
 
 
+def _on_the_line(xs: list[int], steps: np.ndarray, loss: np.ndarray) -> np.ndarray:
+    """Where markers at ``xs`` sit on the loss line: on its finite points (a marker where the loss is
+    not finite, a diverged run's, sits at the last finite loss instead of vanishing)."""
+    finite = np.isfinite(loss)
+    if not finite.any():
+        return np.full(len(xs), np.nan)
+    return np.interp(xs, steps[finite], loss[finite])
+
+
+def _at(step: int, steps: np.ndarray, loss: np.ndarray, sep: str = "") -> str:
+    """A marker's note when the loss at ``step`` is not finite (it is drawn at the last finite one)."""
+    i = int(np.searchsorted(steps, step))
+    return f"{sep}loss not finite here" if i < len(steps) and steps[i] == step and not np.isfinite(loss[i]) else ""
+
+
 def plot_divergence(run: HDETRun) -> go.Figure:
-    """Each replica's distance to the average just before each averaging (relative to its norm)."""
+    """Each replica's distance to the average just before each averaging (relative to its norm); for
+    a run read without its event archive, the mean and largest over replicas that its metrics hold."""
     info = _get_sync_info(run)
+    if info.steps and not np.isfinite(info.divergence).any():
+        lines = [(label, run.metrics[key]) for label, key in _SUMMARIES if key in run.metrics]
+        if lines:
+            fig = go.Figure()
+            for i, (label, (steps, values)) in enumerate(lines):
+                fig.add_trace(go.Scatter(x=steps, y=values, mode="lines+markers", name=label, line={"color": color(i)}))
+            fig.add_annotation(
+                text="per replica: in the event archive, which this run was read without",
+                showarrow=False,
+                xref="paper",
+                yref="paper",
+                x=0,
+                y=1.05,
+            )
+            return layout(fig, "Divergence before averaging: ||theta_r - mean|| / ||mean||", "relative L2 distance")
     if not info.steps or not np.isfinite(info.divergence).any():
         return empty_figure("No divergence recorded (single replica, or no syncs yet)", "Divergence before averaging")
     fig = go.Figure()

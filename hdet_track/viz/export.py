@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 
-from ..readers.base import HDETRun
+from ..readers.base import HDETRun, schedule_label
 
 __all__ = ["discovered_schedule", "schedule_csv", "schedule_json", "lambdalr_snippet"]
 
@@ -40,10 +40,11 @@ def lambdalr_snippet(run: HDETRun, key: str = "lr", max_points: int = 500) -> st
     peak = float(values.max())
     knots = ", ".join(str(int(s)) for s in steps)
     lrs = ", ".join(f"{v / peak:.8g}" for v in values)
+    origin = "Discovered by HDET in" if run.schedule == "hdet" else f"The {schedule_label(run.schedule)} schedule of"
     return f'''import bisect
 import torch
 
-# Discovered by HDET in run {run.run_id} ({run.name}); peak LR {peak:.6g}.
+# {origin} run {run.run_id} ({run.name}); peak LR {peak:.6g}.
 BASE_LR = {peak!r}  # build the optimizer with lr=BASE_LR
 KNOTS = [{knots}]
 FACTORS = [{lrs}]

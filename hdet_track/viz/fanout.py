@@ -37,7 +37,7 @@ def _get_fanout_info(run: HDETRun, key: str = "lr", max_points: int = MAX_POINTS
             replicas.append((r, s, v))
     steps, base = run.mean_series(key)
     steps, base = downsample(steps, base, max_points)
-    spread = run.spread(name)
+    spread = run.spread(name) if run.world_size > 1 else 0.0  # one replica explores nothing: no band
     title = titled(f"Fan-out: {key} per replica", run)
     base_name = "base (mean)" if run.resolution is None else f"base (mean per {run.resolution:,} steps)"
     return FanoutInfo(key, replicas, steps, base, base * (1 - spread), base * (1 + spread), spread, title, base_name)

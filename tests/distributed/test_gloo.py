@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -197,7 +198,7 @@ def test_warm_noisy_init_differs_per_rank():
 @pytest.mark.parametrize("victim", [1, 3], ids=["a-middle-lr-replica", "the-highest-lr-replica"])
 def test_finite_blowup_is_left_out_reset_and_shown(tmp_path, victim):
     from hdet_track.readers.mlflow import MLflowReader
-    from hdet_track.viz import guard_rows, plot_sync_loss
+    from hdet_track.viz import guard_rows, plot_divergence, plot_sync_loss
 
     uri = f"sqlite:///{tmp_path / 'blowup.db'}"
     res = run_ranks(workers.finite_blowup, WORLD, uri, victim)
@@ -220,6 +221,15 @@ def test_finite_blowup_is_left_out_reset_and_shown(tmp_path, victim):
     assert [r["action"] for r in rows[1:]] == (["backoff"] if victim == 3 else [])
     crosses = [t for t in plot_sync_loss(run).data if t.name == "replica left out and reset"]
     assert list(crosses[0].x) == [10] and "blown up" in crosses[0].text[0]
+    # read without its archive, the Converge page said "No divergence recorded (single replica, or no
+    # syncs yet)": the metrics hold each sync's mean and largest divergence over replicas
+    per_replica = [[d for d in c.divergence if math.isfinite(d)] for c in run.converge]
+    history = without_archive(uri, run.run_id)
+    lines = {t.name: t for t in plot_divergence(history).data}
+    assert list(lines) == ["mean over replicas", "largest replica"]
+    assert list(lines["mean over replicas"].x) == [c.step for c in run.converge]
+    np.testing.assert_allclose(lines["mean over replicas"].y, [np.mean(d) for d in per_replica], rtol=1e-6)
+    np.testing.assert_allclose(lines["largest replica"].y, [max(d) for d in per_replica], rtol=1e-6)
 
 
 def without_archive(uri: str, run_id: str):
