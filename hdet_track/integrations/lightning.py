@@ -186,7 +186,9 @@ class HDETCallback(pl.Callback):
         _restore_saves(trainer)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        optimizer, onecycle_config, total_steps = self._check_fit(trainer, pl_module)  # before anything is built
+        optimizer, onecycle_config, total_steps = _check_fit(
+            trainer, pl_module, self.max_lr
+        )  # before anything is built
         kwargs = dict(self.hdet_kwargs)
         kwargs.setdefault("model", pl_module)
         kwargs["track"] = _tracker_for(trainer, self.track)
@@ -217,84 +219,6 @@ class HDETCallback(pl.Callback):
         self._last_global_step = trainer.global_step
         self._losses = []
         self._warned_no_loss = False
-
-    def _check_fit(self, trainer: Any, pl_module: Any) -> tuple[Any, Any, int]:
-        """What HDET would take over, checked: the optimizer, the OneCycleLR's config (None with
-        ``max_lr``) and, with ``max_lr``, the schedule's length."""
-        optimizers = list(trainer.optimizers)
-        if len(optimizers) != 1:
-            raise ValueError(
-                f"Expected configure_optimizers to return one optimizer with HDETCallback, but got "
-                f"{len(optimizers)} ({_names(optimizers)}): HDET drives one optimizer's learning rates, once per "
-                "step of it, while trainer.global_step and trainer.estimated_stepping_batches count every "
-                "optimizer's steps (a GAN's two optimizers: two per batch), so the schedule would end at the "
-                "fit's midpoint. Put the parameters in one optimizer (param groups), or drive an HDETScheduler "
-                "yourself in training_step"
-            )
-        configs = list(trainer.lr_scheduler_configs)
-        onecycles = [c for c in configs if isinstance(c.scheduler, OneCycleLR)]
-        others = [
-            c
-            for c in configs
-            if isinstance(c.scheduler, (LRScheduler, ReduceLROnPlateau)) and not isinstance(c.scheduler, OneCycleLR)
-        ]
-        # not torch's (a timm-style scheduler Lightning steps through lr_scheduler_step): what it
-        # schedules cannot be told (a loss weight, or a learning rate HDET would overwrite)
-        foreign = [c for c in configs if not isinstance(c.scheduler, (LRScheduler, ReduceLROnPlateau))]
-        if foreign and (onecycles or self.max_lr is not None):
-            logger.warning(
-                "hdet-track: HDETCallback sets the optimizer's learning rates at every step; %s from "
-                "configure_optimizers is stepped by Lightning too: if it sets learning rates, HDET overwrites them",
-                _names(c.scheduler for c in foreign),
-            )
-        if self.max_lr is not None:
-            if onecycles:
-                onecycle = onecycles[0].scheduler
-                peaks = [g["max_lr"] for g in onecycle.optimizer.param_groups]
-                raise ValueError(
-                    f"Expected either HDETCallback(max_lr=...) or a OneCycleLR from configure_optimizers, but got "
-                    f"both: max_lr={self.max_lr!r} and OneCycleLR(max_lr={peaks[0] if len(peaks) == 1 else peaks}, "
-                    f"total_steps={onecycle.total_steps}), and HDET would follow one and ignore the other. Drop "
-                    "max_lr= to take over the module's OneCycleLR, or return no scheduler to schedule with max_lr="
-                )
-            if others:
-                raise ValueError(
-                    f"Expected no learning-rate scheduler from configure_optimizers with HDETCallback(max_lr="
-                    f"{self.max_lr!r}), but got {_names(c.scheduler for c in others)}: Lightning would go on "
-                    "stepping it while HDET sets the optimizer's learning rates at every step. Return the "
-                    "optimizer alone, or a OneCycleLR and no max_lr="
-                )
-            return optimizers[0], None, _fit_steps(trainer)
-        if not onecycles:
-            got = _names(c.scheduler for c in others + foreign) or "no scheduler"
-            raise ValueError(
-                "Expected configure_optimizers to return a OneCycleLR (stepped every optimizer step), or "
-                f"HDETCallback(max_lr=...) and no scheduler, but got {got}"
-            )
-        if len(onecycles) > 1 or others:
-            raise ValueError(
-                "Expected the OneCycleLR to be the only learning-rate scheduler of the optimizer HDET drives, but "
-                f"configure_optimizers returned {_names(c.scheduler for c in onecycles + others)}: Lightning would "
-                "go on stepping the others while HDET sets the learning rates at every step"
-            )
-        config = onecycles[0]
-        if pl_module.automatic_optimization and (config.interval != "step" or config.frequency != 1):
-            raise ValueError(
-                "Expected the OneCycleLR from configure_optimizers to step every optimizer step "
-                f"(interval='step', frequency=1), but got interval={config.interval!r}, "
-                f"frequency={config.frequency!r}: HDET steps once per optimizer step"
-            )
-        total = config.scheduler.total_steps
-        fit = trainer.estimated_stepping_batches
-        if _known(fit) and fit > total:
-            raise ValueError(
-                f"Expected the module's OneCycleLR to last the fit, total_steps >= "
-                f"trainer.estimated_stepping_batches={int(fit)}, but got total_steps={total}: after step {total} "
-                "HDET could neither step nor average, and each replica would train on alone (plain Lightning "
-                f"fails at step {total + 1}). Build it with total_steps=self.trainer.estimated_stepping_batches, "
-                f"or end the fit there: Trainer(max_steps={total})"
-            )
-        return optimizers[0], config, total
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         sched = self.scheduler
@@ -405,6 +329,85 @@ class HDETCallback(pl.Callback):
             sched.close(*lifecycle.caught_failure(exception))
         finally:
             self._closing = False
+
+
+def _check_fit(trainer: Any, pl_module: Any, max_lr: Any) -> tuple[Any, Any, int]:
+    """What HDETCallback (``max_lr``: its argument) would take over, checked: the optimizer, the
+    OneCycleLR's config (None with ``max_lr``) and, with ``max_lr``, the schedule's length."""
+    optimizers = list(trainer.optimizers)
+    if len(optimizers) != 1:
+        raise ValueError(
+            f"Expected configure_optimizers to return one optimizer with HDETCallback, but got "
+            f"{len(optimizers)} ({_names(optimizers)}): HDET drives one optimizer's learning rates, once per "
+            "step of it, while trainer.global_step and trainer.estimated_stepping_batches count every "
+            "optimizer's steps (a GAN's two optimizers: two per batch), so the schedule would end at the "
+            "fit's midpoint. Put the parameters in one optimizer (param groups), or drive an HDETScheduler "
+            "yourself in training_step"
+        )
+    configs = list(trainer.lr_scheduler_configs)
+    onecycles = [c for c in configs if isinstance(c.scheduler, OneCycleLR)]
+    others = [
+        c
+        for c in configs
+        if isinstance(c.scheduler, (LRScheduler, ReduceLROnPlateau)) and not isinstance(c.scheduler, OneCycleLR)
+    ]
+    # not torch's (a timm-style scheduler Lightning steps through lr_scheduler_step): what it
+    # schedules cannot be told (a loss weight, or a learning rate HDET would overwrite)
+    foreign = [c for c in configs if not isinstance(c.scheduler, (LRScheduler, ReduceLROnPlateau))]
+    if foreign and (onecycles or max_lr is not None):
+        logger.warning(
+            "hdet-track: HDETCallback sets the optimizer's learning rates at every step; %s from "
+            "configure_optimizers is stepped by Lightning too: if it sets learning rates, HDET overwrites them",
+            _names(c.scheduler for c in foreign),
+        )
+    if max_lr is not None:
+        if onecycles:
+            onecycle = onecycles[0].scheduler
+            peaks = [g["max_lr"] for g in onecycle.optimizer.param_groups]
+            raise ValueError(
+                f"Expected either HDETCallback(max_lr=...) or a OneCycleLR from configure_optimizers, but got "
+                f"both: max_lr={max_lr!r} and OneCycleLR(max_lr={peaks[0] if len(peaks) == 1 else peaks}, "
+                f"total_steps={onecycle.total_steps}), and HDET would follow one and ignore the other. Drop "
+                "max_lr= to take over the module's OneCycleLR, or return no scheduler to schedule with max_lr="
+            )
+        if others:
+            raise ValueError(
+                f"Expected no learning-rate scheduler from configure_optimizers with HDETCallback(max_lr="
+                f"{max_lr!r}), but got {_names(c.scheduler for c in others)}: Lightning would go on "
+                "stepping it while HDET sets the optimizer's learning rates at every step. Return the "
+                "optimizer alone, or a OneCycleLR and no max_lr="
+            )
+        return optimizers[0], None, _fit_steps(trainer)
+    if not onecycles:
+        got = _names(c.scheduler for c in others + foreign) or "no scheduler"
+        raise ValueError(
+            "Expected configure_optimizers to return a OneCycleLR (stepped every optimizer step), or "
+            f"HDETCallback(max_lr=...) and no scheduler, but got {got}"
+        )
+    if len(onecycles) > 1 or others:
+        raise ValueError(
+            "Expected the OneCycleLR to be the only learning-rate scheduler of the optimizer HDET drives, but "
+            f"configure_optimizers returned {_names(c.scheduler for c in onecycles + others)}: Lightning would "
+            "go on stepping the others while HDET sets the learning rates at every step"
+        )
+    config = onecycles[0]
+    if pl_module.automatic_optimization and (config.interval != "step" or config.frequency != 1):
+        raise ValueError(
+            "Expected the OneCycleLR from configure_optimizers to step every optimizer step "
+            f"(interval='step', frequency=1), but got interval={config.interval!r}, "
+            f"frequency={config.frequency!r}: HDET steps once per optimizer step"
+        )
+    total = config.scheduler.total_steps
+    fit = trainer.estimated_stepping_batches
+    if _known(fit) and fit > total:
+        raise ValueError(
+            f"Expected the module's OneCycleLR to last the fit, total_steps >= "
+            f"trainer.estimated_stepping_batches={int(fit)}, but got total_steps={total}: after step {total} "
+            "HDET could neither step nor average, and each replica would train on alone (plain Lightning "
+            f"fails at step {total + 1}). Build it with total_steps=self.trainer.estimated_stepping_batches, "
+            f"or end the fit there: Trainer(max_steps={total})"
+        )
+    return optimizers[0], config, total
 
 
 def _names(objects: Any) -> str:
