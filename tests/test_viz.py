@@ -13,6 +13,7 @@ from hdet_track.readers.base import HDETRun, StepTable
 from hdet_track.record import ExploredSpec
 from hdet_track.schedule import multipliers
 from hdet_track.viz import (
+    guard_rows,
     lambdalr_snippet,
     plot_compare,
     plot_controller,
@@ -298,3 +299,27 @@ def test_a_run_read_without_its_archive_shows_the_divergence_its_metrics_hold():
     fig = plot_divergence(run)
     assert [t.name for t in fig.data] == ["mean over replicas", "largest replica"]
     assert list(fig.data[1].y) == [0.05, 0.06] and "read without" in str(fig.layout.annotations)
+
+
+def test_a_zoomed_step_range_zooms_the_divergence_and_the_heatmaps_too():
+    """The loss chart showed the syncs in the chosen step range, the divergence chart and the
+    heatmaps below it every sync of the run."""
+    run = make_run(n=3, nan_replica=1)
+    run.view = (30, 60)
+    assert list(plot_divergence(run).data[0].x) == [30, 40, 50, 60]
+    assert list(plot_sync_heatmap(run, "window_losses").data[0].x) == ["30", "40", "50", "60"]
+    assert list(plot_sync_heatmap(run, "weights").data[0].x) == ["30", "40", "50", "60"]
+    assert list(next(t for t in plot_sync_loss(run).data if t.name.startswith("sync")).x) == [30, 40, 50, 60]
+    run.view = (1, 20)
+    assert [row["step"] for row in guard_rows(run)] == [50]  # the guard's table: the whole run
+
+
+def test_a_live_run_before_its_first_sync_says_its_steps_come_with_the_sync():
+    """A live run shows no step before its first sync (the steps reach the tracker with each sync):
+    its charts said "No loss recorded in this run", as for a run that logged nothing."""
+    live = HDETRun(run_id="live", status="RUNNING")
+    for fig in (plot_sync_loss(live), plot_replica_loss(live)):
+        assert "arrive with its first sync" in fig.layout.annotations[0].text
+    assert "No loss recorded in this run" in str(
+        plot_sync_loss(HDETRun(run_id="ended", status="FINISHED")).layout.annotations
+    )

@@ -59,6 +59,13 @@ def empty_figure(message: str, title: str = "") -> go.Figure:
     return fig
 
 
+def nothing_yet(run: HDETRun, what: str) -> str:
+    """The note of a chart with no ``what`` (e.g. "loss"): a live run's steps arrive with its syncs."""
+    if run.live and not run.converge:
+        return f"No {what} yet: a live run's steps arrive with its first sync (every sync_every steps)"
+    return f"No {what} recorded in this run"
+
+
 def layout(fig: go.Figure, title: str, ytitle: str, log_y: bool = False) -> go.Figure:
     fig.update_layout(
         title=title,

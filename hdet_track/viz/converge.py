@@ -3,6 +3,7 @@ controller's weights, replicas left out (non-finite or blown up) and the guard's
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -10,7 +11,7 @@ import plotly.graph_objects as go
 
 from .. import names
 from ..readers.base import HDETRun
-from ._common import MAX_POINTS, color, downsample, empty_figure, layout, titled
+from ._common import MAX_POINTS, color, downsample, empty_figure, layout, nothing_yet, titled
 
 __all__ = ["plot_sync_loss", "plot_divergence", "plot_sync_heatmap", "guard_rows", "step_guard_note"]
 
@@ -28,9 +29,12 @@ class SyncInfo(NamedTuple):
     weights: np.ndarray  # [sync with controller, replica]
 
 
-def _get_sync_info(run: HDETRun) -> SyncInfo:
+def _get_sync_info(run: HDETRun, whole: bool = False) -> SyncInfo:
+    """The run's syncs in its step range (``run.view``; all of them with ``whole``)."""
     n = run.world_size
-    steps = [c.step for c in run.converge]
+    lo, hi = run.view if run.view is not None and not whole else (-math.inf, math.inf)
+    converge = [c for c in run.converge if lo <= c.step <= hi]
+    steps = [c.step for c in converge]
 
     def grid(rows: list[list[float]]) -> np.ndarray:
         out = np.full((len(rows), n), np.nan)
@@ -40,24 +44,25 @@ def _get_sync_info(run: HDETRun) -> SyncInfo:
 
     left = [
         (c.step, r, c.reasons[i] if i < len(c.reasons) else "non-finite")
-        for c in run.converge
+        for c in converge
         for i, r in enumerate(c.left_out)
     ]
-    lr_decisions = [d for d in run.controller if d.name == "lr"]
+    lr_decisions = [d for d in run.controller if d.name == "lr" and lo <= d.step <= hi]
     return SyncInfo(
         steps,
-        grid([c.window_losses for c in run.converge]),
-        grid([c.divergence for c in run.converge]),
+        grid([c.window_losses for c in converge]),
+        grid([c.divergence for c in converge]),
         left,
-        [(g.step, g.action, g.reason) for g in run.guard],
+        [(g.step, g.action, g.reason) for g in run.guard if lo <= g.step <= hi],
         [d.step for d in lr_decisions],
         grid([d.weights for d in lr_decisions]),
     )
 
 
 def guard_rows(run: HDETRun) -> list[dict]:
-    """What the guard did, in step order: replicas left out (and why), backoffs, rollbacks."""
-    info = _get_sync_info(run)
+    """What the guard did, in step order: replicas left out (and why), backoffs, rollbacks (the whole
+    run, whatever step range the charts show)."""
+    info = _get_sync_info(run, whole=True)
     rows = [{"step": s, "action": "left out", "replicas": str(r), "reason": why} for s, r, why in info.left_out]
     rows += [
         {"step": g.step, "action": g.action, "replicas": ", ".join(map(str, g.replicas)), "reason": g.reason}
@@ -88,13 +93,8 @@ def plot_sync_loss(run: HDETRun, log_y: bool = True, max_points: int = MAX_POINT
     rollbacks as vertical lines."""
     steps, loss = run.mean_series("loss")
     if not len(steps):
-        return empty_figure("No loss recorded in this run", "Loss and sync points")
-    info = _get_sync_info(run)
-    if run.view is not None:  # a zoomed range: the syncs in it
-        inside = [s for s in info.steps if run.view[0] <= s <= run.view[1]]
-        left = [x for x in info.left_out if run.view[0] <= x[0] <= run.view[1]]
-        guard = [g for g in info.guard if run.view[0] <= g[0] <= run.view[1]]
-        info = info._replace(steps=inside, left_out=left, guard=guard)
+        return empty_figure(nothing_yet(run, "loss"), "Loss and sync points")
+    info = _get_sync_info(run)  # a zoomed range: the syncs in it
     s, v = downsample(steps, loss, max_points)
     fig = go.Figure(go.Scatter(x=s, y=v, mode="lines", name="mean loss", line={"color": "black"}))
     if info.steps:
@@ -130,6 +130,13 @@ def plot_sync_loss(run: HDETRun, log_y: bool = True, max_points: int = MAX_POINT
     return layout(fig, titled("Loss with converge points", run), "loss", log_y)
 
 
+def _zoomed(run: HDETRun, steps: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    if run.view is None:
+        return steps, values
+    keep = (steps >= run.view[0]) & (steps <= run.view[1])
+    return steps[keep], values[keep]
+
+
 def _on_the_line(xs: list[int], steps: np.ndarray, loss: np.ndarray) -> np.ndarray:
     """Where markers at ``xs`` sit on the loss line: on its finite points (a marker where the loss is
     not finite, a diverged run's, sits at the last finite loss instead of vanishing)."""
@@ -150,7 +157,7 @@ def plot_divergence(run: HDETRun) -> go.Figure:
     a run read without its event archive, the mean and largest over replicas that its metrics hold."""
     info = _get_sync_info(run)
     if info.steps and not np.isfinite(info.divergence).any():
-        lines = [(label, run.metrics[key]) for label, key in _SUMMARIES if key in run.metrics]
+        lines = [(label, _zoomed(run, *run.metrics[key])) for label, key in _SUMMARIES if key in run.metrics]
         if lines:
             fig = go.Figure()
             for i, (label, (steps, values)) in enumerate(lines):

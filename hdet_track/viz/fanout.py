@@ -10,7 +10,7 @@ import plotly.graph_objects as go
 
 from ..names import parse_series_key
 from ..readers.base import HDETRun
-from ._common import MAX_POINTS, color, downsample, empty_figure, layout, titled
+from ._common import MAX_POINTS, color, downsample, empty_figure, layout, nothing_yet, titled
 
 __all__ = ["plot_fanout", "plot_permutations", "plot_replica_loss"]
 
@@ -140,5 +140,5 @@ def plot_replica_loss(run: HDETRun, log_y: bool = True, max_points: int = MAX_PO
         s, v = downsample(steps, mean, max_points)
         fig.add_trace(go.Scatter(x=s, y=v, mode="lines", name="mean", line={"color": "black", "width": 2}))
     if not fig.data:
-        return empty_figure("No loss recorded in this run", "Loss per replica")
+        return empty_figure(nothing_yet(run, "loss"), "Loss per replica")
     return layout(fig, titled("Training loss per replica", run), "loss", log_y)
