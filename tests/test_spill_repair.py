@@ -410,12 +410,19 @@ def test_a_replay_keeps_the_given_run_the_parent_the_tags_and_the_default_experi
         sink = _Sink(outage(tracking_uri=uri, **kwargs), spills, retry_seconds=0.0)
         for step in range(1, 4):
             sink.deliver(_batch(step, start=step == 1))
+        if "run_id" in kwargs:  # the job ended well while the backend was down
+            sink.deliver(Batch(events=[base.RunEnd(status="FINISHED", step=3)]))
         _orphaned(sink.spill_path, _dead_identity())
     outage.reset()
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "recover-shell")
     lines = recover(str(spills))
-    assert len(lines) == 2 and all("3 batches delivered" in line for line in lines), lines
+    assert sorted(line.split(":")[1].split(" to ")[0] for line in lines) == [
+        " 3 batches delivered",
+        " 4 batches delivered",
+    ]
     assert [m.step for m in client.get_metric_history(given, "val_loss")] == [1, 2, 3]
+    # ended as the job ended it (its owner's process is gone too): not left RUNNING, read KILLED
+    assert client.get_run(given).info.status == "FINISHED"
     assert client.get_experiment_by_name("recover-shell") is None
     (child,) = client.search_runs([client.get_experiment_by_name("hdet").experiment_id])
     assert child.data.tags["mlflow.parentRunId"] == parent and child.data.tags["team"] == "vision"
@@ -469,10 +476,16 @@ def test_a_spill_is_found_however_the_store_is_spelled_and_goes_where_the_job_ra
     upper-case scheme), so `recover http://HOST:PORT` missed the job's ``http://HOST:PORT/`` spill;
     a relative file store (``mlruns``, ``file:./mlruns``) was replayed into a new store where
     `recover` ran; `recover .hdet-spill` inside ``wandb/`` wrote the run one level too deep."""
-    from hdet_track.tracking.spill import _anchored, store_spill_dir
+    from hdet_track.tracking.spill import _anchored, spill_dirs, store_spill_dir
 
     spelled = {store_spill_dir(u) for u in ("http://127.0.0.1:5000", "http://127.0.0.1:5000/", "HTTP://127.0.0.1:5000")}
     assert len(spelled) == 1 and store_spill_dir("http://127.0.0.1:5001") not in spelled
+    # where the previous version put the spills of those spellings: still looked in
+    cache = Path(os.environ["XDG_CACHE_HOME"]) / "hdet-track" / "spill"
+    assert spill_dirs("http://127.0.0.1:5000/") == [*spelled, cache / "127.0.0.1_5000_"]
+    assert spill_dirs("HTTP://127.0.0.1:5000") == [*spelled, cache / "http_127.0.0.1_5000"]
+    assert spill_dirs("http://127.0.0.1:5000") == [*spelled]
+    assert spill_dirs("databricks") == [store_spill_dir("databricks")]  # a store, not a folder here
     job = tmp_path / "job"
     for spills in (job / "mlruns" / ".hdet-spill", job / "wandb" / ".hdet-spill", tmp_path / "elsewhere"):
         spills.mkdir(parents=True)
@@ -541,18 +554,64 @@ def test_two_runs_of_one_tracker_object_in_turn_spill_apart(tmp_path, outage):
     assert _val_steps(uri) == [[1, 2, 3], [1, 2, 3]]
 
 
-def test_orphaned_spills_are_replayed_in_the_order_they_were_written(tmp_path, outage):
+def test_orphaned_spills_are_replayed_in_the_order_their_jobs_started(tmp_path, outage):
     """Spills were replayed by name: a resumed attempt's (pid 10000) before its earlier attempt's
-    (pid 9999), whose end then won."""
+    (pid 9999), whose end then won. Nor by the files' times: a replay cut short touches its claim."""
     uri = f"sqlite:///{tmp_path / 'store.db'}"
     spills = tmp_path / ".hdet-spill"
     older = _spill_while_down(outage, uri, spills, 1).spill_path
     newer = _spill_while_down(outage, uri, spills, 1).spill_path
     dead = _dead_identity()
-    for path, name, when in [(older, "spill-mlflow-9999-a.jsonl", 1000), (newer, "spill-mlflow-10000-b.jsonl", 2000)]:
+    for path, name, started, touched in [
+        (older, "spill-mlflow-9999-a.jsonl", 1000, 3000),  # touched last by a replay cut short
+        (newer, "spill-mlflow-10000-b.jsonl", 2000, 2500),
+    ]:
         _orphaned(path, dead)
-        os.utime(path.rename(spills / name), (when, when))
+        head, *rest = path.read_text().splitlines()
+        head = json.loads(head)
+        head["run_start"] = dict(head["run_start"], time=started)
+        path.write_text("\n".join([json.dumps(head), *rest]) + "\n")
+        os.utime(path.rename(spills / name), (touched, touched))
     assert [p.name for p in orphans(spills)] == ["spill-mlflow-9999-a.jsonl", "spill-mlflow-10000-b.jsonl"]
+    assert json.loads((spills / "spill-mlflow-9999-a.jsonl").open().readline())["run_start"]["time"] == 1000
+
+
+def test_an_empty_spill_a_full_disk_left_holds_back_nothing(tmp_path, outage):
+    """A first write that failed (a full disk) leaves the spill empty: reading it raised, out of the
+    writer's retry, and the writer thread died; tracking stopped for the rest of the run."""
+    from hdet_track.tracking.spill import SpillFile
+
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    outage.reset(down=True)
+    sink = _Sink(outage(tracking_uri=uri, experiment="out"), tmp_path / ".hdet-spill", retry_seconds=0.0)
+    sink.deliver(_batch(1, start=True))
+    sink.spill_path.write_bytes(b"")  # what the full disk kept of it
+    assert SpillFile(sink.spill_path, {}).batches() == []
+    outage.reset()
+    sink.deliver(_batch(2))  # the backend is back: the retry reads the empty spill, and goes on
+    sink.deliver(_batch(3))
+    assert [p.step for b in SpillFile(sink.spill_path, {}).batches() for p in b.points] in ([], [2, 3])
+
+
+def test_a_fresh_job_in_a_given_run_delivers_an_earlier_processs_spill_of_it_whole(tmp_path, outage):
+    """Only a resumed job takes an earlier spill of its run in up to its checkpoint; a fresh job
+    (step 0) given the same run took it in "up to step 0", and the spill's steps were lost."""
+    from hdet_track.tracking.hub import TrackingHub
+
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    client = MlflowClient(uri)
+    given = client.create_run(client.create_experiment("out")).info.run_id
+    outage.reset(logs_left=1)
+    first = _Sink(outage(tracking_uri=uri, run_id=given), None, retry_seconds=1e9)
+    for step in range(1, 5):
+        first.deliver(_batch(step, start=step == 1))
+    _orphaned(first.spill_path, _dead_identity())
+    outage.reset()
+    hub = TrackingHub([outage(tracking_uri=uri, run_id=given)], shutdown_timeout=5, heartbeat_seconds=None)
+    hub.start(_start())
+    hub.flush()
+    assert sorted(m.step for m in client.get_metric_history(given, "val_loss")) == [1, 2, 3, 4]
+    hub.close("FINISHED", step=0)
 
 
 def test_a_spill_that_cannot_be_written_loses_that_batch_only(tmp_path, outage, monkeypatch, caplog):

@@ -24,6 +24,7 @@ from hdet_track.viz import (
     plot_sync_heatmap,
     plot_sync_loss,
     schedule_csv,
+    user_metric_keys,
 )
 from hdet_track.viz._common import downsample
 from hdet_track.viz.controller import taken_back_steps
@@ -323,3 +324,20 @@ def test_a_live_run_before_its_first_sync_says_its_steps_come_with_the_sync():
     assert "No loss recorded in this run" in str(
         plot_sync_loss(HDETRun(run_id="ended", status="FINISHED")).layout.annotations
     )
+
+
+def test_the_compare_page_charts_the_users_metrics_not_hdets_own():
+    """A run read without its archive holds its divergence summaries as metrics: the Compare page
+    drew a chart for each, as if they were the user's (it draws one per metric but loss and lr)."""
+    a, b = make_run(name="a"), make_run(name="b")
+    a.metrics["val_loss"] = (np.array([10]), np.array([0.5]))
+    b.metrics["hdet/sync/divergence"] = (np.array([10]), np.array([0.01]))
+    b.metrics["loss"] = (np.array([10]), np.array([0.4]))
+    assert user_metric_keys([a, b]) == ["val_loss"]
+
+
+def test_a_step_range_without_syncs_says_so_not_that_the_run_has_none():
+    run = make_run(n=3, T=10)
+    run.view = (1, 5)
+    for fig in (plot_divergence(run), plot_sync_heatmap(run, "window_losses"), plot_sync_heatmap(run, "weights")):
+        assert "chosen step range" in fig.layout.annotations[0].text

@@ -7,7 +7,7 @@ from hdet_track.dashboard.state import label, load_full, load_run
 
 from hdet_track.compare import comparison_rows
 from hdet_track.readers import ReaderError
-from hdet_track.viz import plot_compare
+from hdet_track.viz import plot_compare, user_metric_keys
 
 st.header("Compare")
 runs = st.session_state.get("runs", [])
@@ -62,6 +62,5 @@ else:
         )
         st.plotly_chart(plot_compare(loaded, "loss"), key="cmp_loss")
         st.plotly_chart(plot_compare(loaded, "lr", log_y=False), key="cmp_lr")
-        extra = sorted({k for run in loaded for k in run.metrics if k not in ("loss", "lr")})
-        for key in extra:
+        for key in user_metric_keys(loaded):
             st.plotly_chart(plot_compare(loaded, key, log_y=False), key=f"cmp_{key}")

@@ -8,8 +8,8 @@ from hdet_track.dashboard.state import selected_run
 from hdet_track.readers.base import schedule_label
 from hdet_track.viz import lambdalr_snippet, schedule_csv, schedule_json
 
-st.header("Export the discovered schedule")
 run = selected_run()
+st.header("Export the discovered schedule" if run is None or run.schedule == "hdet" else "Export the logged schedule")
 if run is not None:
     if run.schedule != "hdet":
         st.caption(

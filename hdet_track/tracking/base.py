@@ -173,9 +173,10 @@ class Tracker:
         Called before :meth:`start`. A tracker that was given a run explicitly ignores it."""
 
     @property
-    def resume_id(self) -> str | None:
-        """The run :meth:`resume` asked for, until :meth:`start` used it (a spill written before the
-        run could be reopened names it, so that its replay goes there and not to a new run)."""
+    def pending_run_id(self) -> str | None:
+        """Before :meth:`start`, the run it will log into: the one :meth:`resume` asked for, or the
+        one given (a spill written before the backend answered names it, so that its replay goes
+        there and not to a new run)."""
         return None
 
     def replaying(self) -> None:

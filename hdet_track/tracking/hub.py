@@ -137,7 +137,7 @@ class _Sink:
         run_id = self.tracker.run_id
         upto = self.run_start.start_step if self.run_start is not None else 0
         for path in orphans(self.spill.path.parent):
-            line = take_over(path, run_id, upto, self._log_taken_over) if run_id else None
+            line = take_over(path, run_id, upto, self._log_taken_over) if run_id and upto > 0 else None
             logger.warning("hdet-track: %s", line or replay_file(path))
 
     def _log_taken_over(self, part: Batch) -> None:

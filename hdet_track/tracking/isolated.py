@@ -139,8 +139,8 @@ class IsolatedTracker(Tracker):
         self.inner.resume(run_id)
 
     @property
-    def resume_id(self) -> str | None:
-        return self.inner.resume_id
+    def pending_run_id(self) -> str | None:
+        return self.inner.pending_run_id
 
     def replaying(self) -> None:
         self.inner.replaying()

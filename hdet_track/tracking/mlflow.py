@@ -164,7 +164,6 @@ class MLflowTracker(Tracker):
             "tracking_uri": self._uri(),
             "experiment": experiment,
             "run_name": self.run_name,
-            "run_id": self._attach_id,
             "parent_run_id": self.parent_run_id,
             "tags": dict(self.extra_tags) or None,
         }
@@ -179,8 +178,9 @@ class MLflowTracker(Tracker):
             self._resume_id = run_id
 
     @property
-    def resume_id(self) -> str | None:
-        return self._resume_id
+    def pending_run_id(self) -> str | None:
+        attach = self._attach_id or (os.environ.get("MLFLOW_RUN_ID") if self._from_environment else None)
+        return attach or self._resume_id  # as start() picks it
 
     def replaying(self) -> None:
         self._from_environment = False

@@ -137,14 +137,19 @@ class SpillFile:
         """The batches, in order. A line that does not decode (cut short: its writer was killed, or
         its disk filled, while appending) is moved to ``torn-<name>`` beside the spill, with a
         warning, so that it holds back none of the batches around it."""
-        head, *rest = self.path.read_text().splitlines()
+        lines = self.path.read_text().splitlines()
+        if not lines:  # a first write that failed (a full disk) left the file empty
+            return []
+        head, *rest = lines
         good, torn, out = [], [], []
         for line in (x for x in rest if x.strip()):
             try:
-                out.append(_decode(json.loads(line)))
-                good.append(line)
-            except (ValueError, KeyError, TypeError):
+                data = json.loads(line)
+            except ValueError:
                 torn.append(line)
+                continue
+            out.append(_decode(data))  # whole but not a batch (another version's): the replay stops, the spill stays
+            good.append(line)
         if torn:
             aside = self.path.with_name("torn-" + self.path.name.split(".jsonl")[0] + ".jsonl")
             with open(aside, "a") as f:
@@ -253,7 +258,8 @@ def header(tracker: Tracker, run_start: RunStart | None) -> dict[str, Any]:
     return {
         "backend": tracker.name,
         "settings": tracker.spill_settings() if hasattr(tracker, "spill_settings") else {},
-        "run_id": tracker.run_id or getattr(tracker, "resume_id", None),  # a resumed run the backend never reopened
+        # the run it was logging, or would have (resumed or given) had the backend answered
+        "run_id": tracker.run_id or getattr(tracker, "pending_run_id", None),
         "run_start": run_start.to_dict() if run_start is not None else None,
         "pid": os.getpid(),
         "owner": process_identity(),  # host, pid and start time: a reused pid is not its writer
@@ -337,23 +343,31 @@ def orphans(directory: Path, held: list[Path] | None = None) -> Iterator[Path]:
                 os.rename(path, directory / match[1])
             except OSError:
                 continue
-    for path in sorted(directory.glob("spill-*.jsonl"), key=_written_order):  # an earlier attempt's first
+    found = []
+    for path in directory.glob("spill-*.jsonl"):
         try:
             head = json.loads(path.open().readline())
         except (OSError, ValueError):
             continue
+        found.append((_started(head, path), path.name, path, head))
+    for _, _, path, head in sorted(found):  # an earlier attempt's first
         if not _writer_alive(head, path):
             yield path
         elif held is not None:
             held.append(path)
 
 
-def _written_order(path: Path) -> tuple[float, str]:
-    """Spills in the order they were last written (not by name: a pid of 10000 sorts before 9999)."""
+def _started(head: dict[str, Any], path: Path) -> float:
+    """When the job of a spill started (its run start's time; the file's last change for a spill
+    without one): spills are replayed in that order, not by name (a pid of 10000 sorts before 9999)
+    nor by their files' times (a replay cut short touches its claim)."""
+    when = (head.get("run_start") or {}).get("time")
+    if isinstance(when, (int, float)):
+        return float(when)
     try:
-        return path.stat().st_mtime, path.name
+        return path.stat().st_mtime
     except OSError:
-        return math.inf, path.name
+        return math.inf
 
 
 def pending_orphans(directory: Path) -> Iterator[Path]:
@@ -487,6 +501,7 @@ def take_over(path: Path, run_id: str, upto: int, send: Callable[[Batch], None])
             part = batch.until(upto)
             if part:
                 send(part)
+            _touch(claimed)  # still taking it in (read from another host)
     except BaseException:
         os.rename(claimed, path)  # the backend went down again: the next start (or recover) delivers it
         raise
@@ -534,7 +549,16 @@ def spill_dirs(source: str) -> list[Path]:
     if Path(source).name == DIRNAME:
         return [Path(source)]
     found = [store_spill_dir(source)]
-    if "://" not in source:
+    if uri_scheme(source) in ("http", "https"):  # where hdet-track 0.x put them for this spelling of the URI
+        url = urlparse(source)
+        scheme = source.split("://", 1)[0]
+        where = (
+            f"{url.hostname}_{url.port or ''}{url.path}"
+            if scheme in ("http", "https")
+            else f"{scheme.lower()}_{url.hostname or ''}_{url.port or ''}{url.path}"
+        )
+        found += [d for d in [cache_dir() / re.sub(r"[^A-Za-z0-9_.-]", "_", where)] if d != found[0]]
+    if uri_scheme(source) is None:
         found.append(Path(source) / "wandb" / DIRNAME)
     return found
 

@@ -334,8 +334,8 @@ class WandbTracker(Tracker):
             self._resume_id = run_id
 
     @property
-    def resume_id(self) -> str | None:
-        return self._resume_id
+    def pending_run_id(self) -> str | None:
+        return self._resume_id or getattr(self._existing, "id", None)
 
     def replaying(self) -> None:
         self._replaying = True

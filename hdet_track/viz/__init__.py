@@ -6,7 +6,7 @@ the data, ``plot_X(run)`` draws it. Empty input draws an empty figure with a not
 
 from __future__ import annotations
 
-from .compare import plot_compare
+from .compare import plot_compare, user_metric_keys
 from .controller import plot_controller
 from .converge import guard_rows, plot_divergence, plot_sync_heatmap, plot_sync_loss, step_guard_note
 from .export import discovered_schedule, lambdalr_snippet, schedule_csv, schedule_json
@@ -23,6 +23,7 @@ __all__ = [
     "step_guard_note",
     "plot_controller",
     "plot_compare",
+    "user_metric_keys",
     "discovered_schedule",
     "schedule_csv",
     "schedule_json",

@@ -10,7 +10,13 @@ import plotly.graph_objects as go
 from ..readers.base import HDETRun, schedule_label
 from ._common import MAX_POINTS, color, downsample, empty_figure, layout
 
-__all__ = ["plot_compare"]
+__all__ = ["plot_compare", "user_metric_keys"]
+
+
+def user_metric_keys(runs: list[HDETRun]) -> list[str]:
+    """The metrics of ``runs`` that are the user's (``val_loss``...), each once: not the means
+    ``loss``/``lr`` nor HDET's own series (a run read without its archive holds its divergences)."""
+    return sorted({k for run in runs for k in run.metrics if k not in ("loss", "lr") and not k.startswith("hdet/")})
 
 
 def plot_compare(

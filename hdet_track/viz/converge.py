@@ -171,6 +171,8 @@ def plot_divergence(run: HDETRun) -> go.Figure:
                 y=1.05,
             )
             return layout(fig, "Divergence before averaging: ||theta_r - mean|| / ||mean||", "relative L2 distance")
+    if not info.steps and run.view is not None and run.converge:
+        return empty_figure("No sync in the chosen step range", "Divergence before averaging")
     if not info.steps or not np.isfinite(info.divergence).any():
         return empty_figure("No divergence recorded (single replica, or no syncs yet)", "Divergence before averaging")
     fig = go.Figure()
@@ -195,6 +197,8 @@ def plot_sync_heatmap(run: HDETRun, what: str = "weights") -> go.Figure:
     else:
         z, x, title, label = info.window_losses, info.steps, "Window mean loss", "loss"
     if not len(x):
+        if run.view is not None and (run.controller if what == "weights" else run.converge):
+            return empty_figure("None in the chosen step range", title)
         return empty_figure("No controller decisions yet" if what == "weights" else "No syncs yet", title)
     fig = go.Figure(
         go.Heatmap(
