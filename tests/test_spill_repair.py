@@ -590,7 +590,11 @@ def test_an_empty_spill_a_full_disk_left_holds_back_nothing(tmp_path, outage):
     outage.reset()
     sink.deliver(_batch(2))  # the backend is back: the retry reads the empty spill, and goes on
     sink.deliver(_batch(3))
-    assert [p.step for b in SpillFile(sink.spill_path, {}).batches() for p in b.points] in ([], [2, 3])
+    assert [p.step for b in SpillFile(sink.spill_path, {}).batches() for p in b.points] == [2, 3]
+    # the batch with the run's start is gone, its header keeps it: the spill still makes its run
+    _orphaned(sink.spill_path, _dead_identity())
+    (line,) = recover(str(tmp_path / ".hdet-spill"))
+    assert "2 batches delivered" in line and _val_steps(uri) == [[2, 3]], line
 
 
 def test_a_fresh_job_in_a_given_run_delivers_an_earlier_processs_spill_of_it_whole(tmp_path, outage):
