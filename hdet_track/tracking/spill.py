@@ -311,6 +311,17 @@ def _place(identity: dict[str, Any]) -> str:
     return hashlib.sha256(f"{identity['host']}|{identity['pidns']}".encode()).hexdigest()[:12]
 
 
+def _claim(path: Path) -> Path | None:
+    """``path`` renamed to this process's claim on it (one replayer per file); None when another
+    process took it first."""
+    claimed = path.with_name(path.name + _claim_suffix())
+    try:
+        os.rename(path, claimed)
+    except OSError:
+        return None
+    return claimed
+
+
 def _claim_suffix() -> str:
     me = process_identity()
     return f".replaying-{me['pid']}-{_place(me)}-{me['start'] or 0}"
@@ -412,10 +423,8 @@ def replay_file(path: Path) -> str:
     from .base import get_tracker_class
     from .isolated import maybe_isolated
 
-    claimed = path.with_name(path.name + _claim_suffix())
-    try:
-        os.rename(path, claimed)  # one replayer per file
-    except OSError:
+    claimed = _claim(path)
+    if claimed is None:
         return f"{path.name}: taken by another process"
     spill = SpillFile(claimed, json.loads(claimed.open().readline()))
     head = spill.header
@@ -490,10 +499,8 @@ def take_over(path: Path, run_id: str, upto: int, send: Callable[[Batch], None])
         return None
     if head.get("run_id") != run_id:
         return None
-    claimed = path.with_name(path.name + _claim_suffix())
-    try:
-        os.rename(path, claimed)
-    except OSError:
+    claimed = _claim(path)
+    if claimed is None:
         return f"{path.name}: taken by another process"
     try:
         batches = SpillFile(claimed, head).batches()

@@ -68,39 +68,27 @@ def wait_until_written(path: str | os.PathLike, timeout: float, progress: RunFil
     run, or just the file's header. ``progress``, the file's reading so far (a tracker's
     ``flush()``), is read on from where it stopped."""
     progress = progress if progress is not None else RunFileProgress(path)
+    return _wait_for(progress, timeout, lambda read: read.exit_code is not None)
+
+
+def wait_until_holds(path: str | os.PathLike, step: int, timeout: float, progress: RunFileProgress) -> bool:
+    """Wait (at most ``timeout`` seconds) until the run file ``path`` holds W&B's row ``step`` (its
+    ``_step``); ``progress``, the file's reading so far, is read on from where it stopped."""
+    return _wait_for(progress, timeout, lambda read: read.last_step is not None and read.last_step >= step)
+
+
+def _wait_for(progress: RunFileProgress, timeout: float, done: Callable[[RunFileProgress], bool]) -> bool:
+    """Read the run file on (only what W&B added) until ``done`` says so, or ``timeout`` seconds pass."""
     deadline, pause = time.monotonic() + timeout, 0.02
     while True:
         try:
-            if progress.update().exit_code is not None:
+            if done(progress.update()):
                 return True
         except (OSError, WandbFormatError):
             pass
         if time.monotonic() >= deadline:
             return False
         time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
-        pause = min(pause * 2, 0.5)
-
-
-def wait_until_holds(path: str | os.PathLike, step: int, timeout: float, progress: RunFileProgress) -> bool:
-    """Wait (at most ``timeout`` seconds) until the run file ``path`` holds W&B's row ``step`` (its
-    ``_step``); ``progress`` is read on only when the file grew."""
-    deadline, size, pause = time.monotonic() + timeout, -1, 0.02
-    while True:
-        try:
-            now = os.path.getsize(path)
-        except OSError:
-            now = -1
-        if now != size:  # read on only once W&B wrote more
-            size = now
-            try:
-                written = progress.update().last_step
-            except (OSError, WandbFormatError):
-                written = None
-            if written is not None and written >= step:
-                return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(pause)
         pause = min(pause * 2, 0.2)
 
 
