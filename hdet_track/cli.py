@@ -358,10 +358,9 @@ def run_compare(tracking_uri: str | None, experiment: str | None, group: str | N
         if group is None:  # the newest run's group
             newest = reader.list_runs(scope)
             group = next((r.compare_group for r in newest if r.compare_group), None)
+        if group is not None and not named:
+            scope = None  # a group spans experiments: runs HDET attached to (Hugging Face's, Lightning's) are in theirs
         chosen = reader.list_runs(scope, compare_group=group, limit=None if group else 1000)
-        if not chosen and group is not None and scope is not None and not named:
-            scope = None
-            chosen = reader.list_runs(None, compare_group=group, limit=None)
         if not chosen:
             return _fail(_no_runs(reader, wandb, tracking_uri, experiment, named, scope, group))
         # every row at full resolution: a run read as an overview has bucket means, not its last values

@@ -41,12 +41,13 @@ class ComparisonRow:
 
 
 def diverged_at(steps: np.ndarray, loss: np.ndarray, factor: float = 10.0) -> int | None:
-    """The first step whose loss is non-finite, or above ``factor`` x the first logged loss."""
+    """The first step whose loss is non-finite, or above ``factor`` x the first logged loss (when
+    that is positive: a ratio says nothing about a loss that starts at 0 or below it)."""
     if not len(steps):
         return None
     finite = loss[np.isfinite(loss)]
     ref = finite[0] if len(finite) else math.inf
-    bad = ~np.isfinite(loss) | (loss > factor * max(ref, 1e-12))
+    bad = ~np.isfinite(loss) | ((loss > factor * ref) if ref > 0 else False)
     idx = np.flatnonzero(bad)
     return int(steps[idx[0]]) if len(idx) else None
 

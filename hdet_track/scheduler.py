@@ -181,12 +181,7 @@ class HDETScheduler(Reporting, Checkpointing, OneCycleLR):
             explore, optimizer, cycle_momentum=cycle_momentum, use_beta1="betas" in optimizer.defaults
         )
         self._fanout = FanOut(self.spread, explored, n_groups, self._world_size, seed)
-        paper = {
-            "warmup": auto_lr_warmup,
-            "temperature": temperature,
-            "meta_lr": meta_lr,
-            "meta_momentum": meta_momentum,
-        }
+        paper = _paper_arguments(locals())
         built = make_controller(controller, **paper)  # a wrong name fails also with auto_lr=False
         _check_paper_arguments(built, auto_lr, paper)
         self._controller: Controller | None = built if auto_lr else None
@@ -498,31 +493,44 @@ class HDETScheduler(Reporting, Checkpointing, OneCycleLR):
         self._apply_explored()
 
 
-def check_hdet_kwargs(owner: str, kwargs: Mapping[str, Any], taken: Iterable[str] = ()) -> None:
+def check_hdet_kwargs(owner: str, kwargs: Mapping[str, Any], taken: Iterable[str] = (), **given: Any) -> None:
     """For a wrapper that builds the scheduler later (a Lightning or Hugging Face callback): its
     ``**hdet_kwargs`` must be HDET's own keyword arguments (not OneCycle's, which come from the
-    trainer), checked when the wrapper is built, not when training starts."""
+    trainer), with values HDET takes, checked when the wrapper is built, not when training starts
+    (``given``: the wrapper's own arguments that it passes on, such as ``log_every``)."""
     import inspect
 
-    params = inspect.signature(HDETScheduler.__init__).parameters.values()
-    allowed = {p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY} - set(taken)
+    params = [p for p in inspect.signature(HDETScheduler.__init__).parameters.values() if p.kind is p.KEYWORD_ONLY]
+    allowed = {p.name for p in params} - set(taken)
     unknown = sorted(set(kwargs) - allowed)
     if unknown:
         raise TypeError(
             f"{owner} got unexpected keyword arguments {unknown}; HDET's keyword arguments are {sorted(allowed)}"
         )
+    values = {p.name: p.default for p in params} | given | dict(kwargs)
+    _check_values(values)
+    built = make_controller(values["controller"], **_paper_arguments(values))  # a wrong name fails here too
+    _check_paper_arguments(built, values["auto_lr"], _paper_arguments(values))
 
 
-def _check_arguments(optimizer: Any, model: Any, total_steps: int | None, **args: Any) -> None:
-    """The scheduler's own arguments (OneCycleLR checks its own): errors name the argument, the value
-    and what is allowed."""
+def _paper_arguments(values: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        "warmup": values["auto_lr_warmup"],
+        "temperature": values["temperature"],
+        "meta_lr": values["meta_lr"],
+        "meta_momentum": values["meta_momentum"],
+    }
+
+
+def _check_values(args: Mapping[str, Any]) -> None:
+    """HDET's own keyword arguments that need neither the optimizer nor the model: errors name the
+    argument, the value and what is allowed."""
     _check_spread("spread", args["spread"])
     check_int("sync_every", args["sync_every"], 1)
     check_number("temperature", args["temperature"], 0.0, math.inf, low_open=True, high_open=True)
     check_number("meta_lr", args["meta_lr"], 0.0, math.inf, low_open=False, high_open=True)
     check_number("meta_momentum", args["meta_momentum"], 0.0, 1.0, low_open=False, high_open=True)
-    check_number("div_factor", args["div_factor"], 0.0, math.inf, low_open=True, high_open=True)
-    check_number("final_div_factor", args["final_div_factor"], 0.0, math.inf, low_open=True, high_open=True)
+    check_int("auto_lr_warmup", args["auto_lr_warmup"], 0)
     if not isinstance(args["auto_lr"], bool):
         raise ValueError(f"Expected auto_lr to be a bool, but got {args['auto_lr']!r}")
     seed = args["seed"]
@@ -533,12 +541,20 @@ def _check_arguments(optimizer: Any, model: Any, total_steps: int | None, **args
         raise TypeError(f"Expected process_group to be a torch.distributed.ProcessGroup or None, but got {group!r}")
     check_bool("average_buffers", args["average_buffers"])
     check_track_settings(args["log_every"], args["compare_group"], args["run_name"], args["close_at_end"])
+
+
+def _check_arguments(optimizer: Any, model: Any, total_steps: int | None, **args: Any) -> None:
+    """The scheduler's own arguments (OneCycleLR checks its own): errors name the argument, the value
+    and what is allowed."""
+    _check_values(args)
+    check_number("div_factor", args["div_factor"], 0.0, math.inf, low_open=True, high_open=True)
+    check_number("final_div_factor", args["final_div_factor"], 0.0, math.inf, low_open=True, high_open=True)
     if model is not None and not isinstance(model, nn.Module):
         raise TypeError(f"Expected model to be a torch.nn.Module, but got {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"{type(optimizer).__name__} is not an Optimizer")
     warmup = args["auto_lr_warmup"]
-    if check_int("auto_lr_warmup", warmup, 0) > (total_steps if isinstance(total_steps, int) else math.inf):
+    if warmup > (total_steps if isinstance(total_steps, int) else math.inf):
         raise ValueError(
             f"Expected auto_lr_warmup to be an integer in [0, total_steps={total_steps}], but got {warmup!r}"
         )

@@ -777,6 +777,31 @@ def test_compare_finds_a_group_in_any_experiment_unless_one_is_named(groups_stor
     assert "expected one of 'demo-1'" in err and "'hf-run'" not in err.split("expected", 1)[1], err
 
 
+def test_a_group_in_two_experiments_is_compared_whole_and_attaching_makes_no_experiment(tmp_path, capsys):
+    """A group with a run in "hdet" and one HDET attached to in "Default" (Hugging Face's) listed
+    only the first, without a word; and attaching to a run made an empty "hdet" experiment."""
+    uri = f"sqlite:///{tmp_path / 'two.db'}"
+    _attached_run(uri, None, "hf", "g1")
+    assert [e.name for e in MlflowClient(uri).search_experiments()] == ["Default"]  # none of HDET's made
+    _attached_run(uri, "hdet", "mine", "g1")
+    for extra in (["--group", "g1"], []):  # named, or the newest run's group
+        assert main(["compare", "--tracking-uri", uri, *extra, "--format", "json"]) == 0
+        assert sorted(r["name"] for r in json.loads(capsys.readouterr().out)) == ["hf", "mine"]
+    assert main(["compare", "--tracking-uri", uri, "--experiment", "hdet", "--group", "g1", "--format", "json"]) == 0
+    assert [r["name"] for r in json.loads(capsys.readouterr().out)] == ["mine"]  # a named experiment only
+
+
+def test_a_loss_that_starts_at_zero_or_below_diverges_only_when_it_is_not_finite():
+    """The first loss was clamped to 1e-12: a loss of 0 then 0.5 "diverged" at its second step."""
+    from hdet_track.compare import diverged_at
+
+    steps = np.arange(1, 5)
+    assert diverged_at(steps, np.array([0.0, 0.5, 0.4, 0.3])) is None
+    assert diverged_at(steps, np.array([-0.5, -0.3, -0.1, 0.05])) is None
+    assert diverged_at(steps, np.array([-0.5, -0.3, np.inf, 0.05])) == 3
+    assert diverged_at(steps, np.array([1.0, 5.0, 10.5, 2.0])) == 3  # above 10x a positive first loss
+
+
 def test_compare_labels_a_run_without_a_schedule_tag_plain(groups_store, capsys):
     """A bare MLflow run (no hdet.schedule) was "onecycle" in compare's table, "plain" on the
     dashboard's Runs page: one label, "plain"."""

@@ -317,8 +317,7 @@ def test_a_checkpoint_at_an_epoch_end_or_a_new_best_holds_one_consensus(tmp_path
     else:
         trainer = _tiny_trainer(tmp_path, [HDETTrainerCallback(sync_every=3, auto_lr=True, track=False)], **kwargs)
     trainer.train()
-    state = torch.load(tmp_path / "checkpoint-5" / "scheduler.pt", weights_only=True)
-    state = state if form == "wrap" else state["hdet_scheduler"]
+    state = torch.load(tmp_path / "checkpoint-5" / "scheduler.pt", weights_only=True)["hdet_scheduler"]  # both forms
     assert state["onecycle"]["last_epoch"] == 5
     assert len(state["window"]["losses"]) == 0
 
@@ -382,9 +381,9 @@ def _step_losses():
     return Losses()
 
 
-def _fed_and_trainers(tmp_path, form, model, steps=4, rank=0, callbacks=(), sync_every=1, **kwargs):
+def _fed_and_trainers(tmp_path, form, model, steps=4, rank=0, callbacks=(), sync_every=1, masked=0.0, **kwargs):
     """Train ``model`` with HDET in ``form``; (this rank's window loss per sync, the Trainer's own
-    loss per step, the trainer, HDET's scheduler)."""
+    loss per step, the trainer, HDET's scheduler). ``masked``: the share of labels set to -100."""
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
     import hdet_track
@@ -401,6 +400,8 @@ def _fed_and_trainers(tmp_path, form, model, steps=4, rank=0, callbacks=(), sync
         {"input_ids": torch.randint(0, 32, (8,), generator=gen), "labels": torch.randint(0, 32, (8,), generator=gen)}
         for _ in range(64)
     ]
+    for row in data:
+        row["labels"][torch.rand(8, generator=gen) < masked] = -100
     args = TrainingArguments(
         output_dir=str(tmp_path / f"out-{form}-{model}"), max_steps=steps, per_device_train_batch_size=2,
         learning_rate=1e-2, report_to=[], use_cpu=True, disable_tqdm=True, logging_strategy="no",
@@ -453,10 +454,26 @@ def _two_rank_worker(tmp_path, form):
             if state.global_step == 4:
                 control.should_training_stop = True
 
+    class Own(TrainerCallback):  # this rank's loss summed over its own labels, and their counts, each step
+        sums: list = []
+
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            def hook(module, inputs, kw, output):
+                if module.training:
+                    logits, labels = output.logits[:, :-1].float(), kw["labels"]
+                    ce = torch.nn.functional.cross_entropy(
+                        logits.reshape(-1, 32), labels[:, 1:].reshape(-1), reduction="sum"
+                    )
+                    counts = {True: int(labels[:, 1:].ne(-100).sum()), False: int(labels.ne(-100).sum())}
+                    self.sums.append((float(ce), counts))
+
+            model.register_forward_hook(hook, with_kwargs=True)
+
     rank = int(os.environ["RANK"])
+    own = Own()
     fed, trainers, trainer, sched = _fed_and_trainers(
-        tmp_path / f"rank{rank}", form, "gpt2", steps=6, rank=rank, callbacks=[Stop()], sync_every=3,
-        ddp_backend="gloo",
+        tmp_path / f"rank{rank}", form, "gpt2", steps=6, rank=rank, callbacks=[Stop(), own], sync_every=3,
+        ddp_backend="gloo", masked=0.6 if rank == 0 else 0.1,
     )  # fmt: skip
     flat = torch.cat([p.detach().reshape(-1) for p in trainer.model.parameters()])
     gathered = [torch.zeros_like(flat) for _ in range(2)]
@@ -464,6 +481,8 @@ def _two_rank_worker(tmp_path, form):
     return {
         "fed": fed,
         "trainers": trainers,
+        # one micro-batch per step, over the items as the Trainer counts them on one process
+        "own": [s / n[trainer._loss_shifts_labels] for s, n in own.sums],
         "apart": float((gathered[0] - gathered[1]).abs().max()),
         "last_epoch": sched.last_epoch,
     }
@@ -472,17 +491,20 @@ def _two_rank_worker(tmp_path, form):
 @pytest.mark.parametrize("form", ["wrap", "callback"])
 def test_two_ranks_feed_each_ranks_own_loss_and_an_early_stop_ends_on_one_consensus(tmp_path, form):
     """Under DDP the callback form fed HDET half the loss (the model's loss is normalised over both
-    ranks' items and the Trainer scales it back); and a training stopped early (step 4 of 6, syncs
-    every 3) ended with each rank's own replica, so the model saved next was rank 0's alone."""
+    ranks' items and the Trainer scales it back), and both forms fed a rank's mean skewed by its
+    share of the items (the Trainer's loss is this rank's sum over both ranks' items, x2: rank 0,
+    with most labels masked, looked better than it was); and a training stopped early (step 4 of
+    6, syncs every 3) ended with each rank's own replica, so the model saved next was rank 0's alone."""
     from hdet_track.launch import launch_local
 
     results = launch_local(_two_rank_worker, 2, tmp_path, form)
     for r in results.values():
-        assert r["last_epoch"] == 4 and len(r["trainers"]) == 4
+        assert r["last_epoch"] == 4 and len(r["trainers"]) == 4 and len(r["own"]) == 4
         assert sorted(r["fed"]) == [3, 4]  # the sync at 3, and the one the early stop made at 4
-        assert r["fed"][3] == pytest.approx(sum(r["trainers"][:3]) / 3, rel=1e-5)  # the window's mean
-        assert r["fed"][4] == pytest.approx(r["trainers"][3], rel=1e-5)
+        assert r["fed"][3] == pytest.approx(sum(r["own"][:3]) / 3, rel=1e-5)  # the window's mean
+        assert r["fed"][4] == pytest.approx(r["own"][3], rel=1e-5)
         assert r["apart"] == 0.0  # converged before train() returned
+    assert results[0]["trainers"][3] != pytest.approx(results[0]["own"][3], rel=0.05)  # the skew is there
     assert results[0]["fed"][3] != pytest.approx(results[1]["fed"][3])  # each rank's own batches
 
 
@@ -697,3 +719,136 @@ def test_a_rank_that_fails_fails_the_run_with_its_own_error(tmp_path):
     assert run.status == "FAILED"
     error = run.tags["hdet.error"]
     assert error.startswith("rank 1 failed:") and "RuntimeError: boom on rank 1" in error, error
+
+
+def _hdet_in(form, trainer_kwargs, tmp_path, callbacks=(), **hdet):
+    """A tiny trainer with HDET in ``form`` (and ``callbacks``); (trainer, the callback or None)."""
+    import hdet_track
+    from hdet_track.integrations.transformers import HDETTrainerCallback
+
+    hdet = dict(sync_every=3, track=False) | hdet
+    cb = HDETTrainerCallback(**hdet) if form == "callback" else None
+    trainer = _tiny_trainer(tmp_path, [*callbacks, *([cb] if cb else [])], **trainer_kwargs)
+    return (hdet_track.wrap(trainer, **hdet) if form == "wrap" else trainer), cb
+
+
+@pytest.mark.parametrize("form", ["wrap", "callback"])
+def test_each_param_groups_own_lr_is_its_peak_as_hugging_faces_schedulers_scale_it(tmp_path, form):
+    """Every group peaked at args.learning_rate: a group the user gave 1e-4 trained at 1e-2."""
+    from transformers import TrainerCallback
+
+    peaks: dict[int, float] = {}
+
+    class Peaks(TrainerCallback):
+        def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+            for i, g in enumerate(optimizer.param_groups):
+                peaks[i] = max(peaks.get(i, 0.0), g["lr"])
+
+    trainer, _ = _hdet_in(form, {}, tmp_path, [Peaks()])
+    params = list(trainer.model.parameters())
+    opt = torch.optim.AdamW([{"params": params[:2], "lr": 1e-4}, {"params": params[2:], "lr": 3e-3}])
+    trainer.optimizer = opt  # as optimizers=(opt, None) gives it
+    trainer.train()
+    assert peaks[0] == pytest.approx(1e-4, rel=1e-6) and peaks[1] == pytest.approx(3e-3, rel=1e-6)
+
+
+@pytest.mark.parametrize("form", ["wrap", "callback"])
+def test_a_run_name_given_to_hdet_names_the_run(tmp_path, form, monkeypatch):
+    """run_name= was accepted and then replaced by args.run_name (None): MLflow made up a name."""
+    from hdet_track.readers.mlflow import MLflowReader
+
+    uri = f"sqlite:///{tmp_path / 'names.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    trainer, cb = _hdet_in(form, {}, tmp_path, track="mlflow", run_name="my-hdet-run")
+    trainer.train()
+    (cb.scheduler if cb else trainer.lr_scheduler).close()
+    (run,) = MLflowReader(uri).list_runs("hdet")
+    assert run.name == "my-hdet-run"
+
+
+@pytest.mark.parametrize("form", ["wrap", "callback"])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"log_every": 0}, "log_every to be an integer >= 1, but got 0"),
+        ({"spread": 1.5}, "spread"),
+        ({"sync_every": 0}, "sync_every to be an integer >= 1, but got 0"),
+        ({"compare_group": 5}, "compare_group"),
+        ({"controller": "nope"}, "nope"),
+    ],
+)
+def test_bad_values_fail_when_the_wrapper_is_built_not_when_training_starts(tmp_path, form, kwargs, message):
+    import hdet_track
+    from hdet_track.integrations.transformers import HDETTrainerCallback
+
+    with pytest.raises((ValueError, TypeError), match=message):
+        if form == "wrap":
+            hdet_track.wrap(_tiny_trainer(tmp_path), **kwargs)
+        else:
+            HDETTrainerCallback(**kwargs)
+
+
+@pytest.mark.parametrize("first, second", [("wrap", "callback"), ("callback", "wrap")])
+def test_a_checkpoint_of_either_form_resumes_with_the_other(tmp_path, first, second):
+    """wrap's scheduler.pt raised KeyError 'lr_lambdas' inside torch when the callback form resumed
+    it; the callback form's raised CheckpointMismatchError in wrap, with HDET's state right there."""
+    kwargs = dict(save_strategy="steps", save_steps=5)
+    rec = _lr_recorder()
+    trainer, _ = _hdet_in(first, kwargs, tmp_path / "a", [rec], auto_lr=True)
+    trainer.train()
+    rec2 = _lr_recorder()
+    trainer, cb = _hdet_in(second, kwargs, tmp_path / "b", [rec2], auto_lr=True)
+    trainer.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-5"))
+    assert (cb.scheduler if cb else trainer.lr_scheduler).last_epoch == 10
+    assert rec2.seen == {k: rec.seen[k] for k in range(6, 11)}  # the uninterrupted schedule, exactly
+
+
+def test_wrap_refuses_to_resume_from_a_checkpoint_without_hdet(tmp_path):
+    _tiny_trainer(tmp_path / "plain", save_strategy="steps", save_steps=5).train()
+    trainer, _ = _hdet_in("wrap", {}, tmp_path / "b")
+    with pytest.raises(ValueError, match=r"resumed at step 5 from one whose scheduler.pt holds no HDET state"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "plain" / "checkpoint-5"))
+
+
+def test_a_resume_into_the_new_run_hugging_face_opened_says_so_and_mlflow_run_id_continues_the_old(
+    tmp_path, monkeypatch, caplog
+):
+    """report_to="mlflow" and resume_from_checkpoint: Hugging Face opens a new run per train(), so
+    the resumed training's HDET series went to a second run without a word."""
+    import mlflow
+
+    from hdet_track.readers.mlflow import MLflowReader
+
+    uri = f"sqlite:///{tmp_path / 'hf.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    kwargs = dict(report_to=["mlflow"], save_strategy="steps", save_steps=6)
+    first, _ = _hdet_in("wrap", kwargs, tmp_path / "a", track=True)
+    first.train()
+    old = first.lr_scheduler.run_ids["mlflow"]
+    first.lr_scheduler.close()
+    if mlflow.active_run() is not None:
+        mlflow.end_run()
+    checkpoint = str(tmp_path / "a" / "checkpoint-6")
+
+    second, _ = _hdet_in("wrap", kwargs, tmp_path / "b", track=True)
+    with caplog.at_level("WARNING", logger="hdet_track.integrations.transformers"):
+        second.train(resume_from_checkpoint=checkpoint)
+    new = second.lr_scheduler.run_ids["mlflow"]
+    second.lr_scheduler.close()
+    if mlflow.active_run() is not None:
+        mlflow.end_run()
+    assert new != old
+    assert f"the steps before the checkpoint stay in run {old}; set MLFLOW_RUN_ID={old}" in caplog.text
+
+    caplog.clear()
+    monkeypatch.setenv("MLFLOW_RUN_ID", old)  # Hugging Face's own way to continue a run
+    third, _ = _hdet_in("wrap", kwargs, tmp_path / "c", track=True)
+    with caplog.at_level("WARNING", logger="hdet_track.integrations.transformers"):
+        third.train(resume_from_checkpoint=checkpoint)
+    assert third.lr_scheduler.run_ids["mlflow"] == old and "Hugging Face opened" not in caplog.text
+    third.lr_scheduler.close()
+    if mlflow.active_run() is not None:
+        mlflow.end_run()
+    run = MLflowReader(uri).read(old)
+    steps = run.steps.step.tolist()
+    assert sorted(set(steps)) == list(range(1, 11)) and len(steps) == len(set(steps))  # each step once

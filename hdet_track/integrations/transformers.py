@@ -1,11 +1,13 @@
 """Hugging Face ``Trainer``: ``hdet_track.wrap(transformers.Trainer(...), spread=..., ...)``.
 
-The trainer's scheduler becomes an ``HDETScheduler`` (OneCycle-shaped: peak
-``args.learning_rate``, warm-up from ``warmup_steps``/``warmup_ratio`` when set, over the
-trainer's optimizer steps; one HDET step per optimizer step, so gradient accumulation counts
-once), fed with the training loss of that step. It honours ``report_to``: with ``mlflow`` or
-``wandb`` it logs into the run Hugging Face's own callback opened; otherwise through the project's
-tracker when ``track`` asks for one. Under ``torchrun`` the replicas are the DDP ranks.
+The trainer's scheduler becomes an ``HDETScheduler`` (OneCycle-shaped: each param group peaks at
+its own LR, ``args.learning_rate`` for the Trainer's optimizer; warm-up from
+``warmup_steps``/``warmup_ratio`` when set, over the trainer's optimizer steps; one HDET step per
+optimizer step, so gradient accumulation counts once), fed with this rank's training loss of
+that step. It honours ``report_to``: with ``mlflow`` or ``wandb`` it logs into the run Hugging
+Face's own callback opened (a new one at each ``train()``, also a resumed one, unless
+``MLFLOW_RUN_ID``/``WANDB_RUN_ID`` names one); otherwise through the project's tracker when
+``track`` asks for one. Under ``torchrun`` the replicas are the DDP ranks.
 
 The run stays open after training reached its last step, for final metrics
 (``trainer.lr_scheduler.log_metrics(...)``), as a plain scheduler's does: it ends FINISHED at the
@@ -47,19 +49,28 @@ logger = logging.getLogger(__name__)
 
 class _LossFedScheduler(HDETScheduler):
     """HDET stepped by the Trainer without arguments; the loss comes from the wrapped training_step
-    (``_fed``: this optimizer step's micro-batch losses as the Trainer returns them, summed) or the
-    model's output (``_fed_mean``: per micro-batch means over its own items, averaged)."""
+    or the model's output, in one of three forms: ``_fed``, this optimizer step's micro-batch losses
+    as the Trainer returns them, summed; ``_fed_mean``, per micro-batch means over its own items,
+    averaged; ``_fed_items``, (summed loss, item count) of each micro-batch of this rank, whose
+    ratio is this rank's mean (where the Trainer normalised by every rank's items together)."""
 
     _no_loss_hint: str | None = None  # the callback form: why a step may come without a loss
 
     def step(self, loss: Any = None, epoch: Any = None) -> None:  # type: ignore[override]
         if loss is None and getattr(self, "_hdet_ready", False):
             summed, averaged = self.__dict__.get("_fed", []), self.__dict__.get("_fed_mean", [])
+            counted = self.__dict__.get("_fed_items", [])
             parts = [torch.stack([p.reshape(()).double() for p in summed]).sum()] if summed else []
             parts += [torch.stack([p.reshape(()).double() for p in averaged]).mean()] if averaged else []
+            if counted:  # a rank whose items were all masked out has a loss of 0, as its summed losses do
+                total, items = (
+                    torch.stack([torch.as_tensor(x).reshape(()).double().cpu() for x in xs]).sum()
+                    for xs in zip(*counted)
+                )
+                parts.append(total / items.clamp(min=1))
             loss = sum(parts) if parts else None
-            summed.clear()
-            averaged.clear()
+            for pending in (summed, averaged, counted):
+                pending.clear()
             if loss is None and self._no_loss_hint is not None:
                 if self.auto_lr:
                     raise ValueError(self._no_loss_hint)
@@ -70,8 +81,57 @@ class _LossFedScheduler(HDETScheduler):
     def drop_pending(self) -> None:
         """An optimizer step begins: a loss left from the last one (a step the optimizer skipped,
         e.g. fp16's GradScaler on an overflow, so the Trainer did not step the scheduler) is not this one's."""
-        self.__dict__.get("_fed", []).clear()
-        self.__dict__.get("_fed_mean", []).clear()
+        for key in ("_fed", "_fed_mean", "_fed_items"):
+            self.__dict__.get(key, []).clear()
+
+    def state_dict(self, all_ranks: bool = False) -> dict[str, Any]:
+        """HDET's state in the callback form's layout (the Trainer's ``scheduler.pt``): a checkpoint
+        of either form resumes with either. ``lr_lambdas`` is what torch's ``LambdaLR`` (the
+        callback form's scheduler object, which the Trainer loads it into) needs to load it."""
+        return {"lr_lambdas": [None] * len(self.optimizer.param_groups), _STATE_KEY: super().state_dict(all_ranks)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if isinstance(state_dict, dict) and _STATE_KEY in state_dict:
+            state_dict = state_dict[_STATE_KEY]  # either form's checkpoint
+        elif isinstance(state_dict, dict) and "lr_lambdas" in state_dict:
+            raise ValueError(_NOT_HDET.format(step=state_dict.get("last_epoch")))
+        super().load_state_dict(state_dict)
+
+
+_NOT_HDET = (
+    "Expected a checkpoint written with HDET to resume from, but the Trainer resumed at step {step} from one "
+    "whose scheduler.pt holds no HDET state (a run without HDET?): HDET would start its schedule again at "
+    "step 0. Resume from a checkpoint of an HDET run, or train from the start"
+)
+
+
+def _items(labels: Any, shift_labels: Any, shifts: bool) -> Any:
+    """This rank's item count of a micro-batch, as the Trainer counts them for ``num_items_in_batch``
+    (labels other than -100; without the first position of each row for a loss that shifts them);
+    None when it has no labels to count."""
+    if isinstance(shift_labels, torch.Tensor):
+        return shift_labels.ne(-100).sum()
+    if not isinstance(labels, torch.Tensor):
+        return None
+    return (labels[..., 1:] if shifts else labels).ne(-100).sum()
+
+
+def _shifts_labels(model: Any) -> bool:
+    """Whether ``model``'s loss shifts its labels (a causal LM's; the Trainer's own test)."""
+    try:
+        from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+    except ImportError:  # pragma: no cover - an older transformers, which counted every label
+        return False
+    config = getattr(model, "config", None)
+    return LOSS_MAPPING.get(getattr(model, "loss_type", None)) is ForCausalLMLoss and not getattr(
+        config, "is_encoder_decoder", False
+    )
+
+
+def _across_ranks(args: Any, num_items_in_batch: Any) -> bool:
+    """Whether the Trainer normalised this micro-batch's loss by every rank's items together (and
+    scaled it by the world size): then this rank's own mean needs its own item count."""
+    return num_items_in_batch is not None and bool(args.average_tokens_across_devices) and args.world_size > 1
 
 
 # The key of HDET's state inside the Trainer's own scheduler.pt (the callback form; see _drive)
@@ -113,7 +173,7 @@ def _drive(lr_scheduler: Any, sched: HDETScheduler) -> None:
 
     def state_dict() -> dict[str, Any]:  # its own state without these methods (it must pickle), plus HDET's
         own = {k: v for k, v in cls.state_dict(lr_scheduler).items() if k not in patched}
-        return own | {_STATE_KEY: sched.state_dict()}
+        return own | {_STATE_KEY: HDETScheduler.state_dict(sched)}  # HDET's own layout, not nested in ours
 
     def load_state_dict(state: dict[str, Any]) -> None:
         cls.load_state_dict(lr_scheduler, {k: v for k, v in state.items() if k not in patched})
@@ -149,11 +209,13 @@ def _end_failed(sched: HDETScheduler, args: Any, exc: BaseException) -> None:
             mlflow.end_run(status)
 
 
-def _report_tracker(args: Any, track: Any) -> Any:
+def _report_tracker(args: Any, track: Any, resumed: dict[str, str] | None = None) -> Any:
     """The runs Hugging Face's reporting callbacks opened (``report_to``: one tracker for each of
-    MLflow and W&B reported to), else ``track`` as given."""
+    MLflow and W&B reported to), else ``track`` as given. ``resumed``: the runs of the checkpoint
+    being resumed (a warning when Hugging Face opened another one)."""
     report_to = args.report_to if isinstance(args.report_to, (list, tuple)) else [args.report_to]
     trackers: list[Any] = []
+    opened: dict[str, str] = {}
     if "mlflow" in report_to:
         import mlflow
 
@@ -164,12 +226,26 @@ def _report_tracker(args: Any, track: Any) -> Any:
         # $MLFLOW_TRACKING_URI there), not the environment's alone
         uri = mlflow.get_tracking_uri() if active is not None else None
         trackers.append(MLflowTracker(tracking_uri=uri, run_id=active.info.run_id if active is not None else None))
+        if active is not None:
+            opened["mlflow"] = active.info.run_id
     if "wandb" in report_to:
         import wandb
 
         from ..tracking.wandb import WandbTracker
 
         trackers.append(WandbTracker(run=wandb.run) if wandb.run is not None else "wandb")
+        if wandb.run is not None:
+            opened["wandb"] = wandb.run.id
+    for backend, run_id in opened.items():
+        earlier = (resumed or {}).get(backend)
+        if earlier and earlier != run_id:
+            variable = "MLFLOW_RUN_ID" if backend == "mlflow" else "WANDB_RUN_ID (and WANDB_RESUME=allow)"
+            logger.warning(
+                "hdet-track: resuming the training of %s run %s into run %s, which Hugging Face opened for this "
+                "train() (it opens a new run unless $%s names one): the steps before the checkpoint stay in "
+                "run %s; set %s=%s before train() to continue that run",
+                backend, earlier, run_id, variable.split()[0], earlier, variable.split()[0], earlier,
+            )  # fmt: skip
     if not trackers:
         return track
     return trackers[0] if len(trackers) == 1 else trackers
@@ -178,11 +254,14 @@ def _report_tracker(args: Any, track: Any) -> Any:
 class _TrackingCallback(TrainerCallback):
     """Starts tracking once Hugging Face's reporting callbacks opened their runs."""
 
-    def __init__(self, trainer: Any, track: Any, log_every: int, compare_group: str | None) -> None:
+    def __init__(
+        self, trainer: Any, track: Any, log_every: int, compare_group: str | None, run_name: str | None
+    ) -> None:
         self.trainer = trainer
         self.track = track
         self.log_every = log_every
         self.compare_group = compare_group
+        self.run_name = run_name
         self.scheduler: HDETScheduler | None = None  # the last train()'s, whose run may still be open
         self.began = False  # this train() call reached on_train_begin (its scheduler is self.scheduler)
 
@@ -193,10 +272,11 @@ class _TrackingCallback(TrainerCallback):
         self.scheduler = sched if isinstance(sched, HDETScheduler) else None
         self.began = True
         if isinstance(sched, HDETScheduler) and not sched.tracking:
-            track = _report_tracker(args, self.track)
+            track = _report_tracker(args, self.track, sched._resumed_runs)
             if track not in (False, None):
+                run_name = self.run_name or args.run_name
                 sched.start_tracking(
-                    track, log_every=self.log_every, compare_group=self.compare_group, run_name=args.run_name
+                    track, log_every=self.log_every, compare_group=self.compare_group, run_name=run_name
                 )
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -230,7 +310,8 @@ def wrap_trainer(
     trainer: Any, *, track: Any = True, log_every: int = 1, compare_group: str | None = None, **hdet_kwargs: Any
 ) -> Any:
     """Make ``trainer`` train with HDET; returns it."""
-    check_hdet_kwargs("wrap_trainer", hdet_kwargs, taken=("track", "log_every", "compare_group", "close_at_end"))
+    taken = ("track", "log_every", "compare_group", "close_at_end")
+    check_hdet_kwargs("wrap_trainer", hdet_kwargs, taken=taken, log_every=log_every, compare_group=compare_group)
     if trainer.lr_scheduler is not None and not getattr(trainer, "_created_lr_scheduler", False):
         raise ValueError(
             f"Expected a Trainer that makes its own scheduler (HDET takes its place), but it was given "
@@ -243,7 +324,18 @@ def wrap_trainer(
         loss = original_step(*args, **kwargs)
         sched = trainer.lr_scheduler
         if isinstance(sched, _LossFedScheduler) and isinstance(loss, torch.Tensor):
-            sched.__dict__.setdefault("_fed", []).append(loss.detach())
+            inputs = args[1] if len(args) > 1 else kwargs.get("inputs")
+            num = args[2] if len(args) > 2 else kwargs.get("num_items_in_batch")
+            items = None
+            if _across_ranks(trainer.args, num) and isinstance(inputs, dict):
+                shifts = bool(getattr(trainer, "_loss_shifts_labels", False))
+                items = _items(inputs.get("labels"), inputs.get("shift_labels"), shifts)
+            if items is not None:  # the Trainer's loss is this rank's sum over every rank's items, x world
+                sched.__dict__.setdefault("_fed_items", []).append(
+                    (loss.detach() * num / trainer.args.world_size, items)
+                )
+            else:
+                sched.__dict__.setdefault("_fed", []).append(loss.detach())
         return loss
 
     def create_scheduler(num_training_steps: int, optimizer: Any = None) -> Any:
@@ -258,7 +350,7 @@ def wrap_trainer(
             trainer._created_lr_scheduler = True
         return trainer.lr_scheduler
 
-    callback = _TrackingCallback(trainer, track, log_every, compare_group)
+    callback = _TrackingCallback(trainer, track, log_every, compare_group, hdet_kwargs.get("run_name"))
     original_train = trainer.train
 
     def train(*args: Any, **kwargs: Any) -> Any:
@@ -279,6 +371,16 @@ def wrap_trainer(
     return trainer
 
 
+def _peak_lrs(optimizer: Any) -> float | list[float]:
+    """Each param group's peak, as Hugging Face's own schedulers scale each group's own LR (the
+    Trainer's optimizer gives every group ``args.learning_rate``; one the user built, its own):
+    the ``max_lr`` a scheduler like this one left in the group (an earlier ``train()`` on the same
+    optimizer), else the ``initial_lr`` of the Trainer's scheduler, else its ``lr``. One number when
+    every group has the same."""
+    peaks = [float(g.get("max_lr", g.get("initial_lr", g["lr"]))) for g in optimizer.param_groups]
+    return peaks[0] if len(set(peaks)) == 1 else peaks
+
+
 def _hdet_for(args: Any, optimizer: Any, model: Any, num_training_steps: int, hdet_kwargs: dict) -> _LossFedScheduler:
     warmup = args.get_warmup_steps(num_training_steps) if hasattr(args, "get_warmup_steps") else 0
     pct = warmup / num_training_steps if warmup else 0.3
@@ -286,7 +388,7 @@ def _hdet_for(args: Any, optimizer: Any, model: Any, num_training_steps: int, hd
     kwargs.setdefault("model", model)
     return _LossFedScheduler(
         optimizer,
-        max_lr=args.learning_rate,
+        max_lr=_peak_lrs(optimizer),
         total_steps=num_training_steps,
         pct_start=float(min(max(pct, 1.0 / num_training_steps), 0.99)),
         cycle_momentum=False,
@@ -328,8 +430,9 @@ class HDETTrainerCallback(TrainerCallback):
     def __init__(
         self, *, track: Any = True, log_every: int = 1, compare_group: str | None = None, **hdet_kwargs: Any
     ) -> None:
+        taken = ("track", "log_every", "compare_group", "close_at_end")
         check_hdet_kwargs(
-            "HDETTrainerCallback", hdet_kwargs, taken=("track", "log_every", "compare_group", "close_at_end")
+            "HDETTrainerCallback", hdet_kwargs, taken=taken, log_every=log_every, compare_group=compare_group
         )
         self.track = track
         self.log_every = log_every
@@ -360,12 +463,7 @@ class HDETTrainerCallback(TrainerCallback):
         if saved is not None:  # resume_from_checkpoint: the Trainer loaded its scheduler.pt, HDET's inside
             sched.load_state_dict(saved)
         elif state.global_step > 0:
-            raise ValueError(
-                f"Expected a checkpoint written with HDETTrainerCallback to resume from, but the Trainer resumed "
-                f"at step {state.global_step} from one whose scheduler.pt holds no HDET state (a run without "
-                "HDET?): HDET would start its schedule again at step 0. Resume from a checkpoint of an HDET "
-                "run, or train from the start"
-            )
+            raise ValueError(_NOT_HDET.format(step=state.global_step))
         sched._no_loss_hint = (
             "Expected the model's output to hold the training loss (outputs.loss, as Hugging Face models "
             "return when given labels), which HDETTrainerCallback reads, but this step's had none (a "
@@ -373,14 +471,20 @@ class HDETTrainerCallback(TrainerCallback):
             "which takes the loss the Trainer computes"
         )
 
+        shifts = _shifts_labels(model)
+
         def capture(module: Any, inputs: Any, kwargs: Any, output: Any) -> None:
             loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
             if not module.training or not isinstance(loss, torch.Tensor):
                 return
-            if kwargs.get("num_items_in_batch") is not None:
-                # normalised by the optimizer step's item count (over every rank when the Trainer
-                # averages tokens across devices): summed over micro-batches, as the Trainer does
-                world = args.world_size if args.average_tokens_across_devices else 1
+            num = kwargs.get("num_items_in_batch")
+            items = (
+                _items(kwargs.get("labels"), kwargs.get("shift_labels"), shifts) if _across_ranks(args, num) else None
+            )
+            if items is not None:  # normalised by every rank's items: this rank's sum, and its own count
+                sched.__dict__.setdefault("_fed_items", []).append((loss.detach() * num, items))
+            elif num is not None:  # normalised by the optimizer step's item count: summed, as the Trainer does
+                world = args.world_size if _across_ranks(args, num) else 1  # (and scaled as it scales it)
                 sched.__dict__.setdefault("_fed", []).append(loss.detach() * world)
             else:
                 sched.__dict__.setdefault("_fed_mean", []).append(loss.detach())
@@ -388,11 +492,10 @@ class HDETTrainerCallback(TrainerCallback):
         self._hook = model.register_forward_hook(capture, with_kwargs=True)
         if lr_scheduler is not None:
             _drive(lr_scheduler, sched)
-        tracker = _report_tracker(args, self.track)
+        tracker = _report_tracker(args, self.track, sched._resumed_runs)
         if tracker not in (False, None):
-            sched.start_tracking(
-                tracker, log_every=self.log_every, compare_group=self.compare_group, run_name=args.run_name
-            )
+            run_name = self.hdet_kwargs.get("run_name") or args.run_name
+            sched.start_tracking(tracker, log_every=self.log_every, compare_group=self.compare_group, run_name=run_name)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.scheduler is not None:

@@ -198,9 +198,6 @@ class MLflowTracker(Tracker):
 
         uri = self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or mlflow.get_tracking_uri()
         client = MlflowClient(uri)
-        name = self.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT
-        exp = client.get_experiment_by_name(name)
-        exp_id = exp.experiment_id if exp is not None else client.create_experiment(name)
         tags = run_tags(run_start)
         tags.update(self.extra_tags)
         # who owns the run: a reader on this host tells a live run from one whose processes were all
@@ -235,6 +232,9 @@ class MLflowTracker(Tracker):
                     client.set_tag(run_id, "hdet.resumed_after", run.data.tags["hdet.error"][-4900:])
                     client.delete_tag(run_id, "hdet.error")
         else:
+            name = self.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT
+            exp = client.get_experiment_by_name(name)  # not made for a run given to attach to: it has its own
+            exp_id = exp.experiment_id if exp is not None else client.create_experiment(name)
             start_ms = int((run_start.time or time.time()) * 1000)
             run = client.create_run(exp_id, start_time=start_ms, run_name=self.run_name, tags=tags)
             run_id = run.info.run_id
