@@ -48,11 +48,23 @@ def _clean(value: Any) -> Any:
     return value
 
 
+def _floats(value: Any) -> Any:
+    """A float field (or list of them) JSON-safe without losing what it was: NaN as None, +-inf as
+    ``"inf"``/``"-inf"`` (a diverged replica's window loss is inf, not unknown)."""
+    if isinstance(value, list):
+        return [_floats(v) for v in value]
+    if isinstance(value, float) and math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return _clean(value)
+
+
 def _unclean(value: Any) -> Any:
     if value is None:
         return math.nan
     if isinstance(value, list):
         return [_unclean(v) for v in value]
+    if isinstance(value, str):  # "inf", "-inf" (older archives wrote None for either)
+        return float(value)
     return value
 
 
@@ -64,6 +76,7 @@ class _Event:
     def to_dict(self) -> dict[str, Any]:
         out = {"kind": self.kind, "schema": SCHEMA_VERSION}
         out.update(_clean(dataclasses.asdict(self)))
+        out.update({key: _floats(getattr(self, key)) for key in self._float_lists if getattr(self, key) is not None})
         return out
 
     @classmethod
@@ -126,7 +139,7 @@ class StepRecord(_Event):
 
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()
-        out["loss"] = _clean(self.loss)
+        out["loss"] = _floats(self.loss)
         return out
 
     @classmethod

@@ -69,7 +69,7 @@ EVENTS = [
 
 def same(a, b):
     if isinstance(a, float) and isinstance(b, float):
-        return (math.isnan(a) and math.isnan(b)) or a == b or (not math.isfinite(a) and not math.isfinite(b))
+        return (math.isnan(a) and math.isnan(b)) or a == b
     if isinstance(a, (list, tuple)):
         return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
     if isinstance(a, dict):
@@ -84,8 +84,17 @@ def test_round_trip_through_json(event):
     text = json.dumps(data, allow_nan=False)  # strict JSON: non-finite floats are encoded as null
     back = event_from_dict(json.loads(text))
     assert type(back) is type(event)
-    # Non-finite floats come back as nan (JSON has no inf): "not a finite value" is what is kept.
+    # nan and +-inf come back as they were (a diverged replica's window loss is inf, not unknown)
     assert all(same(getattr(back, f), getattr(event, f)) for f in event.__dataclass_fields__)
+
+
+def test_an_older_archive_s_null_reads_as_nan():
+    """Before +-inf were kept, every non-finite float was written as null: it still reads (as nan)."""
+    data = Converge(step=5, window_losses=[0.5, math.inf], divergence=[0.0, -math.inf]).to_dict()
+    assert data["window_losses"] == [0.5, "inf"] and data["divergence"] == [0.0, "-inf"]
+    data["window_losses"] = [0.5, None]
+    back = event_from_dict(json.loads(json.dumps(data, allow_nan=False)))
+    assert back.window_losses[0] == 0.5 and math.isnan(back.window_losses[1]) and back.divergence[1] == -math.inf
 
 
 def test_unknown_kind_or_newer_schema_is_a_typed_error():

@@ -284,6 +284,11 @@ def test_steps_only_in_the_killed_sessions_rows_are_read_back_after_a_resume(tmp
     assert all(np.isfinite(d.base_after).all() for d in run.controller)
     again = reader.read(run_id, previous=run)  # a later read does not build on the filled rows
     assert again.steps.step.tolist() == run.steps.step.tolist()
+    # an overview (the dashboard's first read of a long run) has the archive's summaries only,
+    # which lack these steps: it silently summarised 23 steps of 40; the run is read in full
+    ov = reader.read(run_id, max_rows=10)
+    assert not ov.overview and ov.steps.step.tolist() == run.steps.step.tolist()
+    assert any("read from W&B's rows" in w for w in ov.warnings)
 
 
 def test_a_killed_attempts_steps_past_the_checkpoint_are_not_read_into_the_resumed_run(tmp_path):

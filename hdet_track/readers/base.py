@@ -160,7 +160,8 @@ class HDETRun:
     view: tuple[int, int] | None = None
     row_chunks: tuple[str, ...] = ()  # steps chunks whose rows are in ``steps``
     # steps or syncs taken from the tracker's own rows where the archive lacks them (a W&B run
-    # killed before its last chunk, then resumed from a checkpoint): a later read starts afresh
+    # killed before its last chunk, then resumed from a checkpoint; an MLflow run whose steps
+    # chunks gave no rows in this read): a later read starts afresh
     filled_from_rows: bool = False
     _cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 

@@ -284,7 +284,7 @@ class MLflowReader:
         attached to, whose ``loss`` is its owner's): MLflow's latest value may be NaN."""
         key = names.MEANS_IN_GIVEN_RUN[names.LOSS]
         key = key if key in metrics else names.LOSS
-        latest = metrics.get(key, math.nan)
+        latest = float(_infinite(np.array([metrics.get(key, math.nan)], dtype=float))[0])
         if math.isfinite(latest):
             return float(latest)
         values = self._history(run_id, key)[1]
@@ -330,12 +330,15 @@ class MLflowReader:
             files = []
         files = sorted(f for f in files if f.endswith(".parquet"))
         if files:
+            previous = None if previous is not None and previous.filled_from_rows else previous
             self._read_archive(run, files, previous, steps, max_rows)
             if not run.has_step_series and any(names.parse_replica_metric(k) for k in info.data.metrics):
                 # chunks that gave no rows (torn, not downloadable): the per-replica histories, as
-                # for a run without an archive (not the run's plain loss/lr: an owner's, if attached)
+                # for a run without an archive (not the run's plain loss/lr: an owner's, if attached);
+                # the next read reads the archive afresh (these rows have no multipliers)
                 run.warnings.append("the event archive gave no step rows: steps rebuilt from metric histories")
                 self._read_histories(run, info.data.metrics, events=not run.converge)
+                run.filled_from_rows = True
         else:
             if "hdet.schema_version" not in run.tags:
                 run.warnings.append("no HDET events in this run: only its metric histories are shown")
@@ -373,7 +376,7 @@ class MLflowReader:
         version could log a step twice)."""
         hist = self.client.get_metric_history(run_id, key)
         steps = np.array([m.step for m in hist], dtype=np.int64)
-        values = np.array([m.value for m in hist], dtype=float)
+        values = _infinite(np.array([m.value for m in hist], dtype=float))
         order = np.lexsort((np.array([m.timestamp for m in hist], dtype=np.int64), steps))
         steps, values = steps[order], values[order]
         last = np.ones(len(steps), dtype=bool)
@@ -420,3 +423,10 @@ class MLflowReader:
             if key in attached and run.has_step_series:
                 continue
             run.metrics[attached.get(key, key)] = self._history(run.run_id, key)
+
+
+def _infinite(values: np.ndarray) -> np.ndarray:
+    """``values`` as logged: MLflow's stores keep +-inf as the largest finite float (and give that
+    back), which would read as a finite, merely huge, loss."""
+    big = np.finfo(float).max
+    return np.where(values == big, np.inf, np.where(values == -big, -np.inf, values))

@@ -8,6 +8,7 @@ its last complete record.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -94,8 +95,9 @@ class WandbReader:
         self, experiment: str | None = None, compare_group: str | None = None, limit: int | None = 1000
     ) -> list[RunSummary]:
         out = []
-        for run_id in self._dirs():
-            run = self.read(run_id, summary_only=True)
+        dirs = self._dirs()  # once: each run's read would look for every run's directories again
+        for run_id in dirs:
+            run = self._read(run_id, dirs, summary_only=True)
             if experiment and run.tags.get("project") != experiment:
                 continue
             if compare_group and run.compare_group != compare_group:
@@ -116,7 +118,17 @@ class WandbReader:
         """The run; ``steps`` and ``max_rows`` as in :meth:`MLflowReader.read`."""
         if not isinstance(run_id, str) or not run_id:
             raise TypeError(f"Expected run_id to be a run's id (a non-empty str), but got {run_id!r}")
-        dirs = self._dirs()
+        return self._read(run_id, self._dirs(), previous, summary_only, steps, max_rows)
+
+    def _read(
+        self,
+        run_id: str,
+        dirs: dict[str, list[Path]],
+        previous: HDETRun | None = None,
+        summary_only: bool = False,
+        steps: tuple[int, int] | None = None,
+        max_rows: int | None = None,
+    ) -> HDETRun:
         if run_id not in dirs:
             raise RunNotFoundError(f"Expected a W&B run {run_id!r} under {self.root}, but found {sorted(dirs)}")
         run = HDETRun(run_id=run_id, source=str(dirs[run_id][-1]), backend=self.backend)
@@ -212,6 +224,10 @@ class WandbReader:
         if chunks:
             previous = None if previous is not None and previous.filled_from_rows else previous
             read_archive(run, list(chunks), lambda name: chunks[name].read_bytes(), previous, steps, max_rows)
+            overview = run.overview and not summary_only  # (a summary's final loss is the archive's last step)
+            if overview and _outside_the_archive(run, dirs[run_id], [h for h, _ in sessions], steps):
+                # steps only W&B's rows hold cannot go into the archive's summaries: read in full
+                return self._read(run_id, dirs, None, summary_only, steps, sys.maxsize)
             if not run.overview:
                 self._fill_from_rows(run, dirs[run_id], [h for h, _ in sessions], steps)
             # the archive holds HDET's own series; the user's metrics (val_loss, diverged_at_step...) are rows
@@ -351,3 +367,19 @@ def _rows_in_force(directories: list[Path], histories: list[list[dict]], last: b
         limit = min(firsts[i + 1 :], default=math.inf)
         rows += [r for r in history if (step := _axis_step(r)) is None or step < limit]
     return rows
+
+
+def _outside_the_archive(
+    run: HDETRun, directories: list[Path], histories: list[list[dict]], view: tuple[int, int] | None
+) -> bool:
+    """Whether W&B's rows hold a step (in ``view``) that no steps chunk of the archive covers (see
+    :meth:`WandbReader._fill_from_rows`), for an overview, which has the archive's summaries only."""
+    covered = list(run.aggregates.chunks.values()) if run.aggregates is not None else []
+    lo, hi = view if view is not None else (-math.inf, math.inf)
+    for row in _rows_in_force(directories, histories, last=run.status != "RUNNING"):
+        step = _axis_step(row)
+        if step is None or not lo <= step <= hi or isinstance(row.get(names.SYNC_STEP), (int, float)):
+            continue
+        if not any(first <= step <= last for first, last in covered):
+            return True
+    return False
