@@ -7,6 +7,54 @@ import pytest
 
 from .servers import MlflowServer
 
+SCHEMA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_mlflow_schema")
+
+
+def pytest_configure(config):
+    """Every process of the suite (this one, and those it starts, through ``sitecustomize`` on
+    ``PYTHONPATH``) makes a fresh sqlite MLflow store's tables by copying a schema MLflow made once,
+    instead of running MLflow's migrations for each of the ~150 stores the suite makes (1.7 s of CPU
+    each; see ``tests/_mlflow_schema/sitecustomize.py``). Not in xdist's controller, which runs no
+    test; not with ``_HDET_TEST_NO_SCHEMA=1`` (every store then runs MLflow's migrations)."""
+    if os.environ.get("_HDET_TEST_NO_SCHEMA") or (
+        getattr(config.option, "dist", "no") != "no" and not hasattr(config, "workerinput")
+    ):
+        return
+    try:
+        import logging
+
+        import mlflow.store.db.utils as db_utils
+        import sqlalchemy
+    except ImportError:  # a run without MLflow (the extras' own environments)
+        return
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="hdet-test-schema-")
+    engine = sqlalchemy.create_engine(f"sqlite:///{os.path.join(folder, 'schema.db')}")
+    quiet = logging.getLogger("mlflow.store.db.utils")
+    level, quiet.level = quiet.level, logging.WARNING
+    try:
+        db_utils._initialize_tables(engine)
+    finally:
+        quiet.level = level
+        engine.dispose()
+    config._hdet_schema_folder = folder
+    os.environ["_HDET_TEST_MLFLOW_SCHEMA"] = os.path.join(folder, "schema.db")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [SCHEMA_DIR, os.environ.get("PYTHONPATH")]))
+    sys.path.insert(0, SCHEMA_DIR)
+    import sitecustomize
+
+    sitecustomize.patch(db_utils)
+    sys.path.remove(SCHEMA_DIR)
+
+
+def pytest_unconfigure(config):
+    folder = getattr(config, "_hdet_schema_folder", None)
+    if folder is not None:
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
+
 
 @pytest.fixture(autouse=True)
 def _isolated_tracking_env(monkeypatch, tmp_path):
