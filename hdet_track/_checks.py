@@ -4,26 +4,45 @@ and what is allowed ("Expected X, but got Y", as torch's schedulers say)."""
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 
+def real(value: Any) -> float | None:
+    """``value`` as a float when it is a real number: a Python or NumPy scalar, or a one-element
+    tensor or array, as a sweep's config gives them (not a bool); else None."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return None
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if getattr(value, "ndim", None) == 0 or (hasattr(value, "numel") and value.numel() == 1):
+        if getattr(getattr(value, "dtype", None), "is_complex", False) or "bool" in str(getattr(value, "dtype", "")):
+            return None
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            return None
+    return None
+
+
 def check_number(name: str, value: Any, low: float, high: float, *, low_open: bool, high_open: bool) -> float:
-    """``float(value)`` if it is a finite real number in the interval, else ``ValueError``."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """``float(value)`` if it is a finite real number (see :func:`real`) in the interval, else ``ValueError``."""
+    number = real(value)
+    ok = number is not None and math.isfinite(number)
     if ok:
-        ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
+        ok = (number > low if low_open else number >= low) and (number < high if high_open else number <= high)
     if not ok:
         lb = "(" if low_open else "["
         rb = ")" if high_open else "]"
         raise ValueError(f"Expected {name} in {lb}{low}, {high}{rb}, but got {value!r}")
-    return float(value)
+    return number  # type: ignore[return-value]
 
 
 def check_int(name: str, value: Any, low: int) -> int:
-    """``value`` if it is an int (not a bool) >= ``low``, else ``ValueError``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+    """``int(value)`` if it is an integer (a Python or NumPy one, not a bool) >= ``low``, else ``ValueError``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
         raise ValueError(f"Expected {name} to be an integer >= {low}, but got {value!r}")
-    return value
+    return int(value)
 
 
 def check_bool(name: str, value: Any) -> bool:

@@ -150,6 +150,14 @@ def upgrade(state: dict[str, Any], onecycle_keys: Collection[str], num_groups: i
     if state.get("format") == FORMAT:
         return state
     if "_world_size" not in state:
+        if "_schedule_phases" in state and "last_epoch" in state:  # OneCycleLR's own
+            raise CheckpointMismatchError(
+                f"Expected an HDETScheduler checkpoint, but got a OneCycleLR one (at step {state['last_epoch']}): it "
+                "holds no replicas to resume. To go on from it with HDET, load it into the OneCycleLR it came from "
+                "and hdet_track.wrap(that_scheduler, ...), which carries its progress over; or build the "
+                f"HDETScheduler with the same schedule and last_epoch={state['last_epoch'] - 1} after loading the "
+                "optimizer's state"
+            )
         raise CheckpointMismatchError(f"Expected an HDETScheduler checkpoint, but got keys {sorted(state)[:8]}")
     window = list(state.get("_window", []))
     controller = None
@@ -204,8 +212,18 @@ def _differences(prefix: str, mine: dict[str, Any], saved: dict[str, Any]) -> li
     return [
         f"{prefix}{key} is {mine[key]!r} here and {saved[key]!r} in the checkpoint"
         for key in sorted(set(mine) & set(saved))
-        if _as_lists(mine[key]) != _as_lists(saved[key])
+        if not _same(mine[key], saved[key])
     ]
+
+
+def _same(mine: Any, saved: Any) -> bool:
+    """One setting, given either way: a tuple or a list, one value or that value for every param
+    group (``base_momentum=0.85``, ``[0.85]`` as ``wrap(OneCycleLR(...))`` keeps it)."""
+    mine, saved = _as_lists(mine), _as_lists(saved)
+    if isinstance(mine, list) != isinstance(saved, list):
+        values, one = (mine, saved) if isinstance(mine, list) else (saved, mine)
+        return all(v == one for v in values)
+    return mine == saved
 
 
 def _as_lists(value: Any) -> Any:

@@ -10,6 +10,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from ._checks import real
+
 __all__ = [
     "multipliers",
     "decay_gamma",
@@ -91,7 +93,8 @@ def draw_permutation(num_replicas: int, generator: torch.Generator) -> list[int]
 
 
 def _check_spread(name: str, value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+    number = real(value)
+    if number is None or not 0.0 <= number < 1.0:
         raise ValueError(f"Expected {name} in [0, 1), but got {value!r}")
 
 

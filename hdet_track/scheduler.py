@@ -30,7 +30,7 @@ from torch import nn
 from torch.optim.lr_scheduler import OneCycleLR, _enable_get_lr_call
 
 from . import collectives
-from ._checks import check_bool, check_int, check_number
+from ._checks import check_bool, check_int, check_number, real
 from .averager import ReplicaAverager
 from .callbacks import CallbackList, check_track_settings, resolve_track
 from .checkpoint import Checkpointing
@@ -150,7 +150,8 @@ class HDETScheduler(Reporting, Checkpointing, OneCycleLR):
         average_buffers: bool = True,
     ) -> None:
         self._hdet_ready = False
-        config = {k: v for k, v in locals().items() if k not in ("self", "last_epoch", "track") and _plain(v)}
+        config = {k: _as_plain(v) for k, v in locals().items() if k not in ("self", "last_epoch", "track")}
+        config = {k: v for k, v in config.items() if _plain(v)}
         config["controller"] = getattr(controller, "name", controller)
         steps = total_steps
         if steps is None and isinstance(epochs, int) and isinstance(steps_per_epoch, int):
@@ -174,7 +175,7 @@ class HDETScheduler(Reporting, Checkpointing, OneCycleLR):
         self._model = model
         self.average_buffers = bool(average_buffers)
         self.spread = float(spread)
-        self.sync_every = sync_every
+        self.sync_every = int(sync_every)
         self.auto_lr = auto_lr
         self.seed = seed
         explored = resolve_explore(
@@ -331,12 +332,20 @@ class HDETScheduler(Reporting, Checkpointing, OneCycleLR):
             ValueError: a non-scalar loss, or no loss while auto-LR is on.
             NonFiniteReplicasError: every replica is non-finite at a sync and no rollback is possible.
         """
-        if not self._hdet_ready:  # the initial step inside LRScheduler.__init__
+        if not self._hdet_ready or self._is_initial:  # the initial step (LRScheduler.__init__, SequentialLR's)
             super().step()
             return
         if epoch is not None:
             raise ValueError(
                 f"Expected epoch=None (HDETScheduler steps one optimizer step at a time), but got {epoch!r}"
+            )
+        if isinstance(loss, int) and not isinstance(loss, bool) and not self.__dict__.get("_int_said"):
+            self._int_said = True  # said once: an int loss is taken as a loss
+            warnings.warn(
+                f"HDETScheduler.step() took the int {loss!r} as this step's training loss; if it is an epoch "
+                "(OneCycleLR's deprecated step(epoch)), call step(loss): the scheduler counts its steps itself",
+                UserWarning,
+                stacklevel=2,
             )
         if not self._started:
             self._start()
@@ -707,6 +716,18 @@ def _onecycle_arguments(scheduler: OneCycleLR) -> dict[str, Any]:
         args["base_momentum"] = [g["base_momentum"] for g in groups]
         args["max_momentum"] = [g["max_momentum"] for g in groups]
     return args
+
+
+def _as_plain(value: Any) -> Any:
+    """A NumPy or one-element tensor scalar (a sweep's config gives them) as the Python number it is."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(_as_plain(v) for v in value)
+    if isinstance(value, (bool, str)) or value is None:
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    number = real(value)
+    return value if number is None else number
 
 
 def _plain(value: Any) -> bool:

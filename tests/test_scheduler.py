@@ -11,8 +11,10 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import OneCycleLR
 
+import hdet_track
 from hdet_track import HDETScheduler, NonFiniteReplicasError, explore, warm_noisy_init
 from hdet_track.controller import DriftController
+from hdet_track.errors import CheckpointMismatchError
 
 
 def make(opt: str = "sgd", groups: int = 3, seed: int = 0, **opt_kw):
@@ -516,3 +518,98 @@ def test_losses_of_any_real_kind_are_taken_and_others_named():
     opt.step()
     sched.step(10**400)  # too large for a float: a blown-up loss, not an OverflowError
     assert sched.last_epoch == 6
+
+
+def test_numpy_and_tensor_scalars_are_taken_as_onecycle_takes_them():
+    """max_lr=np.float32(0.5) (a sweep's config) was refused as "Expected max_lr in (0.0, inf)":
+    OneCycleLR takes it, and so do HDET's own arguments now; other types say what is expected."""
+    import numpy as np
+
+    _, a = make(groups=2)
+    _, b = make(groups=2)
+    ref = OneCycleLR(a, max_lr=np.float32(0.5), total_steps=12, div_factor=np.float32(25))
+    sched = HDETScheduler(
+        b, np.float32(0.5), total_steps=12, div_factor=np.float32(25), spread=np.float32(0.0), sync_every=np.int64(4)
+    )
+    for _ in range(12):
+        a.step(), b.step()
+        ref.step(), sched.step(1.0)
+        assert sched.get_last_lr() == ref.get_last_lr()
+    assert sched.last_sync.step == 12 and sched.sync_every == 4 and type(sched.sync_every) is int
+    HDETScheduler(make(groups=2)[1], [torch.tensor(0.5), np.float64(0.1)], total_steps=12, spread=torch.tensor(0.2))
+    with pytest.raises(ValueError, match=r"max_lr in \(0.0, inf\), but got '0.5'"):
+        HDETScheduler(make()[1], "0.5", total_steps=10)
+    with pytest.raises(ValueError, match=r"spread in \[0, 1\), but got True"):
+        HDETScheduler(make()[1], 0.1, total_steps=10, spread=True)
+
+
+def test_one_momentum_for_every_group_resumes_a_checkpoint_that_lists_it_per_group():
+    """wrap(OneCycleLR(...)) keeps base_momentum=[0.85]; HDETScheduler(..., base_momentum=0.85)
+    refused its checkpoint (and the other way round): "base_momentum is 0.85 here and [0.85]"."""
+
+    def build(momentum):
+        return HDETScheduler(make(groups=2)[1], 0.1, total_steps=20, sync_every=5, base_momentum=momentum)
+
+    build(0.85).load_state_dict(build([0.85, 0.85]).state_dict())
+    build([0.85, 0.85]).load_state_dict(build(0.85).state_dict())
+    with pytest.raises(CheckpointMismatchError, match=r"base_momentum is 0.85 here and \[0.85, 0.8\]"):
+        build(0.85).load_state_dict(build([0.85, 0.8]).state_dict())
+
+
+def test_an_int_given_to_step_is_a_loss_said_once_to_be_no_epoch():
+    """OneCycleLR.step(5) jumps to step 5 (deprecated); HDET took 5 as a loss without a word."""
+    _, opt = make()
+    sched = HDETScheduler(opt, 0.1, total_steps=10, sync_every=5)
+    with pytest.warns(UserWarning, match=r"took the int 5 as this step's training loss; if it is an epoch"):
+        opt.step()
+        sched.step(5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()
+        sched.step(6)  # said once
+    assert sched.last_epoch == 2
+
+
+def test_a_onecycle_checkpoint_says_how_to_go_on_and_that_way_continues_its_schedule():
+    """HDET refused OneCycleLR's state with "Expected an HDETScheduler checkpoint, but got keys [...]"."""
+    _, a = make(groups=2)
+    ref = OneCycleLR(a, max_lr=0.1, total_steps=20)
+    for _ in range(8):
+        a.step()
+        ref.step()
+    saved_opt, saved = a.state_dict(), ref.state_dict()
+    with pytest.raises(CheckpointMismatchError, match=r"a OneCycleLR one \(at step 8\).* last_epoch=7"):
+        HDETScheduler(make(groups=2)[1], 0.1, total_steps=20).load_state_dict(saved)
+    _, b = make(groups=2)
+    b.load_state_dict(saved_opt)
+    sched = HDETScheduler(b, 0.1, total_steps=20, sync_every=5, last_epoch=7)
+    assert sched.get_last_lr() == ref.get_last_lr()
+    _, c = make(groups=2)  # or the OneCycleLR it came from, loaded and wrapped
+    c.load_state_dict(saved_opt)
+    onecycle = OneCycleLR(c, max_lr=0.1, total_steps=20)
+    onecycle.load_state_dict(saved)
+    wrapped = hdet_track.wrap(onecycle, sync_every=5)
+    for _ in range(12):
+        a.step(), b.step(), c.step()
+        ref.step(), sched.step(1.0), wrapped.step(1.0)
+        assert sched.get_last_lr() == ref.get_last_lr() == wrapped.get_last_lr()
+
+
+def test_as_sequential_lrs_first_scheduler_it_makes_no_sync_while_being_built():
+    """SequentialLR's initial step went through HDET's own step: a sync at step 0 (a collective on
+    several ranks, and "no loss" with auto_lr) while SequentialLR was being built."""
+    from torch.optim.lr_scheduler import ConstantLR, SequentialLR
+
+    _, a = make(groups=1)
+    _, b = make(groups=1)
+    ref = SequentialLR(a, [OneCycleLR(a, 0.1, total_steps=10), ConstantLR(a, factor=0.5)], milestones=[10])
+    hdet = HDETScheduler(b, 0.1, total_steps=10, sync_every=5)
+    sched = SequentialLR(b, [hdet, ConstantLR(b, factor=0.5)], milestones=[10])
+    assert hdet.last_sync is None and hdet.last_epoch == 0
+    syncs = []
+    for _ in range(12):
+        a.step(), b.step()
+        ref.step(), sched.step()
+        syncs += [hdet.last_sync.step] if hdet.last_sync is not None and hdet.last_sync.step not in syncs else []
+        assert sched.get_last_lr() == ref.get_last_lr()
+    assert syncs == [5]  # SequentialLR hands over at its milestone: HDET's 10th step is the next scheduler's
