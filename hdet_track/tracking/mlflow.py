@@ -12,7 +12,8 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -194,8 +195,6 @@ class MLflowTracker(Tracker):
         self._skip_until, self._archived, self._user_steps = -1, (-1, -1), None
         self._archive, self._pending = None, []
         mlflow, MlflowClient = _import_mlflow()
-        from mlflow.entities import Param, RunTag
-
         uri = self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or mlflow.get_tracking_uri()
         client = MlflowClient(uri)
         tags = run_tags(run_start)
@@ -206,50 +205,23 @@ class MLflowTracker(Tracker):
         if self.parent_run_id:
             tags["mlflow.parentRunId"] = self.parent_run_id
         attach = self._attach_id or (os.environ.get("MLFLOW_RUN_ID") if self._from_environment else None)
-        resumed = None if attach else self._resume_id
-        self._attached = bool(attach)
         # one given in code (Hugging Face's, Lightning's run), not $MLFLOW_RUN_ID (`mlflow run`'s, this job's own)
         self._given = bool(self._attach_id)
-        reopen = False
-        existing: dict[str, str] = {}
-        start_index = 0
-        if attach or resumed:
-            run = client.get_run(attach or resumed)
-            run_id = run.info.run_id
-            # a run of ours resumed from a checkpoint, or a given run that a resumed job finds ended
-            # (its earlier attempt ended it FAILED): RUNNING again, and ended by us. A given run
-            # ended by its owner before a fresh job (Lightning between two fits) stays the owner's.
-            reopen = bool(resumed) or (run_start.start_step > 0 and run.info.status != "RUNNING")
-            existing = dict(run.data.params)
-            chunks = [f.path for f in client.list_artifacts(run_id, ARTIFACT_DIR)]
-            start_index = max((chunk_index(p) for p in chunks), default=0)  # continue the archive's numbering
-            if run_start.start_step > 0:  # a resumed job: what the run has already is not written twice
-                self._skip_until = _logged_through(client, run)
-                self._archived = _archived_through(client, run_id, chunks)
-                self._user_steps = {}
-            if reopen:
-                if "hdet.error" in run.data.tags:  # the interrupted part's error; the run goes on
-                    client.set_tag(run_id, "hdet.resumed_after", run.data.tags["hdet.error"][-4900:])
-                    client.delete_tag(run_id, "hdet.error")
+        if attach or self._resume_id:
+            opened = _reopen(client, attach or self._resume_id, run_start, resumed=not attach)
         else:
-            name = self.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT
-            exp = client.get_experiment_by_name(name)  # not made for a run given to attach to: it has its own
-            exp_id = exp.experiment_id if exp is not None else client.create_experiment(name)
-            start_ms = int((run_start.time or time.time()) * 1000)
-            run = client.create_run(exp_id, start_time=start_ms, run_name=self.run_name, tags=tags)
-            run_id = run.info.run_id
-        params = [Param(k, v) for k, v in run_params(run_start).items() if k not in existing]
-        run_tags_list = [RunTag(k, v) for k, v in tags.items()]
-        for i in range(0, max(len(params), 1), _MAX_PARAMS):
-            client.log_batch(run_id, params=params[i : i + _MAX_PARAMS], tags=run_tags_list if i == 0 else [])
-        if reopen:  # RUNNING again once the tags name its new owner (not the earlier attempt's, with its heartbeat)
-            client.update_run(run_id, status="RUNNING")
-        self._attached = self._attached and not reopen  # a given run we reopened is ours to end
+            experiment = self.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT
+            opened = _create(client, experiment, run_start, self.run_name, tags)
+        _log_params_and_tags(client, opened, run_start, tags)
+        self._attached = bool(attach) and not opened.reopen  # a given run we reopened is ours to end
+        self._skip_until, self._archived, self._user_steps = opened.skip_until, opened.archived, opened.user_steps
         self._client = client
-        self._run_id = run_id
+        self._run_id = opened.run_id
         self._resume_id = None  # used up: a later run of this object is a new one unless resumed again
         self._archive = EventArchive(
-            self._pending_chunks(run_id) / ARTIFACT_DIR, chunk_seconds=self.chunk_seconds, start_index=start_index
+            self._pending_chunks(opened.run_id) / ARTIFACT_DIR,
+            chunk_seconds=self.chunk_seconds,
+            start_index=opened.start_index,
         )
 
     def _pending_chunks(self, run_id: str) -> Path:
@@ -299,19 +271,8 @@ class MLflowTracker(Tracker):
     def _log_metrics(self, points: list[Point], through: int | None = None) -> None:
         """``points`` in log_batch calls. With ``through`` (HDET's points, in step order, up to step
         ``through``) each call also sets LOGGED_THROUGH_TAG to the last step it completes."""
-        from mlflow.entities import Metric, RunTag
-
-        size = _MAX_METRICS - (through is not None)  # a tag counts against log_batch's 1000 entities
-        bounds = list(_step_slices(points, size)) or ([(0, 0)] if through is not None else [])
-        for i, j in bounds:
-            tags = []
-            if through is not None:
-                done = points[j].step - 1 if j < len(points) else through
-                tags = [RunTag(LOGGED_THROUGH_TAG, str(done))]
-            metrics = [Metric(p.key, p.value, p.timestamp_ms, p.step) for p in points[i:j]]
-            self._client.log_batch(self._run_id, metrics=metrics, tags=tags, synchronous=True)
-            if through is not None:
-                self._skip_until = max(self._skip_until, done)
+        for done in _log_batches(self._client, self._run_id, points, through):
+            self._skip_until = max(self._skip_until, done)
 
     def refuses(self, exc: BaseException) -> bool:
         # what MLflow answers for a value it will never take (a sqlite store and a server alike);
@@ -394,6 +355,83 @@ def upload_pending(folder: Path, settings: dict[str, Any]) -> str:
         path.unlink()
     shutil.rmtree(folder, ignore_errors=True)
     return f"{folder.name}: {sent} archive file(s) uploaded to mlflow run {run_id} in {settings['tracking_uri']}"
+
+
+@dataclass
+class _Opened:
+    """The run a start logs into, and what a resumed job finds in it already."""
+
+    run_id: str
+    reopen: bool = False  # an ended run made RUNNING again: ours to end
+    params: frozenset[str] = frozenset()  # the params it holds (MLflow refuses to change one)
+    start_index: int = 0  # the archive's next chunk number
+    skip_until: int = -1  # HDET's metric points up to this step are in the store already
+    archived: tuple[int, int] = (-1, -1)  # the archive's step rows, and its events, up to these steps
+    user_steps: dict[str, set[int]] | None = None  # user key -> steps in the store (a resumed job)
+
+
+def _create(client: Any, experiment: str, run_start: RunStart, run_name: str | None, tags: dict[str, str]) -> _Opened:
+    """A new run in ``experiment`` (made if need be; never for a run given to attach to)."""
+    exp = client.get_experiment_by_name(experiment)
+    exp_id = exp.experiment_id if exp is not None else client.create_experiment(experiment)
+    start_ms = int((run_start.time or time.time()) * 1000)
+    return _Opened(client.create_run(exp_id, start_time=start_ms, run_name=run_name, tags=tags).info.run_id)
+
+
+def _reopen(client: Any, run_id: str, run_start: RunStart, resumed: bool) -> _Opened:
+    """An existing run: one of ours resumed from a checkpoint (``resumed``), or a given one. Either
+    is RUNNING again and ended by us when it has ended (its earlier attempt ended it FAILED) and the
+    job resumes; a given run ended by its owner before a fresh job (Lightning between two fits)
+    stays the owner's. A resumed job writes nothing the run holds already."""
+    run = client.get_run(run_id)
+    reopen = resumed or (run_start.start_step > 0 and run.info.status != "RUNNING")
+    chunks = [f.path for f in client.list_artifacts(run_id, ARTIFACT_DIR)]
+    opened = _Opened(
+        run.info.run_id,
+        reopen=reopen,
+        params=frozenset(run.data.params),
+        start_index=max((chunk_index(p) for p in chunks), default=0),  # continue the archive's numbering
+    )
+    if run_start.start_step > 0:
+        opened.skip_until = _logged_through(client, run)
+        opened.archived = _archived_through(client, run_id, chunks)
+        opened.user_steps = {}
+    if reopen and "hdet.error" in run.data.tags:  # the interrupted part's error; the run goes on
+        client.set_tag(run_id, "hdet.resumed_after", run.data.tags["hdet.error"][-4900:])
+        client.delete_tag(run_id, "hdet.error")
+    return opened
+
+
+def _log_params_and_tags(client: Any, opened: _Opened, run_start: RunStart, tags: dict[str, str]) -> None:
+    """The run's params (those it lacks) and tags; then RUNNING again if it was reopened, once the
+    tags name its new owner (not the earlier attempt's, with its heartbeat)."""
+    from mlflow.entities import Param, RunTag
+
+    params = [Param(k, v) for k, v in run_params(run_start).items() if k not in opened.params]
+    run_tags_list = [RunTag(k, v) for k, v in tags.items()]
+    for i in range(0, max(len(params), 1), _MAX_PARAMS):
+        client.log_batch(opened.run_id, params=params[i : i + _MAX_PARAMS], tags=run_tags_list if i == 0 else [])
+    if opened.reopen:
+        client.update_run(opened.run_id, status="RUNNING")
+
+
+def _log_batches(client: Any, run_id: str, points: list[Point], through: int | None) -> Iterator[int]:
+    """``points`` in log_batch calls, each cut between two steps. With ``through`` (HDET's points,
+    in step order, up to step ``through``) each call also sets LOGGED_THROUGH_TAG to the last step
+    it completes, and yields that step once the call returned."""
+    from mlflow.entities import Metric, RunTag
+
+    size = _MAX_METRICS - (through is not None)  # a tag counts against log_batch's 1000 entities
+    bounds = list(_step_slices(points, size)) or ([(0, 0)] if through is not None else [])
+    for i, j in bounds:
+        tags = []
+        if through is not None:
+            done = points[j].step - 1 if j < len(points) else through
+            tags = [RunTag(LOGGED_THROUGH_TAG, str(done))]
+        metrics = [Metric(p.key, p.value, p.timestamp_ms, p.step) for p in points[i:j]]
+        client.log_batch(run_id, metrics=metrics, tags=tags, synchronous=True)
+        if through is not None:
+            yield done
 
 
 def _checked_tags(tags: Any) -> dict[str, str]:

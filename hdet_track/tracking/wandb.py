@@ -160,6 +160,57 @@ class _GivenRun:
         self._open.get(self.run.id, set()).discard(id(tracker))
 
 
+def _wait_for_rows(run: Any, path: str, progress: Callable[[str], RunFileProgress]) -> None:
+    """Wait (bounded by W&B's own write interval) until its run file ``path`` holds every row ``run``
+    logged so far; a warning when it gave up (the readers then take the rows from the archive)."""
+    last = getattr(run, "_local_step", 0) - 1
+    if last < getattr(run, "starting_step", 0):
+        return  # nothing logged
+    interval = float(getattr(run.settings, "x_transaction_log_flush_interval", 15.0) or 0.0)
+    timeout = min(max(interval, 0.0), 15.0) + FLUSH_WAIT_MARGIN
+    if not wait_until_holds(path, last, timeout, progress(path)):
+        logger.warning(
+            "hdet-track: W&B had not written step %d of run %s to %s when flush() gave up; hdet-track's "
+            "readers take it from the event archive",
+            last,
+            run.id,
+            path,
+        )
+
+
+def _define_metrics(run: Any, tags: dict[str, str], given: bool) -> None:
+    """Every series against its own step (``hdet/step``, ``hdet/sync/step``), HDET's tags in the
+    summary, and the run RUNNING in it (a given run may hold an earlier scheduler's end: a first
+    ``train()`` closed, the process killed in the second must not read as that FINISHED)."""
+    run.define_metric(STEP, hidden=True)
+    run.define_metric(SYNC_STEP, hidden=True)
+    for prefix in SYNC_PREFIXES:
+        run.define_metric(f"{prefix}*", step_metric=SYNC_STEP)
+    for glob in _GIVEN_STEP_GLOBS if given else _STEP_GLOBS:
+        run.define_metric(glob, step_metric=STEP)
+    for k, v in tags.items():
+        run.summary[k] = v
+    run.summary["hdet/status"] = "RUNNING"
+
+
+def _unstored(batch: Batch, stored: StoredSteps | None, user_through: dict[str, int]) -> tuple[list[Any], Batch]:
+    """The points of ``batch`` for W&B's rows and what of it goes to the archive, without what
+    earlier sessions of a resumed run hold (``stored``; a job resumed from an older checkpoint redoes
+    steps) nor, in a given run, the user's steps this process logged into it already (``user_through``)."""
+    if stored is None:
+        return batch.points, batch
+    points = [
+        p
+        for p in batch.points
+        if (
+            p.step > stored.rows
+            if names.is_hdet_series(p.key)
+            else (p.key, p.step) not in stored.user and p.step > user_through.get(p.key, -1)
+        )
+    ]
+    return points, batch.after(stored.archive)
+
+
 def _stored_before(run: Any) -> StoredSteps | None:
     """What ``run`` holds already: its earlier sessions (offline, W&B writes a directory per session
     of a resumed run, beside this one; ``...-<id>-1`` when two start within a second) and this one
@@ -372,20 +423,7 @@ class WandbTracker(Tracker):
         if self._given is not None:
             self._given.join(self)
 
-        def define() -> None:
-            run.define_metric(STEP, hidden=True)
-            run.define_metric(SYNC_STEP, hidden=True)
-            for prefix in SYNC_PREFIXES:
-                run.define_metric(f"{prefix}*", step_metric=SYNC_STEP)
-            for glob in _STEP_GLOBS if self._existing is None else _GIVEN_STEP_GLOBS:
-                run.define_metric(glob, step_metric=STEP)
-            for k, v in tags.items():
-                run.summary[k] = v
-            # this scheduler's: a given run may hold an earlier one's end (a first train() closed,
-            # the process killed in the second must not read as that FINISHED)
-            run.summary["hdet/status"] = "RUNNING"
-
-        self._call(define)
+        self._call(partial(_define_metrics, run, tags, given=self._existing is not None))
         folder = Path(run.dir) / ARTIFACT_DIR  # a given run may hold an earlier scheduler's chunks: none overwritten
         start = max((chunk_index(p.name) for p in folder.glob("*.parquet")), default=0)
         self._archive = EventArchive(folder, chunk_seconds=self.chunk_seconds, start_index=start)
@@ -421,26 +459,9 @@ class WandbTracker(Tracker):
             self._owner["alive"] = beat
             self._write_owner()
 
-    def _new(self, batch: Batch) -> tuple[list[Any], Batch]:
-        """The points of ``batch`` for W&B's rows and what of it goes to the archive, without what
-        earlier sessions of a resumed run hold (a job resumed from an older checkpoint redoes steps)."""
-        stored = self._stored
-        if stored is None:
-            return batch.points, batch
-        points = [
-            p
-            for p in batch.points
-            if (
-                p.step > stored.rows
-                if names.is_hdet_series(p.key)
-                else (p.key, p.step) not in stored.user and p.step > self._user_through.get(p.key, -1)
-            )
-        ]
-        return points, batch.after(stored.archive)
-
     def log(self, batch: Batch) -> None:
         rows: dict[tuple[str, int], dict[str, float]] = defaultdict(dict)
-        points, batch = self._new(batch)
+        points, batch = _unstored(batch, self._stored, self._user_through)
         if self._existing is not None:  # the run's loss/lr are its owner's: HDET's means go beside them
             points = [p._replace(key=names.MEANS_IN_GIVEN_RUN.get(p.key, p.key)) for p in points]
         for p in points:
@@ -489,20 +510,9 @@ class WandbTracker(Tracker):
         self._write_archive()
         if self._run is None or not self._run_open or self._existing is not None:
             return  # a given run's file is written at its owner's interval (15 s by default): not waited for
-        settings = self._run.settings
-        path, last = self._run_file(), getattr(self._run, "_local_step", 0) - 1
-        if not path or last < getattr(self._run, "starting_step", 0):
-            return  # nothing logged, or no run file to wait for
-        interval = float(getattr(settings, "x_transaction_log_flush_interval", 15.0) or 0.0)
-        timeout = min(max(interval, 0.0), 15.0) + FLUSH_WAIT_MARGIN
-        if not wait_until_holds(path, last, timeout, self._file_progress(path)):
-            logger.warning(
-                "hdet-track: W&B had not written step %d of run %s to %s when flush() gave up; hdet-track's "
-                "readers take it from the event archive",
-                last,
-                self._run.id,
-                path,
-            )
+        path = self._run_file()
+        if path:  # else no run file to wait for
+            _wait_for_rows(self._run, path, self._file_progress)
 
     def finish(self, run_end: RunEnd) -> None:
         if self._run is None or not self._run_open:
