@@ -239,12 +239,12 @@ def _report_tracker(args: Any, track: Any, resumed: dict[str, str] | None = None
     for backend, run_id in opened.items():
         earlier = (resumed or {}).get(backend)
         if earlier and earlier != run_id:
-            variable = "MLFLOW_RUN_ID" if backend == "mlflow" else "WANDB_RUN_ID (and WANDB_RESUME=allow)"
+            variable = "MLFLOW_RUN_ID" if backend == "mlflow" else "WANDB_RUN_ID"
             logger.warning(
                 "hdet-track: resuming the training of %s run %s into run %s, which Hugging Face opened for this "
                 "train() (it opens a new run unless $%s names one): the steps before the checkpoint stay in "
                 "run %s; set %s=%s before train() to continue that run",
-                backend, earlier, run_id, variable.split()[0], earlier, variable.split()[0], earlier,
+                backend, earlier, run_id, variable, earlier, variable, earlier,
             )  # fmt: skip
     if not trackers:
         return track
