@@ -19,8 +19,9 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LRScheduler, OneCycleLR, ReduceLROnPlateau
 
+from ..arguments import onecycle_arguments
 from ..errors import needs_extra
-from ..scheduler import HDETScheduler, _onecycle_arguments, check_hdet_kwargs
+from ..scheduler import HDETScheduler, check_hdet_kwargs
 from ..tracking import lifecycle
 
 try:
@@ -198,7 +199,7 @@ class HDETCallback(pl.Callback):
             if self._restored is not None:
                 # HDET's state, loaded below, puts the schedule at its step: built as the saved job's was
                 # (the OneCycleLR holds that step too, from the checkpoint: see _HDETInLightning)
-                sched = HDETScheduler(onecycle.optimizer, **_onecycle_arguments(onecycle), **kwargs)
+                sched = HDETScheduler(onecycle.optimizer, **onecycle_arguments(onecycle), **kwargs)
             else:
                 sched = HDETScheduler.from_onecycle(onecycle, **kwargs)  # at the OneCycleLR's progress
             # Lightning keeps its config (the checkpoint's lr_schedulers keep their order), with a
