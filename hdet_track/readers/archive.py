@@ -149,14 +149,17 @@ def read_archive(
     def parse(chosen: list[str]) -> tuple[list[StepTable], list[Any], list[str]]:
         """The chunks' tables and events, and the names read whole: one that could not be read (torn
         while a live run wrote it) is not counted as read, so the next live read fetches it again."""
-        tables, events, fetched = [], [], []
+        tables: list[StepTable] = []
+        events: list[Any] = []
+        fetched: list[str] = []
         for name in chosen:
             data = fetch(name)
             if data is None:
                 continue
             bad: list[str] = []
             t, e = parse_chunks([(name.rsplit("/", 1)[-1], data)], run, bad)
-            tables, events = tables + t, events + e
+            tables.extend(t)
+            events.extend(e)
             if not bad:
                 fetched.append(name)
         return tables, events, fetched
