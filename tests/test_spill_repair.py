@@ -499,6 +499,7 @@ def test_a_spill_is_found_however_the_store_is_spelled_and_goes_where_the_job_ra
         ("http://127.0.0.1:5000", "http://127.0.0.1:5000"),
     ]:
         assert _anchored("mlflow", {"tracking_uri": uri}, job / "mlruns" / ".hdet-spill")["tracking_uri"] == store
+        assert _anchored("mlflow", {"tracking_uri": uri}, job / ".hdet-spill")["tracking_uri"] == store  # beside it
 
 
 def test_a_part_refused_before_a_replay_is_cut_short_is_set_aside(tmp_path, outage):
@@ -642,3 +643,167 @@ def test_a_spill_that_cannot_be_written_loses_that_batch_only(tmp_path, outage, 
     client = MlflowClient(uri)
     (run,) = client.search_runs([client.get_experiment_by_name("out").experiment_id])
     assert run.info.status == "FINISHED" and _val_steps(uri) == [[1]]
+
+
+def test_a_quiet_live_writer_keeps_its_spill_and_pending_chunks_from_other_hosts(tmp_path, outage, monkeypatch):
+    """With heartbeats off, a writer touched its spill only when a batch came: a job that logged
+    nothing for 5 minutes (a long evaluation) looked gone to another host, whose `recover` ended the
+    run KILLED while the job trained. The same for the archive chunks waiting to be uploaded."""
+    from hdet_track.tracking import hub as hub_module
+    from hdet_track.tracking.hub import TrackingHub
+
+    monkeypatch.setattr(hub_module, "KEEP_ALIVE_SECONDS", 0.3)
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    still = time.time() - STALE_SECONDS - 5
+
+    def touched_again(path):
+        os.utime(path, (still, still))
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and time.time() - path.stat().st_mtime > STALE_SECONDS:
+            time.sleep(0.1)
+        return time.time() - path.stat().st_mtime < 30
+
+    outage.reset(down=True)  # the backend is down: the writer spills
+    hub = TrackingHub([outage(tracking_uri=uri, experiment="out")], heartbeat_seconds=None, flush_seconds=0.1,
+                      retry_seconds=1e9, shutdown_timeout=2)  # fmt: skip
+    hub.start(_start())
+    hub.metrics({"val_loss": 1.0}, 1)
+    hub.flush()
+    (spill,) = (tmp_path / ".hdet-spill").glob("spill-*.jsonl")
+    assert touched_again(spill)
+    hub.close("FINISHED", step=1)
+
+    outage.reset()  # the backend answers: the run's chunks wait in a pending folder until uploaded
+    hub = TrackingHub([outage(tracking_uri=uri, experiment="out")], heartbeat_seconds=None, flush_seconds=0.1,
+                      shutdown_timeout=5)  # fmt: skip
+    hub.start(_start())
+    hub.flush()
+    (pending,) = (tmp_path / ".hdet-spill").glob("pending-*/pending.json")
+    assert touched_again(pending)
+    hub.close("FINISHED", step=0)
+
+
+def test_a_recover_killed_after_creating_the_run_leaves_the_spill_naming_it(tmp_path, outage, monkeypatch):
+    """The spill named its run only when a replay failed with an exception: a recover killed after it
+    created the run (and delivered part of the spill) left the spill naming none, so the next recover
+    made a second run."""
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    directory = tmp_path / ".hdet-spill"
+    sink = _spill_while_down(outage, uri, directory, 4)
+    _orphaned(sink.spill_path, _dead_identity())
+    outage.reset()
+    calls = []
+    real_log = outage.log
+
+    def killed_at_the_second_batch(self, batch):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # stands for SIGKILL: nothing of replay_file runs after it
+        real_log(self, batch)
+
+    monkeypatch.setattr(outage, "log", killed_at_the_second_batch)
+    with pytest.raises(KeyboardInterrupt):
+        replay_file(sink.spill_path)
+    (claim,) = directory.glob("spill-*.jsonl.replaying-*")
+    claim.rename(sink.spill_path)  # what orphans() does once the killed replay's process is gone
+    monkeypatch.setattr(outage, "log", real_log)
+    (line,) = recover(str(directory))
+    assert "delivered" in line
+    assert _val_steps(uri) == [[1, 2, 3, 4]]  # one run
+
+
+def test_a_claim_is_fresh_for_other_hosts_when_it_is_made(tmp_path, outage):
+    """A rename keeps a file's time, and a spill another host may claim has been still for 5
+    minutes: the new claim looked still too, so a recover on another host took it back and
+    delivered it a second time while the first replay was starting."""
+    from hdet_track.tracking import spill as spill_module
+
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    sink = _spill_while_down(outage, uri, tmp_path / ".hdet-spill", 2)
+    still = time.time() - STALE_SECONDS - 5
+    os.utime(sink.spill_path, (still, still))
+    claimed = spill_module._claim(sink.spill_path)
+    assert claimed is not None and time.time() - claimed.stat().st_mtime < 60
+
+
+def test_a_file_store_keeps_its_spills_beside_it_and_takes_a_second_job(tmp_path, monkeypatch):
+    """A file store kept its spill directory (and the pending archive chunks) inside it, where
+    MLflow takes every folder for an experiment: once a job had left it, the next job's run could
+    not be created ("Invalid experiment ID: '.hdet-spill'") and everything it logged was spilled."""
+    from hdet_track.tracking.hub import TrackingHub
+    from hdet_track.tracking.mlflow import MLflowTracker
+    from hdet_track.tracking.spill import spill_dirs
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.chdir(tmp_path)
+    for uri in (f"file://{tmp_path / 'mlruns'}", "other"):
+        ids = []
+        for _ in range(2):
+            tracker = MLflowTracker(tracking_uri=uri, experiment="out")
+            tracker.isolate = False
+            hub = TrackingHub([tracker], shutdown_timeout=5, heartbeat_seconds=None)
+            hub.start(_start())
+            hub.metrics({"val_loss": 1.0}, 1)
+            hub.close("FINISHED", step=1)
+            ids.append(tracker.run_id)
+        assert None not in ids and ids[0] != ids[1]
+        client = MlflowClient(uri if "://" in uri else str(tmp_path / uri))
+        assert [client.get_run(i).info.status for i in ids] == ["FINISHED", "FINISHED"]
+        store = tmp_path / uri.removeprefix("file://")
+        assert not (store / ".hdet-spill").exists()
+        assert tracker.spill_dir() == tmp_path / ".hdet-spill" and tmp_path / ".hdet-spill" in spill_dirs(str(store))
+
+
+def test_a_rerun_of_a_killed_recover_sends_nothing_twice(tmp_path, outage, monkeypatch):
+    """A recover killed after some batches reached the store and its event archive: the rerun sent
+    the spill again from its start into the same run, so the archive held those step rows twice
+    (the store's histories drop a point sent twice, the archive did not)."""
+    from hdet_track.readers.mlflow import MLflowReader
+    from hdet_track.tracking.archive import EventArchive
+
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    _hdet_job_while_down(outage, uri, monkeypatch)
+    spill = tmp_path / ".hdet-spill"
+    (path,) = spill.glob("spill-*.jsonl")
+    assert len(path.read_text().splitlines()) > 5  # a header and more than 4 batches
+    _orphaned(path, _dead_identity())
+    outage.reset()
+    monkeypatch.setattr(EventArchive, "due", lambda self: self._rows + len(self._other) > 0)  # a chunk per batch
+    calls, real_log = [], outage.log
+
+    def killed_at_the_fourth_batch(self, batch):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt  # stands for SIGKILL
+        real_log(self, batch)
+
+    monkeypatch.setattr(outage, "log", killed_at_the_fourth_batch)
+    with pytest.raises(KeyboardInterrupt):
+        replay_file(path)
+    (claim,) = spill.glob("spill-*.jsonl.replaying-*")
+    claim.rename(path)  # what orphans() does once the killed replay's process is gone
+    for folder in spill.glob("pending-*"):  # the killed replay's chunks, all uploaded already
+        head = json.loads((folder / "pending.json").read_text())
+        head["owner"] = dict(head["owner"], pid=_dead_identity())
+        (folder / "pending.json").write_text(json.dumps(head))
+    monkeypatch.setattr(outage, "log", real_log)
+    assert all("delivered" in line or "uploaded" in line for line in recover(str(spill)))
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("out").experiment_id])
+    assert _archived_steps(client, run.info.run_id, tmp_path / "got") == list(range(1, 21))  # each row once
+    read = MLflowReader(uri).read(run.info.run_id)
+    assert list(read.replica_series("loss", 0)[0]) == list(range(1, 21))
+    assert [c.step for c in read.converge] == [5, 10, 15, 20]
+
+
+def _archived_steps(client, run_id, where):
+    """The step of every row (replica 0) in the run's event archive, as stored."""
+    import pyarrow.parquet as pq
+
+    out = []
+    for f in client.list_artifacts(run_id, "hdet_events"):
+        if f.path.rsplit("/", 1)[-1].startswith("steps-"):
+            where.mkdir(exist_ok=True)
+            table = pq.read_table(client.download_artifacts(run_id, f.path, str(where)))
+            out += [s for s, r in zip(table["step"].to_pylist(), table["replica"].to_pylist()) if r == 0]
+    return sorted(out)

@@ -162,6 +162,11 @@ class Tracker:
         for readers that cannot check them (another host); the hub calls it every few seconds while
         the run is open. Optional: the default records nothing."""
 
+    def keep_alive(self) -> None:
+        """Touch the files this tracker keeps beside the store while its run is open (MLflow: the
+        archive chunks not uploaded yet), so that another host does not take them for a gone
+        writer's; the hub calls it every minute, whether or not the job logs. Optional."""
+
     @property
     def run_id(self) -> str | None:
         """The backend's id of the run, once started."""

@@ -33,6 +33,7 @@ from .base import Batch, Tracker, broken_backend
 from .expand import PointBudget, RecordItem, materialize, metric_points
 from .isolated import maybe_isolated
 from .spill import (
+    KEEP_ALIVE_SECONDS,
     SpillFile,
     describe_part,
     log_or_set_aside,
@@ -156,6 +157,17 @@ class _Sink:
             )
         self.next_retry = time.monotonic() + self.retry_seconds
 
+    def keep_alive(self) -> None:
+        """This writer lives: its spill (while the backend is down) and the tracker's pending files
+        are touched, so that no other host takes them for a gone writer's (see
+        :data:`~hdet_track.tracking.spill.STALE_SECONDS`)."""
+        try:
+            if self.down_since is not None and self.spill.path.exists():
+                os.utime(self.spill.path)
+            self.tracker.keep_alive()
+        except Exception:  # noqa: BLE001 - a tracker process gone, a file removed: nothing to keep
+            pass
+
     def _spill(self, batch: Batch) -> None:
         self.spill.header = spill_header(self.tracker, self.run_start)
         try:
@@ -278,6 +290,7 @@ class TrackingHub:
         if self.heartbeat_seconds is not None and not self.heartbeat_seconds > 0:
             raise ValueError(f"Expected heartbeat_seconds to be > 0 or None, but got {self.heartbeat_seconds!r}")
         self._next_beat = math.inf  # monotonic time of the next heartbeat: the first follows the run's start
+        self._next_touch = time.monotonic() + KEEP_ALIVE_SECONDS  # of the spills and pending chunks
         self._identity = owner.process_identity()  # the sender of every heartbeat: this (training) process
         self.shutdown_timeout = default_shutdown_timeout() if shutdown_timeout is None else shutdown_timeout
         directory = Path(spill_dir) if spill_dir is not None else None
@@ -398,6 +411,10 @@ class TrackingHub:
                 next_drain = time.monotonic() + self.flush_seconds
             if not finished and self.heartbeat_seconds is not None and time.monotonic() >= self._next_beat:
                 self._beat()
+            if not finished and time.monotonic() >= self._next_touch:
+                for sink in self._sinks:
+                    sink.keep_alive()
+                self._next_touch = time.monotonic() + KEEP_ALIVE_SECONDS
             if finished:
                 self.started.set()
                 deadline = time.monotonic() + self.shutdown_timeout

@@ -170,6 +170,10 @@ class IsolatedTracker(Tracker):
     def heartbeat(self, beat: dict[str, float]) -> None:
         self._call("heartbeat", beat)
 
+    def keep_alive(self) -> None:
+        if self._proc is not None and not self._dead:
+            self._call("keep_alive")
+
     def detach(self) -> None:
         """Let the writer process go without ending the run (a replay that stops half-way leaves
         the run for the next one); the run stays as it is."""

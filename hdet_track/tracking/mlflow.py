@@ -26,7 +26,7 @@ from ..summaries import SUMMARY_DIR
 from ._common import run_params, run_tags
 from .archive import ARTIFACT_DIR, EventArchive, artifact_dir, chunk_index
 from .base import Batch, Point, Tracker
-from .spill import PENDING_HEADER, PENDING_PREFIX, store_spill_dir
+from .spill import PENDING_HEADER, PENDING_PREFIX, store_spill_dir, uri_scheme
 
 __all__ = ["MLflowTracker", "DEFAULT_EXPERIMENT"]
 
@@ -156,7 +156,10 @@ class MLflowTracker(Tracker):
         return self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
 
     def spill_dir(self) -> Path:
-        return store_spill_dir(self._uri())
+        uri = self._uri()
+        return store_spill_dir(
+            uri if uri_scheme(uri) is not None else f"file:{Path(uri).resolve()}"
+        )  # a path: a file store
 
     def spill_settings(self) -> dict[str, Any]:
         # as this process resolved them: the replaying process's environment is another job's
@@ -235,6 +238,11 @@ class MLflowTracker(Tracker):
         (folder / PENDING_HEADER).write_text(json.dumps(head))
         self._pending_folder = folder
         return folder
+
+    def keep_alive(self) -> None:
+        folder = getattr(self, "_pending_folder", None)
+        if folder is not None:
+            os.utime(folder / PENDING_HEADER)
 
     def log(self, batch: Batch) -> None:
         # The store and the archive each get only the steps they lack (a resumed job repeats some).
@@ -392,7 +400,7 @@ def _reopen(client: Any, run_id: str, run_start: RunStart, resumed: bool) -> _Op
         params=frozenset(run.data.params),
         start_index=max((chunk_index(p) for p in chunks), default=0),  # continue the archive's numbering
     )
-    if run_start.start_step > 0:
+    if run_start.start_step > 0 or resumed:  # resumed at 0: a spill's replay, which may have begun before
         opened.skip_until = _logged_through(client, run)
         opened.archived = _archived_through(client, run_id, chunks)
         opened.user_steps = {}

@@ -5,7 +5,8 @@ in order once it is back. A spill that is still there when the process ends stay
 process that logs to the same store finds it, and delivers it (or ``hdet-track recover``):
 
 - MLflow, a ``sqlite:`` store: ``.hdet-spill/`` beside the database file; a ``file:`` store or a
-  plain path: ``.hdet-spill/`` inside it; an ``http(s)://`` server:
+  plain path: ``.hdet-spill/`` beside its directory (MLflow takes any folder inside it for an
+  experiment); an ``http(s)://`` server:
   ``~/.cache/hdet-track/spill/<host>_<port>/`` (``$XDG_CACHE_HOME`` is honoured); any other MLflow
   store (a database server, Databricks, a plugin's): ``~/.cache/hdet-track/spill/<scheme>_<host>_<port><path>/``;
 - W&B: ``.hdet-spill/`` inside the ``wandb`` directory;
@@ -41,6 +42,7 @@ from .archive import StepBlock
 from .base import Batch, Point, Tracker
 
 __all__ = [
+    "KEEP_ALIVE_SECONDS",
     "SpillFile",
     "cache_dir",
     "store_spill_dir",
@@ -100,8 +102,8 @@ def store_spill_dir(source: str) -> Path:
     if uri_scheme(source) in ("http", "https"):  # one place however the URI is spelled (case, a last /)
         url = urlparse(source)
         return cache_dir() / re.sub(r"[^A-Za-z0-9_.-]", "_", f"{url.hostname}_{url.port or ''}{url.path.rstrip('/')}")
-    if source.startswith("file:"):
-        return Path(urlparse(source).path) / DIRNAME
+    if source.startswith("file:"):  # beside the store: MLflow takes every folder inside it for an experiment
+        return Path(urlparse(source).path).resolve().parent / DIRNAME
     if uri_scheme(source) is not None:  # a database server, Databricks, a plugin's store: not a path
         url = urlparse(source if "://" in source else f"{source}://")  # host, port, path: never its credentials
         try:
@@ -270,6 +272,10 @@ def header(tracker: Tracker, run_start: RunStart | None) -> dict[str, Any]:
 # pending chunks) have not changed for this long: a live writer appends at every failed batch
 # (every few seconds) and writes chunks every 15 s. The readers' silence rule, 10 beats of 30 s.
 STALE_SECONDS = 300.0
+# How often a live writer touches its spill (while its backend is down) and its pending chunks,
+# whether or not it logs: a job that logs nothing for minutes (a long evaluation, heartbeats off)
+# is still no gone writer's.
+KEEP_ALIVE_SECONDS = STALE_SECONDS / 5
 
 
 def _newest_mtime(path: Path) -> float:
@@ -319,6 +325,7 @@ def _claim(path: Path) -> Path | None:
         os.rename(path, claimed)
     except OSError:
         return None
+    _touch(claimed)  # a rename keeps the file's time: a claim must not look still to another host at once
     return claimed
 
 
@@ -445,6 +452,9 @@ def replay_file(path: Path) -> str:
         if start is None:
             raise ValueError("the spill has no run start: nothing to attach its data to")
         sink.start(start)
+        if sink.run_id and sink.run_id != head.get("run_id"):  # a kill from here on: a rerun goes on in this run
+            spill.header = dict(head, run_id=sink.run_id)
+            spill.keep_from(0, keep_empty=True)
         ended = False
         for batch in batches:
             events = [e for e in batch.events if not isinstance(e, (RunStart, RunEnd))]
@@ -467,7 +477,7 @@ def replay_file(path: Path) -> str:
         if dropped and settled[dropped - 1]:  # what the backend refused of the batches that left the spill
             _set_aside(path, head, refused[: settled[dropped - 1]])
         return f"{path.name}: not delivered ({type(exc).__name__}: {exc}); kept"
-    claimed.unlink()
+    claimed.unlink(missing_ok=True)
     where = settings.get("tracking_uri") or settings.get("dir") or ""
     line = f"{path.name}: {len(batches)} batches delivered to {head['backend']} run {sink.run_id}" + (
         f" in {where}" if where else ""
@@ -565,9 +575,17 @@ def spill_dirs(source: str) -> list[Path]:
             else f"{scheme.lower()}_{url.hostname or ''}_{url.port or ''}{url.path}"
         )
         found += [d for d in [cache_dir() / re.sub(r"[^A-Za-z0-9_.-]", "_", where)] if d != found[0]]
+    if source.startswith("file:") or (uri_scheme(source) is None and _mlflow_file_store(Path(source))):
+        store = Path(urlparse(source).path if source.startswith("file:") else source)
+        found += [d for d in [store.resolve().parent / DIRNAME, store / DIRNAME] if d not in found]  # and 0.x's
     if uri_scheme(source) is None:
         found.append(Path(source) / "wandb" / DIRNAME)
     return found
+
+
+def _mlflow_file_store(path: Path) -> bool:
+    """Whether ``path`` is an MLflow file store (its default experiment's folder is there)."""
+    return (path / "0" / "meta.yaml").is_file()
 
 
 def recover(source: str) -> list[str]:
@@ -598,10 +616,13 @@ def _anchored(backend: str, settings: dict[str, Any], directory: Path) -> dict[s
     if backend == "mlflow" and isinstance(uri, str) and uri.startswith("sqlite:///") and uri[10:11] != "/":
         out["tracking_uri"] = f"sqlite:///{directory.parent / Path(uri[len('sqlite:///') :]).name}"
     elif backend == "mlflow" and isinstance(uri, str) and (uri.startswith("file:") or uri_scheme(uri) is None):
-        # a file store (``mlruns``, ``file:./mlruns``) keeps its spills in <store>/.hdet-spill
+        # a file store (``mlruns``, ``file:./mlruns``) keeps its spills beside it (0.x: in <store>/.hdet-spill)
         file = uri.startswith("file:")
-        if not Path(urlparse(uri).path if file else uri).is_absolute():
-            out["tracking_uri"] = f"file://{directory.parent}" if file else str(directory.parent)
+        store = Path(urlparse(uri).path if file else uri)
+        if not store.is_absolute():
+            inside = directory.parent.name == store.name and not (directory.parent / store.name).is_dir()
+            where = directory.parent if inside else directory.parent / store.name
+            out["tracking_uri"] = f"file://{where}" if file else str(where)
     if backend == "wandb" and directory.parent.name == "wandb" and not Path(out.get("dir") or ".").is_absolute():
         out["dir"] = str(directory.parent.parent)  # the tracker keeps its spills in <dir>/wandb/
     return out
