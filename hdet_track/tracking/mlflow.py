@@ -477,16 +477,17 @@ def _step_slices(points: list[Point], size: int):  # noqa: ANN202
 
 
 def _logged_through(client: Any, run: Any) -> int:
-    """The last step whose HDET points are all in ``run``'s store; for a run logged before
-    LOGGED_THROUGH_TAG, the last step of replica 0's series and the sync series (thinned: a lower
-    bound). Not the ``loss`` mean: in a run HDET attaches to (Hugging Face's, Lightning's) the
-    owner logs a ``loss`` of its own, and a resumed job skipped every step up to the owner's."""
+    """The last step whose HDET points are all in ``run``'s store: LOGGED_THROUGH_TAG, or the last
+    step of replica 0's series and the sync series where they go further (thinned: a lower bound).
+    A log_batch commits its metrics before its tags, so a job killed between the two leaves the tag
+    one call behind points that are in; and a run logged before the tag has none. Not the ``loss``
+    mean: in a run HDET attaches to (Hugging Face's, Lightning's) the owner logs a ``loss`` of its
+    own, and a resumed job skipped every step up to the owner's."""
     tag = run.data.tags.get(LOGGED_THROUGH_TAG, "")
-    if tag.lstrip("-").isdigit():
-        return int(tag)
+    through = int(tag) if tag.lstrip("-").isdigit() else -1
     keys = (names.replica_metric(0, "loss"), names.replica_metric(0, names.LR), names.SYNC_LEFT_OUT)
     history = [m for key in keys for m in client.get_metric_history(run.info.run_id, key)]
-    return max((m.step for m in history), default=-1)
+    return max([through] + [m.step for m in history])
 
 
 def _archived_through(client: Any, run_id: str, chunks: list[str]) -> tuple[int, int]:
