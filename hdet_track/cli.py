@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -209,8 +210,14 @@ def run_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         print(f"\nhdet-track demo: run {name} failed: {why}; going on with the other runs", file=sys.stderr, flush=True)
 
     started = time.time()
-    with _quiet_worker_deaths():
-        results = run_ablation(cfg, args.quick, on_failure=failed)
+    try:
+        with _quiet_worker_deaths():
+            results = run_ablation(cfg, args.quick, on_failure=failed)
+    except (KeyboardInterrupt, _signal_exception()) as exc:  # Ctrl-C, or the launcher's SIGTERM/SIGHUP
+        signum = int(getattr(exc, "sigval", signal.SIGINT))
+        name = signal.Signals(signum).name
+        print(f"\nhdet-track demo: stopped by {name}; the run in progress ends KILLED", file=sys.stderr, flush=True)
+        return 128 + signum
     any_failed = any(r.get("failed") for r in results)
     if args.tracker == "mlflow":
         print()
@@ -229,6 +236,13 @@ def run_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     for line in closing_hints(runs_dir, "wandb"):
         print(line)
     return 1 if any_failed else code
+
+
+def _signal_exception() -> type[BaseException]:
+    """What torch's elastic launcher raises in its process on SIGINT, SIGTERM and SIGHUP."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    return SignalException
 
 
 @contextlib.contextmanager

@@ -834,3 +834,32 @@ def test_recover_and_dashboard_refuse_a_uri_of_no_store(tmp_path, capsys):
     assert main(["recover", "databricks"]) == 0
     assert capsys.readouterr().out.split("(looked in ", 1)[1].startswith(str(tmp_path / "cache" / "hdet-track"))
     assert list(tmp_path.iterdir()) == [tmp_path / "wandb-root"]  # nothing created in the working directory
+
+
+def test_ctrl_c_stops_the_demo_with_one_line_and_ends_its_run_killed(tmp_path):
+    """Ctrl-C during `demo` printed torch's SignalException traceback, and the run in progress ended
+    FAILED ("ended at step N without closing the run"): torch's spawn wrapper swallows the workers'
+    KeyboardInterrupt."""
+    import signal
+    import time
+
+    exe = str(Path(sys.executable).with_name("hdet-track"))
+    env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'int.db'}", OMP_NUM_THREADS="1")
+    cmd = [exe, "demo", "--quick", "--replicas", "2", "--steps", "20000", "--sync-every", "25", "--group", "int"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
+                            start_new_session=True)  # fmt: skip
+    try:
+        for line in proc.stdout:
+            if "[  baseline-high]" in line and "100/20000" in line:
+                break
+        time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: every process of the job
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 128 + signal.SIGINT, err[-3000:]
+    assert "hdet-track demo: stopped by SIGINT" in err and "SignalException" not in err, err[-3000:]
+    client = MlflowClient(env["MLFLOW_TRACKING_URI"])
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert run.info.status == "KILLED" and "interrupted by SIGINT" in run.data.tags["hdet.error"]

@@ -36,6 +36,7 @@ CASES = [
     ("plain", 1, "wandb", "raise", 95, 0, "FAILED", "boom on rank 0 before step 95"),
     ("spawn", 2, "sqlite", "raise", 5, 0, "FAILED", "boom on rank 0 before step 5"),
     ("spawn", 2, "wandb", "raise", 80, 1, "FAILED", "boom on rank 1 before step 80"),
+    ("spawn", 2, "sqlite", "sigint", 40, 0, "KILLED", "interrupted by SIGINT"),  # Ctrl-C: spawn swallows it
     ("torchrun", 2, "sqlite", "raise", 30, 1, "FAILED", "boom on rank 1 before step 30"),
     ("torchrun", 4, "server", "raise", 51, 0, "FAILED", "boom on rank 0 before step 51"),  # right after a sync
     ("torchrun", 2, "sqlite", "sigterm", 40, 0, "KILLED", "terminated by SIGTERM"),
@@ -53,10 +54,13 @@ def launch(launcher: str, ranks: int, backend: str, uri: str, failure: str, step
         cmd = [sys.executable, JOB, *args]
     log = open(tmp / "job.log", "w+")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env, start_new_session=True)
-    if failure == "sigterm":
+    if failure in ("sigterm", "sigint"):
         assert proc.stdout.readline().strip() == "READY", (tmp / "job.log").read_text()[-3000:]
         time.sleep(1.0)  # the other ranks reach the next sync and wait there
-        os.kill(proc.pid, signal.SIGTERM)  # from outside: to the job (plain) or to torchrun's agent
+        if failure == "sigterm":
+            os.kill(proc.pid, signal.SIGTERM)  # from outside: to the job (plain) or to torchrun's agent
+        else:
+            os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in a terminal: to every process of the job
     try:
         proc.communicate(timeout=240)
     finally:

@@ -40,7 +40,14 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _RECORDERS: set = set()  # strong: a job's scheduler may be gone before its process ends
-_STATE: dict[str, Any] = {"installed": False, "rank": 0, "failure": None, "exit_code": None, "signal": None}
+_STATE: dict[str, Any] = {
+    "installed": False,
+    "rank": 0,
+    "failure": None,
+    "exit_code": None,
+    "signal": None,
+    "interrupted": False,  # SIGINT came (its KeyboardInterrupt may be swallowed: torch's spawn does)
+}
 _NOTE = "hdet/failure/rank"
 
 
@@ -81,6 +88,8 @@ def exit_status(reached_end: bool, last_step: int, total_steps: int) -> tuple[st
         return "FINISHED", None
     if reached_end:
         return "FAILED", f"the process exited with code {code} after the run's last step ({last_step} of {total_steps})"
+    if _STATE["interrupted"]:
+        return "KILLED", f"interrupted by SIGINT at step {last_step} of {total_steps}"
     return "FAILED", (
         f"the process ended at step {last_step} of {total_steps} without closing the run"
         + (f" (exit code {code})" if code is not None else "")
@@ -218,6 +227,11 @@ def install(rank: int) -> None:
                     signal.signal(signum, _on_signal)
             except (ValueError, OSError):  # pragma: no cover - not the main interpreter
                 pass
+        try:
+            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+                signal.signal(signal.SIGINT, _on_interrupt)
+        except (ValueError, OSError):  # pragma: no cover - not the main interpreter
+            pass
 
 
 def end_runs_first_at_exit() -> None:
@@ -235,6 +249,14 @@ def _wandb_printed_it() -> bool:
     again through Python's default hook."""
     owner = getattr(sys.excepthook, "__self__", None)
     return type(owner).__name__ == "ExitHooks" and type(owner).__module__.startswith("wandb")
+
+
+def _on_interrupt(signum: int, frame: Any) -> None:
+    """SIGINT (Ctrl-C) raises KeyboardInterrupt as Python's own handler does, and is remembered: a
+    run left open by it ends KILLED even where the KeyboardInterrupt is swallowed on its way out
+    (torch.multiprocessing.spawn's workers swallow it), not FAILED as a process that just ended."""
+    _STATE["interrupted"] = True
+    signal.default_int_handler(signum, frame)
 
 
 def _on_signal(signum: int, frame: Any) -> None:

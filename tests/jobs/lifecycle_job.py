@@ -4,7 +4,7 @@
 
 LAUNCHER: plain (one process), spawn (torch.multiprocessing.spawn, 2 ranks) or torchrun (started by
 the test with torchrun). FAILURE: raise (an exception on FAIL_RANK), exit (sys.exit(3) on every
-rank), sigterm (rank 0 prints READY and waits for the test's signal) or none. STEP: the step before
+rank), sigterm or sigint (rank 0 prints READY and waits for the test's signal) or none. STEP: the step before
 which it happens (0: before the first step).
 """
 
@@ -44,7 +44,7 @@ def job(rank: int, world: int, backend: str, uri: str, failure: str, at: int, fa
                 raise RuntimeError(f"boom on rank {rank} before step {k}")
             if failure == "exit":
                 sys.exit(3)
-            if failure == "sigterm" and rank == 0:
+            if failure in ("sigterm", "sigint") and rank == 0:
                 print("READY", flush=True)
                 time.sleep(120)
         x = torch.randn(16, 8, generator=g)
@@ -53,7 +53,7 @@ def job(rank: int, world: int, backend: str, uri: str, failure: str, at: int, fa
         loss.backward()
         opt.step()
         sched.step(loss)
-        if failure == "sigterm" and rank != 0:
+        if failure in ("sigterm", "sigint") and rank != 0:
             time.sleep(0.01)
 
 
