@@ -31,6 +31,7 @@ _positive_int = _number(int, "a positive integer", lambda v: v >= 1)
 _positive_float = _number(float, "a positive finite number", lambda v: 0 < v < float("inf"))
 _spread = _number(float, "a number in [0, 1)", lambda v: 0.0 <= v < 1.0)
 _port = _number(int, "a port in 1..65535", lambda v: 1 <= v <= 65535)
+_seed = _number(int, "an integer in [0, 2**63)", lambda v: 0 <= v < 2**63)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--spread", type=_spread, default=0.5, help="HDET's LR spread alpha in [0, 1) (default 0.5)")
     demo.add_argument("--group", default=None, help="compare group of the runs (default: a fresh one)")
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--seed", type=_seed, default=0)
     demo.set_defaults(subparser=demo)  # run_demo's own errors read "usage: hdet-track demo ..."
     cmp = sub.add_parser("compare", help="the comparison table (paper's Table 1) from runs already logged")
     cmp.add_argument(
@@ -140,10 +141,19 @@ def _unwritable_store(tracker: str, uri: str) -> str | None:
     from pathlib import Path
 
     if tracker == "wandb":
+        if os.environ.get("WANDB_MODE", "").lower() == "disabled":
+            return "WANDB_MODE=disabled writes no W&B run, and the demo reads its runs back: unset it or use WANDB_MODE=offline"
         where = Path(os.environ.get("WANDB_DIR") or os.getcwd())
         if not os.access(where, os.W_OK):
             return f"cannot write W&B's run files in {where}: run from a writable directory or set WANDB_DIR"
         return None
+    from .tracking.spill import uri_scheme
+
+    if uri and uri_scheme(uri) in (None, "file"):
+        return (
+            f"MLFLOW_TRACKING_URI={uri!r} is an MLflow file store, which cannot hold HDET's nested metric "
+            "names: use a database (sqlite:///PATH) or a tracking server (http://HOST:PORT)"
+        )
     if uri and not uri.startswith("sqlite:"):
         return None  # a server or another store: it reports its own errors
     db = Path(uri[len("sqlite:///") :] if uri else "mlflow.db").absolute()

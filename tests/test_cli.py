@@ -863,3 +863,24 @@ def test_ctrl_c_stops_the_demo_with_one_line_and_ends_its_run_killed(tmp_path):
     client = MlflowClient(env["MLFLOW_TRACKING_URI"])
     (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert run.info.status == "KILLED" and "interrupted by SIGINT" in run.data.tags["hdet.error"]
+
+
+def test_demo_refuses_up_front_what_it_could_not_finish(tmp_path, monkeypatch, capsys):
+    """Found by an audit: a seed too large for torch failed with a traceback; WANDB_MODE=disabled
+    trained every run and then could not read them back (exit 2, hints to a folder that was never
+    written); an MLflow file store trained into the spill. Each is now a one-line error before any run."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    with pytest.raises(SystemExit) as exit_:
+        main(["demo", "--quick", "--seed", str(2**64)])
+    assert exit_.value.code == 2 and "--seed: expected an integer in [0, 2**63)" in capsys.readouterr().err
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    assert main(["demo", "--quick", "--tracker", "wandb"]) == 2
+    assert "WANDB_MODE=disabled writes no W&B run" in capsys.readouterr().err
+    for uri in ("mlruns", "file:./mlruns"):
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+        assert main(["demo", "--quick"]) == 2
+        err = capsys.readouterr().err
+        assert f"MLFLOW_TRACKING_URI={uri!r} is an MLflow file store" in err and len(err.strip().splitlines()) == 1
+    assert list(work.iterdir()) == []  # no run, no store

@@ -726,34 +726,6 @@ def test_a_claim_is_fresh_for_other_hosts_when_it_is_made(tmp_path, outage):
     assert claimed is not None and time.time() - claimed.stat().st_mtime < 60
 
 
-def test_a_file_store_keeps_its_spills_beside_it_and_takes_a_second_job(tmp_path, monkeypatch):
-    """A file store kept its spill directory (and the pending archive chunks) inside it, where
-    MLflow takes every folder for an experiment: once a job had left it, the next job's run could
-    not be created ("Invalid experiment ID: '.hdet-spill'") and everything it logged was spilled."""
-    from hdet_track.tracking.hub import TrackingHub
-    from hdet_track.tracking.mlflow import MLflowTracker
-    from hdet_track.tracking.spill import spill_dirs
-
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
-    monkeypatch.chdir(tmp_path)
-    for uri in (f"file://{tmp_path / 'mlruns'}", "other"):
-        ids = []
-        for _ in range(2):
-            tracker = MLflowTracker(tracking_uri=uri, experiment="out")
-            tracker.isolate = False
-            hub = TrackingHub([tracker], shutdown_timeout=5, heartbeat_seconds=None)
-            hub.start(_start())
-            hub.metrics({"val_loss": 1.0}, 1)
-            hub.close("FINISHED", step=1)
-            ids.append(tracker.run_id)
-        assert None not in ids and ids[0] != ids[1]
-        client = MlflowClient(uri if "://" in uri else str(tmp_path / uri))
-        assert [client.get_run(i).info.status for i in ids] == ["FINISHED", "FINISHED"]
-        store = tmp_path / uri.removeprefix("file://")
-        assert not (store / ".hdet-spill").exists()
-        assert tracker.spill_dir() == tmp_path / ".hdet-spill" and tmp_path / ".hdet-spill" in spill_dirs(str(store))
-
-
 def test_a_rerun_of_a_killed_recover_sends_nothing_twice(tmp_path, outage, monkeypatch):
     """A recover killed after some batches reached the store and its event archive: the rerun sent
     the spill again from its start into the same run, so the archive held those step rows twice

@@ -838,3 +838,29 @@ def test_a_run_whose_job_and_tracking_process_were_both_killed_reads_killed(sqli
     assert run.status == "KILLED" and f"pid {proc.pid}" in run.tags["hdet.error"], run.tags.get("hdet.error")
     assert "and its tracking process ended without ending the run" in run.tags["hdet.error"]
     assert [c.step for c in run.converge] == [5, 10]
+
+
+def test_a_file_store_is_refused_when_the_tracker_is_made_and_still_read(tmp_path, monkeypatch):
+    """In a file store every metric name is a file, and HDET's names nest (hdet/sync/left_out and
+    hdet/sync/left_out/replica_00): a run lost points on "Not a directory", was ended KILLED with
+    its data left in the spill, and the retries of the half-done log_batch wrote points up to 10x.
+    Readers took `file:./mlruns` for a missing path, and a file store's directory for W&B's."""
+    from hdet_track.readers import open_reader
+    from hdet_track.readers.mlflow import MLflowReader
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    for uri in ("mlruns", "file:./mlruns", f"file://{tmp_path / 'mlruns'}"):
+        with pytest.raises(ValueError, match=r"Expected tracking_uri to be a database .* file store"):
+            MLflowTracker(tracking_uri=uri)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "mlruns")
+    with pytest.raises(ValueError, match=r"Expected MLFLOW_TRACKING_URI .* got 'mlruns'"):
+        HDETScheduler(torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1), 0.1, total_steps=4, track="mlflow")
+    MLflowTracker(tracking_uri=f"sqlite:///{tmp_path / 'ok.db'}")  # a database is taken, whatever the variable says
+    client = MlflowClient(f"file://{tmp_path / 'mlruns'}")  # a run that plain MLflow logged there
+    run_id = client.create_run(client.create_experiment("plain")).info.run_id
+    client.log_metric(run_id, "loss", 0.5, step=3)
+    for source in ("file:./mlruns", "mlruns", str(tmp_path / "mlruns")):
+        reader = open_reader(source)
+        assert isinstance(reader, MLflowReader), source
+        assert [s.run_id for s in reader.list_runs(experiment="plain")] == [run_id], source

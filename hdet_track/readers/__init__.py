@@ -33,9 +33,10 @@ _SQLITE_MAGIC = b"SQLite format 3\x00"
 
 
 def resolve_source(source: str | None = None) -> str:
-    """``source`` as a reader takes it: an MLflow tracking URI as given; a directory holding
-    ``mlflow.db`` or a sqlite file as its ``sqlite:///`` URI; any other directory as itself (a W&B
-    folder).
+    """``source`` as a reader takes it: an MLflow tracking URI as given (``file:PATH`` as
+    ``file:///ABSOLUTE``); a directory holding ``mlflow.db`` or a sqlite file as its ``sqlite:///``
+    URI; an MLflow file store's directory as its ``file:///`` URI; any other directory as itself (a
+    W&B folder).
 
     Raises:
         ReaderError: a path that is neither a directory nor a sqlite file.
@@ -43,9 +44,13 @@ def resolve_source(source: str | None = None) -> str:
     source = source or default_source()
     if "://" in source:
         return source
+    if source.lower().startswith("file:"):  # file:./mlruns, file:/abs/mlruns
+        return f"file://{Path(source[len('file:') :]).absolute()}"
     path = Path(source)
     if path.is_dir():
         db = path / "mlflow.db"
+        if (path / "0" / "meta.yaml").is_file():  # an MLflow file store (its default experiment)
+            return f"file://{path.absolute()}"
         return f"sqlite:///{db.absolute()}" if db.is_file() else source
     try:
         with open(path, "rb") as f:

@@ -101,6 +101,7 @@ class MLflowTracker(Tracker):
         check_str("parent_run_id", parent_run_id)
         check_number("chunk_seconds", chunk_seconds, 0.0, math.inf, low_open=False, high_open=True)  # 0: every batch
         tags = _checked_tags(tags)
+        _check_not_a_file_store(tracking_uri)
         self.tracking_uri = tracking_uri
         self.experiment = experiment
         self.run_name = run_name
@@ -156,10 +157,7 @@ class MLflowTracker(Tracker):
         return self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
 
     def spill_dir(self) -> Path:
-        uri = self._uri()
-        return store_spill_dir(
-            uri if uri_scheme(uri) is not None else f"file:{Path(uri).resolve()}"
-        )  # a path: a file store
+        return store_spill_dir(self._uri())
 
     def spill_settings(self) -> dict[str, Any]:
         # as this process resolved them: the replaying process's environment is another job's
@@ -440,6 +438,22 @@ def _log_batches(client: Any, run_id: str, points: list[Point], through: int | N
         client.log_batch(run_id, metrics=metrics, tags=tags, synchronous=True)
         if through is not None:
             yield done
+
+
+def _check_not_a_file_store(tracking_uri: str | None) -> None:
+    """HDET's metric names nest (``hdet/sync/left_out`` and ``hdet/sync/left_out/replica_00``), and
+    a file store keeps each name as a file: the second cannot be a folder where the first is a file.
+    Its runs lost points and were ended KILLED with their data left in the spill."""
+    given = tracking_uri is not None
+    uri = tracking_uri if given else os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri or uri_scheme(uri) not in (None, "file"):
+        return
+    raise ValueError(
+        f"Expected {'tracking_uri' if given else 'MLFLOW_TRACKING_URI'} to be a database or a tracking "
+        f"server (sqlite:///mlflow.db, http://HOST:PORT, ...), but got {uri!r}, an MLflow file store: "
+        "HDET's metric names nest (hdet/sync/left_out and hdet/sync/left_out/replica_00), which a file "
+        "store cannot hold (MLflow 3 deprecates file stores too)"
+    )
 
 
 def _checked_tags(tags: Any) -> dict[str, str]:

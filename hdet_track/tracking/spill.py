@@ -80,7 +80,10 @@ def uri_scheme(source: str) -> str | None:
     """The scheme of ``source`` when it is a URI (``postgresql`` for ``postgresql+psycopg2://...``,
     ``databricks`` for ``databricks``), else None (a path)."""
     if "://" not in source:
-        return source if source in BARE_SCHEMES else None
+        head = source.split(":", 1)[0].lower()
+        if source in BARE_SCHEMES or (":" in source and head in ("file", "sqlite")):  # file:./mlruns
+            return head
+        return None
     return source.split("://", 1)[0].split("+", 1)[0].lower()
 
 
