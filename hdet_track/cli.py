@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="?",
         default=None,
         help="MLflow tracking URI (sqlite:///mlflow.db, http://127.0.0.1:5000) or a W&B directory; "
-        "default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db",
+        "default: $HDET_DASHBOARD_SOURCE, else $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db",
     )
     dash.add_argument("--port", type=_port, default=8501, help="port (default 8501)")
     dash.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
@@ -175,6 +175,12 @@ def run_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     from .examples.ablation import AblationConfig, DataError, choose_device, run_ablation
 
+    for flag, value, dataset in (
+        ("--data-dir", args.data_dir, "fashion-mnist"),
+        ("--text-file", args.text_file, "text"),
+    ):
+        if value is not None and args.dataset != dataset:
+            parser.error(f"{flag} {value!r} is for --dataset {dataset}, not --dataset {args.dataset}")
     steps = args.steps or (200 if args.quick else 600)
     if steps < args.sync_every:
         parser.error(f"--steps ({steps}) must be at least --sync-every ({args.sync_every})")
@@ -367,7 +373,11 @@ def run_compare(tracking_uri: str | None, experiment: str | None, group: str | N
     from .compare import comparison_rows, format_rows
     from .readers import ReaderError, open_reader, resolve_source
 
+    given = tracking_uri is not None
     tracking_uri = _store(tracking_uri)
+    bad = _unknown_scheme(tracking_uri, given, name="--tracking-uri")
+    if bad:  # MLflow's own error for it is about its model registry
+        return _fail(bad)
     try:
         wandb = "://" not in resolve_source(tracking_uri)
         default = os.environ.get("WANDB_PROJECT" if wandb else "MLFLOW_EXPERIMENT_NAME")
@@ -524,7 +534,8 @@ def run_dashboard(source: str | None, host: str, port: int) -> int:
     try:  # a directory holding mlflow.db, or a sqlite file: its sqlite:/// URI; a missing path: an error
         source = resolve_source(source)
     except ReaderError as exc:
-        print(f"hdet-track dashboard: {exc}", file=sys.stderr)
+        origin = "" if given else " (SOURCE from $HDET_DASHBOARD_SOURCE or $MLFLOW_TRACKING_URI)"
+        print(f"hdet-track dashboard: {exc}{origin}", file=sys.stderr)
         return 2
     bad = _unknown_scheme(source, given)
     if bad:  # compare refuses it too (MLflow has no store for it): before a server starts on it
@@ -572,7 +583,7 @@ def run_dashboard(source: str | None, host: str, port: int) -> int:
     return _run_child(cmd, env)
 
 
-def _unknown_scheme(source: str, given: bool, spills: bool = False) -> str | None:
+def _unknown_scheme(source: str, given: bool, spills: bool = False, name: str = "SOURCE") -> str | None:
     """Why ``source`` (SOURCE of dashboard and recover; ``given``: typed, else from the environment) is
     refused: a URI whose scheme is no store's (MLflow has none for it, so no job logged there), else None."""
     from .tracking.spill import unknown_scheme
@@ -580,7 +591,7 @@ def _unknown_scheme(source: str, given: bool, spills: bool = False) -> str | Non
     scheme = unknown_scheme(source)
     if scheme is None:
         return None
-    what = "SOURCE" if given else "the default SOURCE (from the environment)"
+    what = name if given else f"the default {name} (from the environment)"
     paths = "a W&B directory, a directory holding mlflow.db, a sqlite file" + (
         ", a .hdet-spill directory" if spills else ""
     )

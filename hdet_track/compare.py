@@ -101,7 +101,9 @@ def comparison_rows(runs: Sequence[HDETRun]) -> list[ComparisonRow]:
 
 
 def _num(x: float, digits: int = 4) -> str:
-    return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.{digits}g}"
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return f"{x:.{digits}g}"  # inf as inf: a diverged value, not a missing one
 
 
 def format_rows(rows: Sequence[ComparisonRow], fmt: str = "table") -> str:

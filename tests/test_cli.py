@@ -884,3 +884,37 @@ def test_demo_refuses_up_front_what_it_could_not_finish(tmp_path, monkeypatch, c
         err = capsys.readouterr().err
         assert f"MLFLOW_TRACKING_URI={uri!r} is an MLflow file store" in err and len(err.strip().splitlines()) == 1
     assert list(work.iterdir()) == []  # no run, no store
+
+
+def test_argument_mistakes_an_audit_found_are_named(tmp_path, monkeypatch, capsys):
+    """compare on an unknown URI scheme printed MLflow's model-registry error; --data-dir and
+    --text-file were silently ignored with another dataset; a Fashion-MNIST --data-dir that is not
+    a directory was not named; a dashboard SOURCE from the environment was not said to be one."""
+    assert main(["compare", "--tracking-uri", "foo://bar"]) == 2
+    err = capsys.readouterr().err
+    assert "--tracking-uri 'foo://bar' has the URI scheme 'foo://'" in err and "registry" not in err
+    for argv in (["--data-dir", str(tmp_path)], ["--text-file", str(tmp_path / "t.txt")]):
+        with pytest.raises(SystemExit) as exit_:
+            main(["demo", "--quick", "--dataset", "digits", *argv])
+        assert exit_.value.code == 2 and f"{argv[0]} {argv[1]!r} is for --dataset" in capsys.readouterr().err
+    (tmp_path / "afile").write_text("x")
+    assert main(["demo", "--quick", "--dataset", "fashion-mnist", "--data-dir", str(tmp_path / "afile")]) == 2
+    assert f"--data-dir {str(tmp_path / 'afile')!r} is not a directory" in capsys.readouterr().err
+    monkeypatch.setenv("HDET_DASHBOARD_SOURCE", str(tmp_path / "nonexistent"))
+    assert main(["dashboard"]) == 2
+    assert "from $HDET_DASHBOARD_SOURCE or $MLFLOW_TRACKING_URI" in capsys.readouterr().err
+
+
+def test_compare_shows_an_infinite_value_as_inf_and_a_missing_one_as_a_dash():
+    """An infinite validation loss (a diverged run) showed as "-", as a value never logged does."""
+    from hdet_track.compare import comparison_rows, format_rows
+    from hdet_track.readers.base import HDETRun
+
+    run = HDETRun("r1", name="blown")
+    run.metrics["val_loss"] = (np.array([1, 2]), np.array([0.5, math.inf]))
+    table = format_rows(comparison_rows([run]), "table")
+    header, _, row = table.splitlines()[:3]
+    at = header.index("final val loss")
+    assert row[at:].split()[0] == "inf", table
+    at = header.index("mean LR")
+    assert row[at:].split()[0] == "-", table  # never logged

@@ -132,8 +132,9 @@ def _fashion_mnist(data_dir: str | None) -> ImageTask:
             # strokes on almost blank border pixels up to 280 deviations out)
             mean, std = x_train.mean(), x_train.std()
             return ImageTask("fashion-mnist", (x_train - mean) / std, y_train, (x_val - mean) / std, y_val)
+    given = f"--data-dir {data_dir!r} is not a directory; " if data_dir else ""
     raise DataError(
-        "Fashion-MNIST not found: pass --data-dir DIR with the four idx files, or install Debian's "
+        f"Fashion-MNIST not found: {given}pass --data-dir DIR with the four idx files, or install Debian's "
         "package (apt-get install dataset-fashion-mnist) which puts them under /usr/share/datasets/fashion-mnist"
     )
 
