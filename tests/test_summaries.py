@@ -336,3 +336,38 @@ def test_a_zoom_of_as_many_rows_as_allowed_reads_them_all_wherever_it_starts(tmp
         # one step more is one replica row per replica over the limit: an overview
         wider = read(root, previous=overview, steps=(lo, lo + 1_000), max_rows=REPLICAS * 1_000)
         assert wider.overview
+
+
+def test_a_write_that_fails_half_way_writes_no_chunk_twice(tmp_path, monkeypatch):
+    """A write whose events chunk failed (a full disk) after its steps chunk was in kept both in the
+    buffer: the next write wrote the step rows again, and the first steps chunk was never reported
+    (MLflow uploads what write() returns)."""
+    import errno
+
+    from hdet_track.tracking import archive as archive_module
+
+    real, armed = archive_module._write_atomic, {"left": 1}
+
+    def events_fail_once(table, path):
+        if armed["left"] and path.name.startswith("events-"):
+            armed["left"] -= 1
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real(table, path)
+
+    monkeypatch.setattr(archive_module, "_write_atomic", events_fail_once)
+    archive = EventArchive(tmp_path / ARTIFACT_DIR, chunk_rows=3_000, levels=LEVELS)
+    archive.add([Converge(step=5, window_losses=[1.0] * REPLICAS, divergence=[0.0] * REPLICAS)])
+    archive.add_steps(next(blocks(steps=5)))
+    with pytest.raises(OSError):
+        archive.write()
+    written = archive.write()
+    names = sorted(p.name for p in written if p.parent.name == ARTIFACT_DIR)
+    assert [n.split("-")[0] for n in names] == ["events", "steps"]  # the first steps chunk is reported now
+    assert archive.write() == []
+    import pyarrow.parquet as pq
+
+    stored = [
+        s for f in (tmp_path / ARTIFACT_DIR).glob("steps-*.parquet") for s in pq.read_table(f)["step"].to_pylist()
+    ]
+    assert sorted(stored) == sorted(next(blocks(steps=5)).step.tolist())  # every row once
+    assert [c.step for c in read(tmp_path / ARTIFACT_DIR, max_rows=10**9).converge] == [5]

@@ -931,3 +931,105 @@ def test_two_schedulers_logging_into_one_given_run_at_once_are_named_not_silentl
         g.close()
         d.close()
     run.finish()
+
+
+def _flaky_archive(monkeypatch, kind="steps-"):
+    """The event archive's next chunk write of ``kind`` fails once (a disk full for a moment), when armed."""
+    import errno
+
+    from hdet_track.tracking import archive
+
+    real, armed = archive._write_atomic, {"left": 0}
+
+    def flaky(table, path):
+        if armed["left"] and kind in str(path):
+            armed["left"] -= 1
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real(table, path)
+
+    monkeypatch.setattr(archive, "_write_atomic", flaky)
+    return armed
+
+
+def _counted(run_dir):
+    """How often each step is in the run file's rows (replica 0's loss) and in the event archive."""
+    from collections import Counter
+
+    from hdet_track.wandb_file import read_wandb_file
+
+    (run_file,) = glob.glob(f"{run_dir}/run-*.wandb")
+    rows = Counter(r["hdet/step"] for r in read_wandb_file(run_file).history if "hdet/replica_00/loss" in r)
+    archived = Counter()
+    for chunk in glob.glob(f"{run_dir}/files/hdet_events/steps-*.parquet"):
+        archived.update(pq.read_table(chunk).column("step").to_pylist())
+    return rows, archived
+
+
+def test_a_full_disk_for_a_moment_writes_no_step_twice(tmp_path, monkeypatch):
+    """An archive chunk that could not be written made the whole batch fail: its rows were already in
+    W&B's run file and its archive buffer, and the replay of the spilled batch wrote both again."""
+    from hdet_track.tracking.wandb import WandbTracker
+
+    armed = _flaky_archive(monkeypatch)
+    opt = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)
+    tracker = WandbTracker(project="full", dir=str(tmp_path), chunk_seconds=0.0)  # a chunk per batch
+    with HDETScheduler(opt, 0.1, total_steps=20, sync_every=5, track=tracker) as sched:
+        for k in range(1, 21):
+            opt.step()
+            sched.step(1.0 / k)
+            if k == 10:
+                assert sched.flush()
+                armed["left"] = 1
+            if k == 15:
+                assert sched.flush()  # steps 11-15 go while the disk is full
+    (run_dir,) = glob.glob(f"{tmp_path}/wandb/offline-run-*")
+    rows, archived = _counted(run_dir)
+    assert armed["left"] == 0 and sorted(rows) == sorted(archived) == list(range(1, 21))
+    assert set(rows.values()) == set(archived.values()) == {1}
+
+
+def test_a_session_writes_a_steps_rows_once_when_they_come_twice(tmp_path):
+    """A job resumed from a checkpoint between two syncs takes its earlier attempt's spill in up to
+    the checkpoint, then its first sync sends the window from the last sync on again (its losses are
+    in the checkpoint): W&B's rows and both trackers' archives held those steps twice."""
+    import numpy as np
+    from mlflow.tracking import MlflowClient
+
+    from hdet_track import names
+    from hdet_track.events import RunEnd, RunStart
+    from hdet_track.tracking.archive import StepBlock
+    from hdet_track.tracking.base import Batch, Point
+    from hdet_track.tracking.mlflow import MLflowTracker
+    from hdet_track.tracking.wandb import WandbTracker
+
+    def steps(first, last):
+        step = np.arange(first, last + 1)
+        points = [Point(names.replica_metric(0, "loss"), 1.0 / s, int(s), 0) for s in step]
+        return Batch(points=points, steps=[StepBlock(step, np.zeros(len(step), dtype=np.int32), 1.0 / step)])
+
+    start = RunStart(config={}, world_size=1, schedule="hdet", param_groups=["pg0"], explored=[], versions={},
+                     hostnames=[], total_steps=20)  # fmt: skip
+    uri = f"sqlite:///{tmp_path / 'twice.db'}"
+    mlflow_tracker = MLflowTracker(tracking_uri=uri, experiment="twice")
+    mlflow_tracker.isolate = False
+    wandb_tracker = WandbTracker(project="twice", dir=str(tmp_path))
+    for tracker in (mlflow_tracker, wandb_tracker):
+        tracker.start(start)
+        for batch in (steps(1, 12), steps(11, 20)):  # the spill up to the checkpoint, then the window from 11
+            tracker.log(batch)
+        tracker.finish(RunEnd(status="FINISHED", step=20))
+    (run_dir,) = glob.glob(f"{tmp_path}/wandb/offline-run-*")
+    rows, archived = _counted(run_dir)
+    assert sorted(rows) == sorted(archived) == list(range(1, 21)) and set(rows.values()) == set(archived.values()) == {
+        1
+    }
+    client = MlflowClient(uri)
+    archived = []
+    for f in client.list_artifacts(mlflow_tracker.run_id, "hdet_events"):
+        if f.path.rsplit("/", 1)[-1].startswith("steps-"):
+            archived += (
+                pq.read_table(client.download_artifacts(mlflow_tracker.run_id, f.path, str(tmp_path)))
+                .column("step")
+                .to_pylist()
+            )
+    assert sorted(archived) == list(range(1, 21))

@@ -131,6 +131,7 @@ class EventArchive:
         self._blocks: list[StepBlock] = []
         self._rows = 0
         self._other: list[Event] = []
+        self._unreported: list[Path] = []  # chunks a failed write() wrote before it failed
         self._index = start_index
         self._last_write = time.monotonic()
         self.levels = tuple(levels)
@@ -162,10 +163,20 @@ class EventArchive:
         )
 
     def write(self) -> list[Path]:
-        """Write what is buffered as new chunks; returns their paths (possibly none)."""
+        """Write what is buffered as new chunks; returns their paths (possibly none), also those of
+        chunks written by a call that then failed (a full disk): a chunk written is never written again."""
+        written, self._unreported = self._unreported, []
+        try:
+            self._write(written)
+        except BaseException:
+            self._unreported = written
+            raise
+        self._last_write = time.monotonic()
+        return written
+
+    def _write(self, written: list[Path]) -> None:
         import pyarrow as pa
 
-        written: list[Path] = []
         self.directory.mkdir(parents=True, exist_ok=True)  # (a recover elsewhere may have tidied it away)
         if self._blocks:
             self._index += 1
@@ -187,6 +198,7 @@ class EventArchive:
             path = self.directory / f"steps-{self._index:06d}.parquet"
             _write_atomic(table, path)
             written.append(path)
+            self._blocks, self._rows = [], 0
             written += self._write_summaries(table, path.name)
         if self._other:
             self._index += 1
@@ -201,9 +213,7 @@ class EventArchive:
             path = self.directory / f"events-{self._index:06d}.parquet"
             _write_atomic(table, path)
             written.append(path)
-        self._blocks, self._rows, self._other = [], 0, []
-        self._last_write = time.monotonic()
-        return written
+            self._other = []
 
     def _write_summaries(self, table, name: str) -> list[Path]:  # noqa: ANN001 - the chunk's pyarrow.Table
         step = table.column("step").to_numpy()

@@ -258,8 +258,17 @@ class MLflowTracker(Tracker):
         self._archive.add(batch.after(events_through).events)
         for block in batch.after(steps_through).steps:
             self._archive.add_steps(block)
+            # a step's rows come once per session: a spill taken over up to the checkpoint, then the
+            # resumed job's first window (its losses are in the checkpoint), would send some again
+            steps_through = max(steps_through, int(block.step.max()))
+        self._archived = (steps_through, events_through)
         if self._archive.due():
-            self._pending += self._archive.write()
+            try:
+                self._pending += self._archive.write()
+            except OSError as exc:  # a full disk: the rows stay buffered for the next write (the batch is in)
+                logger.warning(
+                    "hdet-track: the event archive could not be written now (%s); it is kept for the next write", exc
+                )
         self._upload(strict=False)
 
     def _log_user(self, points: list[Point]) -> None:

@@ -4,6 +4,7 @@ sync and controller series on a sync axis, Parquet event chunks in the run's fil
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -193,6 +194,11 @@ def _define_metrics(run: Any, tags: dict[str, str], given: bool) -> None:
     run.summary["hdet/status"] = "RUNNING"
 
 
+def _per_step(key: str) -> bool:
+    """One of HDET's per-step series (not a sync series, not the user's)."""
+    return names.is_hdet_series(key) and not key.startswith(SYNC_PREFIXES)
+
+
 def _unstored(batch: Batch, stored: StoredSteps | None, user_through: dict[str, int]) -> tuple[list[Any], Batch]:
     """The points of ``batch`` for W&B's rows and what of it goes to the archive, without what
     earlier sessions of a resumed run hold (``stored``; a job resumed from an older checkpoint redoes
@@ -309,6 +315,7 @@ class WandbTracker(Tracker):
         self._defined: set[str] = set()
         self._user_points: list[dict[str, Any]] = []  # user metrics not yet in user_metrics.jsonl
         self._stored: StoredSteps | None = None  # a resumed run: what its earlier sessions hold
+        self._session_through = (-1, -1)  # the last step of HDET's per-step rows this session logged, and archived
         self._user_through: dict[str, int] = {}  # a given run resumed: each user metric's last step logged
         self._owner: dict[str, Any] = {}  # the owner file's record (process_identity, heartbeat)
         self._progress: RunFileProgress | None = None  # how far W&B wrote this run's file, read on
@@ -386,6 +393,7 @@ class WandbTracker(Tracker):
     def _start(self, run_start: RunStart) -> None:
         self._run, self._archive, self._defined, self._user_points = None, None, set(), []
         self._stored, self._user_through = None, {}
+        self._session_through = (-1, -1)
         wandb = _import_wandb()
         tags = run_tags(run_start)
         if self._existing is not None:  # the owner's config stays: a key it holds otherwise goes as hdet/<key>
@@ -462,6 +470,12 @@ class WandbTracker(Tracker):
     def log(self, batch: Batch) -> None:
         rows: dict[tuple[str, int], dict[str, float]] = defaultdict(dict)
         points, batch = _unstored(batch, self._stored, self._user_through)
+        # a step's HDET rows come once per session: a spill taken over up to the checkpoint, then the
+        # resumed job's first window (its losses are in the checkpoint), would send some again
+        through = self._session_through
+        points = [p for p in points if not (_per_step(p.key) and p.step <= through[0])]
+        fresh = [b.select(b.step > through[1]) for b in batch.steps if (b.step > through[1]).any()]
+        batch = dataclasses.replace(batch, steps=fresh)
         if self._existing is not None:  # the run's loss/lr are its owner's: HDET's means go beside them
             points = [p._replace(key=names.MEANS_IN_GIVEN_RUN.get(p.key, p.key)) for p in points]
         for p in points:
@@ -492,8 +506,17 @@ class WandbTracker(Tracker):
         self._archive.add(batch.events)
         for block in batch.steps:
             self._archive.add_steps(block)
+        self._session_through = (
+            max([through[0], *(p.step for p in points if _per_step(p.key))]),
+            max([through[1], *(int(b.step.max()) for b in batch.steps)]),
+        )
         if self._archive.due():
-            self._write_archive()
+            try:
+                self._write_archive()
+            except OSError as exc:  # a full disk: the rows stay buffered for the next write (the batch is in)
+                logger.warning(
+                    "hdet-track: W&B's event archive could not be written now (%s); it is kept for the next write", exc
+                )
 
     def _write_archive(self) -> None:
         if self._archive is None:
