@@ -1033,3 +1033,33 @@ def test_a_session_writes_a_steps_rows_once_when_they_come_twice(tmp_path):
                 .to_pylist()
             )
     assert sorted(archived) == list(range(1, 21))
+
+
+def test_an_mlflow_server_that_is_down_does_not_hold_back_wandb(tmp_path, monkeypatch):
+    """One writer thread serves every tracker of a job, and MLflow's client retried each request
+    for minutes: with MLflow down and W&B beside it, W&B got nothing before the job ended, and its
+    run read FINISHED and empty. The tracker's child process now gives up after one retry (the hub
+    keeps MLflow's batches in a spill and retries it itself)."""
+    from hdet_track.readers.wandb import WandbReader
+    from hdet_track.tracking.mlflow import MLflowTracker
+    from hdet_track.tracking.wandb import WandbTracker
+
+    from .servers import free_port
+
+    for name in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT"):
+        monkeypatch.delenv(name, raising=False)  # MLflow's own defaults
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("HDET_TRACK_SHUTDOWN_TIMEOUT", "2")
+    down = MLflowTracker(tracking_uri=f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    wandb_tracker = WandbTracker(project="two", dir=str(tmp_path))
+    opt = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)
+    sched = HDETScheduler(opt, 0.1, total_steps=20, sync_every=5, track=[down, wandb_tracker])
+    for k in range(1, 21):
+        opt.step()
+        sched.step(1.0 / k)
+    assert sched.flush(timeout=60)
+    sched.close()
+    run = WandbReader(str(tmp_path)).read(wandb_tracker.run_id)
+    assert run.status == "FINISHED" and sorted(set(run.steps.step.tolist())) == list(range(1, 21))
+    assert [c.step for c in run.converge] == [5, 10, 15, 20]
+    assert list((tmp_path / "cache").rglob("spill-mlflow-*.jsonl"))  # MLflow's data waits for it

@@ -76,6 +76,17 @@ def _serve(conn_in: Connection, conn_out: Connection) -> None:
             return
 
 
+# The hub retries a backend that does not answer itself (every few seconds, its batches kept in a
+# spill meanwhile). MLflow's client retries a request 7 times with a growing backoff (minutes for one
+# call): that long the one writer thread, and every other tracker of the job, would wait. Unless the
+# user chose them, the child's client gives up sooner.
+CHILD_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
+
+
+def _child_environment() -> dict[str, str]:
+    return CHILD_DEFAULTS | dict(os.environ)
+
+
 def _vanished(inner: Tracker, started: bool, last_step: int) -> None:
     """The training process is gone: end the run it never ended KILLED (writing what ``inner`` holds)."""
     if started:
@@ -117,6 +128,7 @@ class IsolatedTracker(Tracker):
                 pass_fds=(to_child_r, from_child_w),
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
+                env=_child_environment(),
             )
             os.close(to_child_r)
             os.close(from_child_w)
