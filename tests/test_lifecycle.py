@@ -237,3 +237,25 @@ def test_closed_runs_do_not_keep_their_scheduler_and_model_alive(tmp_path):
         del model, opt, sched, recorder
     gc.collect()
     assert [r() for r in refs] == [None, None]
+
+
+def test_a_ctrl_c_an_earlier_run_caught_does_not_make_a_later_run_killed():
+    """The Ctrl-C mark lasts until the next run starts: a sweep that caught one trial's
+    KeyboardInterrupt and went on ended a later trial that stopped early KILLED, not FAILED."""
+    from hdet_track.tracking import lifecycle
+
+    class Recorder:  # what register() needs of one
+        def finished_open(self):
+            return False
+
+    saved = lifecycle._STATE["interrupted"]
+    try:
+        lifecycle._STATE["interrupted"] = True
+        assert lifecycle.exit_status(False, 5, 10)[0] == "KILLED"
+        recorder = Recorder()
+        lifecycle.register(recorder)
+        lifecycle.unregister(recorder)
+        status, error = lifecycle.exit_status(False, 5, 10)
+        assert status == "FAILED" and "step 5 of 10 without closing the run" in error
+    finally:
+        lifecycle._STATE["interrupted"] = saved

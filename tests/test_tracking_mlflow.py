@@ -864,3 +864,20 @@ def test_a_file_store_is_refused_when_the_tracker_is_made_and_still_read(tmp_pat
         reader = open_reader(source)
         assert isinstance(reader, MLflowReader), source
         assert [s.run_id for s in reader.list_runs(experiment="plain")] == [run_id], source
+    from hdet_track.readers import ReaderError
+
+    with pytest.raises(ReaderError, match="no such directory"):
+        open_reader("file:./typo")  # MLflow would create it
+    assert not (tmp_path / "typo").exists()
+    import mlflow
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    before = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(f"file://{tmp_path / 'mlruns'}")  # set in code (MLflow 2's default is ./mlruns)
+    try:
+        with pytest.raises(
+            ValueError, match=r"Expected (MLFLOW_TRACKING_URI|MLflow's tracking URI .*) to be a database"
+        ):
+            MLflowTracker()
+    finally:
+        mlflow.set_tracking_uri(before)

@@ -45,7 +45,10 @@ def resolve_source(source: str | None = None) -> str:
     if "://" in source:
         return source
     if source.lower().startswith("file:"):  # file:./mlruns, file:/abs/mlruns
-        return f"file://{Path(source[len('file:') :]).absolute()}"
+        store = Path(source[len("file:") :])
+        if not store.is_dir():  # MLflow would create it
+            raise ReaderError(_bad_source(source, "no such directory"))
+        return f"file://{store.absolute()}"
     path = Path(source)
     if path.is_dir():
         db = path / "mlflow.db"

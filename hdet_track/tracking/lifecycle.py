@@ -62,6 +62,7 @@ def register(recorder: Any) -> None:
                 earlier.end_finished()
         except Exception:  # noqa: BLE001 - never in the way of the next run
             logger.warning("hdet-track: could not end the previous run:\n%s", traceback.format_exc())
+    _STATE["interrupted"] = False  # a Ctrl-C that an earlier trial of a sweep caught is not this run's
     _RECORDERS.add(recorder)
 
 

@@ -308,7 +308,12 @@ class MLflowTracker(Tracker):
 
     def flush(self) -> None:
         if self._archive is not None:
-            self._pending += self._archive.write()
+            try:
+                self._pending += self._archive.write()
+            except OSError as exc:  # a full disk: kept for the next write, and the backend is not down
+                logger.warning(
+                    "hdet-track: the event archive could not be written now (%s); it is kept for the next write", exc
+                )
         self._upload(strict=False)
 
     def _upload(self, strict: bool) -> None:
@@ -407,7 +412,7 @@ def _reopen(client: Any, run_id: str, run_start: RunStart, resumed: bool) -> _Op
         params=frozenset(run.data.params),
         start_index=max((chunk_index(p) for p in chunks), default=0),  # continue the archive's numbering
     )
-    if run_start.start_step > 0 or resumed:  # resumed at 0: a spill's replay, which may have begun before
+    if run_start.start_step > 0:
         opened.skip_until = _logged_through(client, run)
         opened.archived = _archived_through(client, run_id, chunks)
         opened.user_steps = {}
@@ -455,10 +460,15 @@ def _check_not_a_file_store(tracking_uri: str | None) -> None:
     Its runs lost points and were ended KILLED with their data left in the spill."""
     given = tracking_uri is not None
     uri = tracking_uri if given else os.environ.get("MLFLOW_TRACKING_URI")
-    if not uri or uri_scheme(uri) not in (None, "file"):
+    name = "tracking_uri" if given else "MLFLOW_TRACKING_URI"
+    if not uri:  # MLflow's own: set in code (mlflow.set_tracking_uri), or its default (./mlruns in MLflow 2)
+        import mlflow
+
+        uri, name = mlflow.get_tracking_uri(), "MLflow's tracking URI (mlflow.get_tracking_uri())"
+    if uri_scheme(uri) not in (None, "file"):
         return
     raise ValueError(
-        f"Expected {'tracking_uri' if given else 'MLFLOW_TRACKING_URI'} to be a database or a tracking "
+        f"Expected {name} to be a database or a tracking "
         f"server (sqlite:///mlflow.db, http://HOST:PORT, ...), but got {uri!r}, an MLflow file store: "
         "HDET's metric names nest (hdet/sync/left_out and hdet/sync/left_out/replica_00), which a file "
         "store cannot hold (MLflow 3 deprecates file stores too)"
@@ -500,17 +510,19 @@ def _step_slices(points: list[Point], size: int):  # noqa: ANN202
 
 
 def _logged_through(client: Any, run: Any) -> int:
-    """The last step whose HDET points are all in ``run``'s store: LOGGED_THROUGH_TAG, or the last
-    step of replica 0's series and the sync series where they go further (thinned: a lower bound).
-    A log_batch commits its metrics before its tags, so a job killed between the two leaves the tag
-    one call behind points that are in; and a run logged before the tag has none. Not the ``loss``
-    mean: in a run HDET attaches to (Hugging Face's, Lightning's) the owner logs a ``loss`` of its
-    own, and a resumed job skipped every step up to the owner's."""
+    """The last step whose HDET points are all in ``run``'s store; for a run logged before
+    LOGGED_THROUGH_TAG, the last step of replica 0's series and the sync series (thinned: a lower
+    bound). Not the ``loss`` mean: in a run HDET attaches to (Hugging Face's, Lightning's) the
+    owner logs a ``loss`` of its own, and a resumed job skipped every step up to the owner's. Nor
+    the series where the tag is set: a given run may hold an earlier fit's steps past it. (A
+    log_batch commits its metrics before its tags: a job killed between the two leaves that call's
+    points in the raw store, and its resumed job writes them again; the readers keep one per step.)"""
     tag = run.data.tags.get(LOGGED_THROUGH_TAG, "")
-    through = int(tag) if tag.lstrip("-").isdigit() else -1
+    if tag.lstrip("-").isdigit():
+        return int(tag)
     keys = (names.replica_metric(0, "loss"), names.replica_metric(0, names.LR), names.SYNC_LEFT_OUT)
     history = [m for key in keys for m in client.get_metric_history(run.info.run_id, key)]
-    return max([through] + [m.step for m in history])
+    return max((m.step for m in history), default=-1)
 
 
 def _archived_through(client: Any, run_id: str, chunks: list[str]) -> tuple[int, int]:

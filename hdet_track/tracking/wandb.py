@@ -530,7 +530,12 @@ class WandbTracker(Tracker):
     def flush(self) -> None:
         """Write the event archive and the user's metrics, then wait (bounded) until W&B's run file
         holds every row logged so far: all of it survives a SIGKILL once this returns."""
-        self._write_archive()
+        try:
+            self._write_archive()
+        except OSError as exc:  # a full disk: kept for the next write, and the backend is not down
+            logger.warning(
+                "hdet-track: W&B's event archive could not be written now (%s); it is kept for the next write", exc
+            )
         if self._run is None or not self._run_open or self._existing is not None:
             return  # a given run's file is written at its owner's interval (15 s by default): not waited for
         path = self._run_file()
