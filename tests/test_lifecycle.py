@@ -85,7 +85,8 @@ def test_status_by_what_the_job_did(
         uri = str(tmp_path / "wandb-dir")
     started = time.time()
     code, log = launch(launcher, ranks, backend, uri, failure, step, rank, tmp_path)
-    assert (code == 0) == (status == "FINISHED"), log[-3000:]
+    if failure != "sigint":  # Ctrl-C: torch's spawn parent exits 0 or 1 by a race of its own
+        assert (code == 0) == (status == "FINISHED"), log[-3000:]
     steps_before = 100 if failure == "none" else max(step - 1, 0)
     expected_syncs = [s for s in range(10, 101, 10) if s <= steps_before]
     if backend == "wandb":
