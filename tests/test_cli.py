@@ -846,8 +846,12 @@ def test_ctrl_c_stops_the_demo_with_one_line_and_ends_its_run_killed(tmp_path):
     exe = str(Path(sys.executable).with_name("hdet-track"))
     env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'int.db'}", OMP_NUM_THREADS="1")
     cmd = [exe, "demo", "--quick", "--replicas", "2", "--steps", "20000", "--sync-every", "25", "--group", "int"]
+
+    def sigint_default():  # a CI runner's background job inherits SIGINT ignored; a terminal's job does not
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
-                            start_new_session=True)  # fmt: skip
+                            start_new_session=True, preexec_fn=sigint_default)  # fmt: skip
     try:
         for line in proc.stdout:
             if "[  baseline-high]" in line and "100/20000" in line:

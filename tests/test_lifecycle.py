@@ -44,6 +44,12 @@ CASES = [
 ]
 
 
+def _sigint_default() -> None:
+    """A job started from a shell's background job (a CI runner's) inherits SIGINT ignored, and a
+    terminal's Ctrl-C would not reach it: the job gets SIGINT's default, as in a terminal."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def launch(launcher: str, ranks: int, backend: str, uri: str, failure: str, step: int, rank: int, tmp: Path):
     args = [launcher, backend, uri, failure, str(step), str(rank)]
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
@@ -53,7 +59,9 @@ def launch(launcher: str, ranks: int, backend: str, uri: str, failure: str, step
     else:
         cmd = [sys.executable, JOB, *args]
     log = open(tmp / "job.log", "w+")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env, start_new_session=True, preexec_fn=_sigint_default
+    )
     if failure in ("sigterm", "sigint"):
         assert proc.stdout.readline().strip() == "READY", (tmp / "job.log").read_text()[-3000:]
         time.sleep(1.0)  # the other ranks reach the next sync and wait there
@@ -249,9 +257,9 @@ def test_a_ctrl_c_an_earlier_run_caught_does_not_make_a_later_run_killed():
         def finished_open(self):
             return False
 
-    saved = lifecycle._STATE["interrupted"]
-    try:
-        lifecycle._STATE["interrupted"] = True
+    saved = {k: lifecycle._STATE[k] for k in ("interrupted", "failure", "signal", "exit_code")}
+    try:  # (an earlier test in this process may have left a failure behind)
+        lifecycle._STATE.update(interrupted=True, failure=None, signal=None, exit_code=None)
         assert lifecycle.exit_status(False, 5, 10)[0] == "KILLED"
         recorder = Recorder()
         lifecycle.register(recorder)
@@ -259,4 +267,4 @@ def test_a_ctrl_c_an_earlier_run_caught_does_not_make_a_later_run_killed():
         status, error = lifecycle.exit_status(False, 5, 10)
         assert status == "FAILED" and "step 5 of 10 without closing the run" in error
     finally:
-        lifecycle._STATE["interrupted"] = saved
+        lifecycle._STATE.update(saved)
