@@ -866,7 +866,10 @@ def test_ctrl_c_stops_the_demo_with_one_line_and_ends_its_run_killed(tmp_path):
     assert "hdet-track demo: stopped by SIGINT" in err and "SignalException" not in err, err[-3000:]
     client = MlflowClient(env["MLFLOW_TRACKING_URI"])
     (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
-    assert run.info.status == "KILLED" and "interrupted by SIGINT" in run.data.tags["hdet.error"]
+    # KILLED, not FAILED; the error names SIGINT, or, where torch's launcher killed the worker on its
+    # way out (it escalates to SIGKILL), the tracker process's word that its training process vanished
+    error = run.data.tags["hdet.error"]
+    assert run.info.status == "KILLED" and ("interrupted by SIGINT" in error or "vanished" in error), error
 
 
 def test_demo_refuses_up_front_what_it_could_not_finish(tmp_path, monkeypatch, capsys):
