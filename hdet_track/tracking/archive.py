@@ -15,6 +15,7 @@ Two kinds of chunk, numbered in order:
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections.abc import Iterable
@@ -86,6 +87,9 @@ class StepBlock:
             values={k: floats(v) for k, v in data["values"].items()},
             multipliers={k: floats(v) for k, v in data["multipliers"].items()},
         )
+
+
+logger = logging.getLogger(__name__)
 
 
 def chunk_index(path: str) -> int:
@@ -173,6 +177,20 @@ class EventArchive:
             raise
         self._last_write = time.monotonic()
         return written
+
+    def write_or_keep(self) -> list[Path]:
+        """:meth:`write` while a run is live: a write the disk refuses (full for a moment) is warned
+        about and kept for the next one, and the batch that filled the buffer counts as delivered
+        (failing it would replay it whole: rows twice)."""
+        try:
+            return self.write()
+        except OSError as exc:
+            logger.warning(
+                "hdet-track: the event archive %s could not be written now (%s); it is kept for the next write",
+                self.directory,
+                exc,
+            )
+            return []
 
     def _write(self, written: list[Path]) -> None:
         import pyarrow as pa

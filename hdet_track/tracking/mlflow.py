@@ -263,12 +263,7 @@ class MLflowTracker(Tracker):
             steps_through = max(steps_through, int(block.step.max()))
         self._archived = (steps_through, events_through)
         if self._archive.due():
-            try:
-                self._pending += self._archive.write()
-            except OSError as exc:  # a full disk: the rows stay buffered for the next write (the batch is in)
-                logger.warning(
-                    "hdet-track: the event archive could not be written now (%s); it is kept for the next write", exc
-                )
+            self._pending += self._archive.write_or_keep()
         self._upload(strict=False)
 
     def _log_user(self, points: list[Point]) -> None:
@@ -308,12 +303,7 @@ class MLflowTracker(Tracker):
 
     def flush(self) -> None:
         if self._archive is not None:
-            try:
-                self._pending += self._archive.write()
-            except OSError as exc:  # a full disk: kept for the next write, and the backend is not down
-                logger.warning(
-                    "hdet-track: the event archive could not be written now (%s); it is kept for the next write", exc
-                )
+            self._pending += self._archive.write_or_keep()
         self._upload(strict=False)
 
     def _upload(self, strict: bool) -> None:

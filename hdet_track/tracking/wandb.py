@@ -511,17 +511,16 @@ class WandbTracker(Tracker):
             max([through[1], *(int(b.step.max()) for b in batch.steps)]),
         )
         if self._archive.due():
-            try:
-                self._write_archive()
-            except OSError as exc:  # a full disk: the rows stay buffered for the next write (the batch is in)
-                logger.warning(
-                    "hdet-track: W&B's event archive could not be written now (%s); it is kept for the next write", exc
-                )
+            self._write_archive()
 
-    def _write_archive(self) -> None:
+    def _write_archive(self, live: bool = True) -> None:
+        """The event archive (``live``: a write the disk refuses is kept for the next), then the user's metrics."""
         if self._archive is None:
             return
-        self._archive.write()
+        if live:
+            self._archive.write_or_keep()
+        else:
+            self._archive.write()
         if self._user_points:
             with open(self._archive.directory / USER_METRICS_FILE, "a", encoding="utf-8") as f:
                 f.write("".join(json.dumps(p) + "\n" for p in self._user_points))
@@ -530,12 +529,7 @@ class WandbTracker(Tracker):
     def flush(self) -> None:
         """Write the event archive and the user's metrics, then wait (bounded) until W&B's run file
         holds every row logged so far: all of it survives a SIGKILL once this returns."""
-        try:
-            self._write_archive()
-        except OSError as exc:  # a full disk: kept for the next write, and the backend is not down
-            logger.warning(
-                "hdet-track: W&B's event archive could not be written now (%s); it is kept for the next write", exc
-            )
+        self._write_archive()
         if self._run is None or not self._run_open or self._existing is not None:
             return  # a given run's file is written at its owner's interval (15 s by default): not waited for
         path = self._run_file()
@@ -553,7 +547,7 @@ class WandbTracker(Tracker):
         self._end_run()
 
     def _finish(self, run_end: RunEnd) -> None:
-        self._write_archive()  # finish() waits for W&B's file below
+        self._write_archive(live=False)  # finish() waits for W&B's file below
 
         def end() -> None:
             self._run.summary["hdet/status"] = run_end.status
