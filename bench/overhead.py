@@ -8,6 +8,12 @@ replicas' gradients differ and checks each replica's own loss), the collective s
 machine load. Replicas train independently between syncs (no per-step gradient all-reduce), which
 is the strictest case: everything HDET adds is visible.
 
+Then the same under DDP (``DistributedDataParallel``: one gradient all-reduce per step, shared
+gradients), interleaved the same way: a plain DDP + OneCycleLR loop against HDET with its defaults
+(the step guard's scope "auto" finds the gradients shared and gathers every step's losses) and
+with ``step_guard=None``. This is what a DDP user pays for the collective step guard: the loop is
+already in lockstep once per step.
+
 Run: .venv/bin/python bench/overhead.py [--steps 2000] [--world 4]
 """
 
@@ -25,6 +31,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hdet_track import HDETScheduler
 from hdet_track.collectives import average_buckets, make_buckets
@@ -59,27 +66,29 @@ def run_block(model, opt, sched, x, y, steps: int, with_loss: bool) -> float:
     return time.perf_counter() - start
 
 
-def worker(rank: int, world: int, port: int, steps: int, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    g = torch.Generator().manual_seed(rank)
-    x, y = torch.randn(32, WIDTH, generator=g), torch.randint(0, 10, (32,), generator=g)
+def _loops(steps: int, ddp: bool) -> dict:
+    """The plain loop and HDET's, each with its own model (wrapped in DDP with ``ddp``)."""
 
-    plain_model = make_model()
-    plain_opt = torch.optim.SGD(plain_model.parameters(), lr=0.01, momentum=0.9)
+    def wrapped() -> tuple[nn.Module, nn.Module]:
+        module = make_model()
+        return (DDP(module) if ddp else module), module
+
+    plain_model, plain_module = wrapped()
+    plain_opt = torch.optim.SGD(plain_module.parameters(), lr=0.01, momentum=0.9)
     plain = torch.optim.lr_scheduler.OneCycleLR(plain_opt, max_lr=0.01, total_steps=steps)
     loops = {"plain": (plain_model, plain_opt, plain, False)}
-    # "hdet": the defaults (the drift controller; its step guard's scope "auto" finds the replicas'
-    # gradients differ, so each replica checks its own loss: no per-step collective);
-    # "hdet_collective_step_guard": the step guard that gathers every step's losses (what "auto"
-    # picks under DDP); "hdet_no_step_guard": syncs only, the collectives of a window are the sync's.
-    for name, controller in (
-        ("hdet", DriftController()),
-        ("hdet_collective_step_guard", DriftController(step_guard_scope="all")),
-        ("hdet_no_step_guard", DriftController(step_guard=None)),
-    ):
-        model = make_model()
-        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    # "hdet": the defaults (the drift controller; its step guard's scope "auto" finds independent
+    # replicas' gradients differ, so each replica checks its own loss: no per-step collective; under
+    # DDP it finds them shared and gathers every step's losses); "hdet_collective_step_guard" (without
+    # DDP only): the step guard that gathers every step's losses, as under DDP; "hdet_no_step_guard":
+    # syncs only, the collectives of a window are the sync's.
+    cases = [("hdet", DriftController())]
+    if not ddp:
+        cases.append(("hdet_collective_step_guard", DriftController(step_guard_scope="all")))
+    cases.append(("hdet_no_step_guard", DriftController(step_guard=None)))
+    for name, controller in cases:
+        model, module = wrapped()
+        opt = torch.optim.SGD(module.parameters(), lr=0.01, momentum=0.9)
         sched = HDETScheduler(
             opt,
             max_lr=0.01,
@@ -88,17 +97,34 @@ def worker(rank: int, world: int, port: int, steps: int, out: str) -> None:
             sync_every=100,
             auto_lr=True,
             controller=controller,
-            model=model,
+            model=module,
         )
         loops[name] = (model, opt, sched, True)
-    block = 100
+    return loops
+
+
+def interleaved(loops: dict, x: torch.Tensor, y: torch.Tensor, steps: int, block: int = 100) -> dict:
+    """Each loop's wall time, run in blocks of ``block`` steps, the order rotating every block so
+    that drifts in the machine's load cancel out."""
     times = dict.fromkeys(loops, 0.0)
     order = list(loops)
     for _ in range(steps // block):
-        order = order[1:] + order[:1]  # rotate which loop goes first so that drifts in load cancel out
+        order = order[1:] + order[:1]
         for name in order:
             model, opt, sched, with_loss = loops[name]
             times[name] += run_block(model, opt, sched, x, y, block, with_loss)
+    times["scope"] = loops["hdet"][2].controller.step_guard_scope
+    return times
+
+
+def worker(rank: int, world: int, port: int, steps: int, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(32, WIDTH, generator=g), torch.randint(0, 10, (32,), generator=g)
+
+    times = interleaved(_loops(steps, ddp=False), x, y, steps)
+    ddp_times = interleaved(_loops(steps, ddp=True), x, y, steps)
     t_plain = times["plain"]
 
     # Averaging alone: one all_reduce per bucket vs one per tensor, same 100 tensors.
@@ -125,7 +151,11 @@ def worker(rank: int, world: int, port: int, steps: int, out: str) -> None:
                     "hdet_s": times["hdet"],
                     "hdet_collective_step_guard_s": times["hdet_collective_step_guard"],
                     "hdet_no_step_guard_s": times["hdet_no_step_guard"],
-                    "scope": loops["hdet"][2].controller.step_guard_scope,
+                    "scope": times["scope"],
+                    "ddp_plain_s": ddp_times["plain"],
+                    "ddp_hdet_s": ddp_times["hdet"],
+                    "ddp_hdet_no_step_guard_s": ddp_times["hdet_no_step_guard"],
+                    "ddp_scope": ddp_times["scope"],
                     "flat_ms": 1e3 * t_flat / reps,
                     "per_tensor_ms": 1e3 * t_per / reps,
                     "step_ms": 1e3 * t_plain / steps,
@@ -161,6 +191,15 @@ def main() -> None:
         ratio = r[f"{name}_s"] / r["plain_s"]
         print(f"HDET (T=100, auto-LR, {what}): {r[f'{name}_s']:.2f} s  -> ratio {ratio:.3f}")
         bench = "hdet_overhead_ratio" + name.removeprefix("hdet")
+        lines.append({"bench": bench, "value": round(ratio, 4), "unit": "x", "target": target, "pass": ratio <= target})
+    print(f"plain DDP + OneCycleLR loop: {r['ddp_plain_s']:.2f} s")
+    for name, what, target in (
+        ("ddp_hdet", f"DDP, defaults: step guard scope 'auto' -> {r['ddp_scope']!r}", 1.10),
+        ("ddp_hdet_no_step_guard", "DDP, step_guard=None", 1.03),
+    ):
+        ratio = r[f"{name}_s"] / r["ddp_plain_s"]
+        print(f"HDET (T=100, auto-LR, {what}): {r[f'{name}_s']:.2f} s  -> ratio {ratio:.3f}")
+        bench = "hdet_overhead_ratio_" + name
         lines.append({"bench": bench, "value": round(ratio, 4), "unit": "x", "target": target, "pass": ratio <= target})
     print(f"averaging: flat buckets {r['flat_ms']:.2f} ms, per tensor {r['per_tensor_ms']:.2f} ms -> {speedup:.1f}x")
     for line in lines:

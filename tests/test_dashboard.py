@@ -357,6 +357,31 @@ def test_the_compare_table_of_a_run_read_as_an_overview_is_its_own(monkeypatch, 
     assert table["mean lr"][0] == pytest.approx(exact.mean_lr, rel=1e-12)
 
 
+def test_a_users_metric_of_a_run_read_as_an_overview_is_not_called_a_bucket_mean(monkeypatch, tmp_path):
+    """In an overview HDET's loss and LR are bucket means; a user's val_loss is read as logged, and
+    the Compare chart called it "mean per N steps" too."""
+    from hdet_track.readers.mlflow import MLflowReader
+    from hdet_track.viz import plot_compare
+
+    uri = f"sqlite:///{tmp_path / 'big.db'}"
+    opt = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with HDETScheduler(opt, 0.1, total_steps=60, sync_every=6, track=MLflowTracker(tracking_uri=uri)) as sched:
+            for k in range(1, 61):
+                opt.step()
+                sched.step(1.0 / k)
+                if k % 20 == 0:
+                    sched.log_metrics({"val_loss": 2.0 / k}, step=k)
+    monkeypatch.setenv("HDET_FULL_ROWS", "10")
+    (summary,) = MLflowReader(uri).list_runs()
+    run = MLflowReader(uri).read(summary.run_id)
+    assert run.overview and run.resolution is not None
+    assert "mean per" in plot_compare([run], "loss").data[0].name
+    (trace,) = plot_compare([run], "val_loss").data
+    assert "mean per" not in trace.name and list(trace.x) == [20, 40, 60]
+
+
 def _last_x(figure):
     """The last x of a figure's first trace (plotly may write it as a typed array)."""
     import base64

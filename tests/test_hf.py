@@ -545,6 +545,7 @@ def test_wrap_refuses_a_trainer_given_its_own_scheduler(tmp_path):
     [
         (dict(lr_scheduler_type="reduce_lr_on_plateau", eval_strategy="steps", eval_steps=5), "stepped only after"),
         (dict(label_smoothing_factor=0.1), "label_smoothing_factor=0"),
+        (dict(lr_scheduler_type="cosine"), r"Expected lr_scheduler_type='linear' .* but got 'cosine'"),
     ],
 )
 def test_the_callback_form_refuses_what_it_cannot_drive(tmp_path, kwargs, message):
@@ -556,6 +557,42 @@ def test_the_callback_form_refuses_what_it_cannot_drive(tmp_path, kwargs, messag
     with pytest.raises(ValueError, match=message):
         _tiny_trainer(tmp_path, [callback], **kwargs).train()
     assert callback.scheduler is None  # refused before anything was built
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(lr_scheduler_type="cosine_with_restarts", lr_scheduler_kwargs={"num_cycles": 3}), "but got 'cosine_with"),
+        (dict(lr_scheduler_kwargs={"power": 2.0}), r"Expected no lr_scheduler_kwargs with HDET, but got \{'power': 2.0\}"),
+    ],
+)
+def test_a_schedule_chosen_in_the_arguments_is_refused_not_replaced_in_silence(tmp_path, kwargs, message):
+    """The Trainer's arguments chose a schedule: HDET's OneCycle took its place without a word
+    (Lightning's integration refuses a scheduler other than OneCycleLR)."""
+    import hdet_track
+
+    with pytest.raises(ValueError, match=message):
+        hdet_track.wrap(_tiny_trainer(tmp_path, **kwargs), track=False)
+
+
+def test_the_callback_form_refuses_a_scheduler_given_to_the_trainer(tmp_path):
+    """optimizers=(opt, StepLR(...)): the callback form took the StepLR over in silence (``wrap``
+    refuses it); a ReduceLROnPlateau given there was blamed on lr_scheduler_type, the default."""
+    from transformers import Trainer
+
+    from hdet_track.integrations.transformers import HDETTrainerCallback
+
+    for make in (lambda o: torch.optim.lr_scheduler.StepLR(o, 2), torch.optim.lr_scheduler.ReduceLROnPlateau):
+        base = _tiny_trainer(tmp_path)
+        opt = torch.optim.SGD(base.model.parameters(), lr=0.1)
+        callback = HDETTrainerCallback(sync_every=3, track=False)
+        trainer = Trainer(
+            model=base.model, args=base.args, train_dataset=base.train_dataset, optimizers=(opt, make(opt)),
+            callbacks=[callback],
+        )  # fmt: skip
+        with pytest.raises(ValueError, match=r"given (StepLR|ReduceLROnPlateau) in optimizers=.*\(optimizer, None\)"):
+            trainer.train()
+        assert callback.scheduler is None
 
 
 def test_the_callback_form_refuses_to_resume_from_a_checkpoint_without_hdet(tmp_path):

@@ -397,6 +397,29 @@ def test_a_subclass_of_lightnings_mlflow_logger_gets_hdets_rows_in_its_run(tmp_p
     assert list(reader.read(summary.run_id).replica_series("lr", 0)[0]) == list(range(1, 9))
 
 
+def test_an_mlflow_and_a_wandb_logger_both_get_hdets_rows(tmp_path, monkeypatch):
+    """``logger=[MLFlowLogger(...), WandbLogger(...)]``: HDET logged into the first logger's run only,
+    and the W&B run had none of its rows (Hugging Face's integration logs into every run of report_to)."""
+    import wandb
+    from lightning.pytorch.loggers import MLFlowLogger, WandbLogger
+
+    from hdet_track.integrations.lightning import HDETCallback
+    from hdet_track.readers.mlflow import MLflowReader
+    from hdet_track.readers.wandb import WandbReader
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    mlflow_logger = MLFlowLogger(experiment_name="hdet", tracking_uri=uri)
+    wandb_logger = WandbLogger(project="hdet", save_dir=str(tmp_path))
+    callback = HDETCallback(sync_every=4)
+    trainer = _Tiny.trainer(tmp_path, [callback], logger=[mlflow_logger, wandb_logger])
+    trainer.fit(_Tiny.module(), _Tiny.data())
+    callback.scheduler.close()
+    wandb.finish()
+    for run in (MLflowReader(uri).read(mlflow_logger.run_id), WandbReader(str(tmp_path)).read(wandb_logger.version)):
+        assert list(run.replica_series("lr", 0)[0]) == list(range(1, 9))
+
+
 def test_a_onecycle_stepped_per_epoch_is_refused(tmp_path):
     from hdet_track.integrations.lightning import HDETCallback
 

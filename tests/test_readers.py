@@ -143,6 +143,9 @@ def test_history_fallback_matches_archive(tmp_path):
     assert [c.step for c in fallback.converge] == [c.step for c in full.converge]
     np.testing.assert_allclose(fallback.controller_series("lr")["base"], full.controller_series("lr")["base"])
     np.testing.assert_allclose(fallback.controller_series("lr")["drift"], full.controller_series("lr")["drift"])
+    # the decisions name the run's controller (they read "paper" without the archive, and the Controller
+    # page's "taken back" marks, which only the drift controller's moves get, were gone)
+    assert {d.controller for d in fallback.controller} == {d.controller for d in full.controller} == {"drift"}
 
 
 def test_a_series_the_run_does_not_have_is_an_error_not_an_empty_series(tmp_path):

@@ -276,3 +276,41 @@ def test_a_fit_resumed_in_a_given_run_writes_the_steps_past_its_tag(tmp_path):
     for m in client.get_metric_history(run_id, "hdet/replica_00/loss"):
         values.setdefault(m.step, []).append(m.value)
     assert all(any(v == pytest.approx(10.0 / s) for v in values[s]) for s in range(4, 11)), values
+
+
+def test_a_run_given_then_resumed_as_the_jobs_own_keeps_hdets_means_apart_from_the_owners_loss(tmp_path):
+    """Hugging Face's retry on the same Trainer: the first train() logged into the run its
+    MLflowCallback opened (HDET's means as ``hdet/loss``, beside the callback's ``loss``); the retry
+    finds no open run and resumes that run from the checkpoint as the job's own. Its means went to
+    plain ``loss``: two values at a step, Hugging Face's and HDET's, in one series."""
+    import torch
+
+    from hdet_track import HDETScheduler
+
+    uri = f"sqlite:///{tmp_path / 'retry.db'}"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("retry")).info.run_id
+
+    def scheduler(track):
+        torch.manual_seed(0)
+        opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+        return opt, HDETScheduler(opt, 0.1, total_steps=6, sync_every=3, track=track)
+
+    opt, first = scheduler(MLflowTracker(tracking_uri=uri, run_id=run_id))
+    for k in range(1, 5):
+        opt.step()
+        first.step(1.0 / k)
+        client.log_metric(run_id, "loss", 3.0, step=k)  # the owner's own training loss
+        if k == 3:
+            state = first.state_dict()
+    first.close("FAILED", error="RuntimeError: boom at step 4")
+    opt, sched = scheduler(MLflowTracker(tracking_uri=uri))  # the retry: the run comes from the checkpoint
+    sched.load_state_dict(state)
+    for k in range(4, 7):
+        opt.step()
+        sched.step(1.0 / k)
+    sched.close()
+    assert sched.run_ids["mlflow"] == run_id
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "loss")] == [(k, 3.0) for k in range(1, 5)]
+    assert sorted(m.step for m in client.get_metric_history(run_id, "hdet/loss")) == list(range(1, 7))
+    assert client.get_run(run_id).info.status == "FINISHED"

@@ -341,3 +341,14 @@ def test_a_step_range_without_syncs_says_so_not_that_the_run_has_none():
     run.view = (1, 5)
     for fig in (plot_divergence(run), plot_sync_heatmap(run, "window_losses"), plot_sync_heatmap(run, "weights")):
         assert "chosen step range" in fig.layout.annotations[0].text
+
+
+def test_a_loss_at_or_below_zero_gets_a_linear_axis_where_a_log_axis_would_draw_nothing():
+    """A loss that is a log-likelihood plus a constant (all values below 0): the loss charts of the
+    Converge, Fan-out and Compare pages kept their log axis and drew empty axes."""
+    positive = make_run()
+    negative = make_run(name="negative")
+    negative.steps.loss[:] = negative.steps.loss - 5.0
+    for plot in (plot_sync_loss, plot_replica_loss, lambda run: plot_compare([run])):
+        assert plot(positive).layout.yaxis.type == "log"
+        assert plot(negative).layout.yaxis.type != "log"

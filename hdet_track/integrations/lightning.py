@@ -46,22 +46,26 @@ _END_GRACE_S = 60.0
 
 
 def _tracker_for(trainer: Any, track: Any) -> Any:
-    """Lightning's own logger's run when there is one (its class or a subclass), else ``track``."""
+    """The runs of Lightning's own loggers when there are any (an ``MLFlowLogger`` or a
+    ``WandbLogger``, or a subclass: one tracker for each, so that ``logger=[MLFlowLogger(...),
+    WandbLogger(...)]`` gets HDET's series in both runs), else ``track``."""
     if track is False or track is None:
         return False
-    loggers = getattr(trainer, "loggers", []) or []
-    for logger_ in loggers:
+    trackers: list[Any] = []
+    for logger_ in getattr(trainer, "loggers", []) or []:
         kinds = {cls.__name__ for cls in type(logger_).__mro__}
         if "MLFlowLogger" in kinds:
             from ..tracking.mlflow import MLflowTracker
 
             run_id = logger_.run_id if trainer.global_rank == 0 else None
-            return MLflowTracker(tracking_uri=getattr(logger_, "_tracking_uri", None), run_id=run_id)
-        if "WandbLogger" in kinds:
+            trackers.append(MLflowTracker(tracking_uri=getattr(logger_, "_tracking_uri", None), run_id=run_id))
+        elif "WandbLogger" in kinds:
             from ..tracking.wandb import WandbTracker
 
-            return WandbTracker(run=logger_.experiment if trainer.global_rank == 0 else None)
-    return track
+            trackers.append(WandbTracker(run=logger_.experiment if trainer.global_rank == 0 else None))
+    if not trackers:
+        return track
+    return trackers[0] if len(trackers) == 1 else trackers
 
 
 class _HDETInLightning:

@@ -318,6 +318,7 @@ def wrap_trainer(
             f"{type(trainer.lr_scheduler).__name__} in optimizers=(optimizer, lr_scheduler): pass "
             "optimizers=(optimizer, None)"
         )
+    _check_schedule_choice(trainer.args)
     original_step = trainer.training_step
 
     def training_step(*args: Any, **kwargs: Any) -> Any:
@@ -397,6 +398,33 @@ def _hdet_for(args: Any, optimizer: Any, model: Any, num_training_steps: int, hd
     )
 
 
+def _check_schedule_choice(args: Any) -> None:
+    """HDET's OneCycle-shaped schedule takes the place of the scheduler the Trainer would make: a
+    schedule chosen in the arguments is refused, not dropped in silence (as Lightning's integration
+    refuses a scheduler other than OneCycleLR)."""
+    kind = _scheduler_kind(args)
+    if kind != "linear":
+        raise ValueError(
+            f"Expected lr_scheduler_type='linear' (the Trainer's default) with HDET, but got {kind!r}: HDET's "
+            "OneCycle-shaped schedule takes the scheduler's place (warmup_steps and warmup_ratio still set its "
+            "ramp-up); leave lr_scheduler_type at its default"
+        )
+    if getattr(args, "lr_scheduler_kwargs", None):
+        raise ValueError(
+            f"Expected no lr_scheduler_kwargs with HDET, but got {args.lr_scheduler_kwargs!r}: HDET's OneCycle-shaped "
+            "schedule takes the scheduler's place and would ignore them"
+        )
+
+
+def _made_by_the_trainer(lr_scheduler: Any) -> bool:
+    """Whether ``lr_scheduler`` is one the Trainer made from its arguments (Hugging Face's schedules
+    are LambdaLRs of functions in ``transformers``), not one given in ``optimizers=``."""
+    lambdas = getattr(lr_scheduler, "lr_lambdas", None)
+    return bool(lambdas) and all(
+        str(getattr(getattr(f, "func", f), "__module__", "")).startswith("transformers.") for f in lambdas
+    )
+
+
 def _check_callback_form(args: Any, lr_scheduler: Any) -> None:
     """What the callback form cannot do (``hdet_track.wrap(trainer)`` can): a clear error at once."""
     if getattr(args, "label_smoothing_factor", 0):
@@ -405,13 +433,22 @@ def _check_callback_form(args: Any, lr_scheduler: Any) -> None:
             "the Trainer then computes the loss itself and the model's output (which the callback reads) has "
             "none; use hdet_track.wrap(trainer), which takes the loss the Trainer computes"
         )
-    if isinstance(lr_scheduler, _METRIC_STEPPED):
+    if isinstance(lr_scheduler, _METRIC_STEPPED) and _scheduler_kind(args) != "linear":
         raise ValueError(
             f"Expected a scheduler the Trainer steps at every optimizer step, but lr_scheduler_type="
-            f"{str(getattr(args.lr_scheduler_type, 'value', args.lr_scheduler_type))!r} "
-            f"({type(lr_scheduler).__name__}) is stepped only after evaluations: use the default "
-            "lr_scheduler_type with HDETTrainerCallback, or hdet_track.wrap(trainer)"
+            f"{_scheduler_kind(args)!r} ({type(lr_scheduler).__name__}) is stepped only after evaluations: use the "
+            "default lr_scheduler_type with HDETTrainerCallback (HDET's schedule takes the scheduler's place)"
         )
+    if lr_scheduler is not None and not _made_by_the_trainer(lr_scheduler):
+        raise ValueError(
+            f"Expected a Trainer that makes its own scheduler (HDET takes its place), but it was given "
+            f"{type(lr_scheduler).__name__} in optimizers=(optimizer, lr_scheduler): pass optimizers=(optimizer, None)"
+        )
+    _check_schedule_choice(args)
+
+
+def _scheduler_kind(args: Any) -> str:
+    return str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type))
 
 
 class HDETTrainerCallback(TrainerCallback):

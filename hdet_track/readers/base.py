@@ -343,6 +343,11 @@ class HDETRun:
         """Steps per bucket of the per-step series (None: every step)."""
         return int(self._buckets().level[0]) if self.overview and len(self._buckets()) else None
 
+    def is_bucketed(self, key: str) -> bool:
+        """Whether :meth:`mean_series` of ``key`` gives bucket means (an overview's per-step series),
+        not the points as logged (a user's metric such as ``val_loss``)."""
+        return self.resolution is not None and self._bucket_column(key) in self.aggregates.columns  # type: ignore[union-attr]
+
     def resolution_note(self) -> str:
         """What the per-step series show, for figure titles and captions ("" at full resolution)."""
         level = self.resolution
@@ -504,13 +509,14 @@ def is_sync_series(key: str) -> bool:
 
 
 def sync_events_from_series(
-    series: dict[str, dict[int, float]],
+    series: dict[str, dict[int, float]], controller_name: str = ""
 ) -> tuple[list[Converge], list[ControllerDecision], list[Guard]]:
     """A run's syncs, controller decisions and guard actions rebuilt from its logged per-sync series
     (a run read without its event archive, or steps only a tracker's rows hold): ``series`` maps
     each metric of :func:`is_sync_series` to its values by sync step, in whatever the backend
     gives (MLflow's histories, W&B's rows). What the series do not say is unknown: the rate of a
-    backoff or rollback (``drift_change`` NaN), the replicas a backoff answered, divergences."""
+    backoff or rollback (``drift_change`` NaN), the replicas a backoff answered, divergences.
+    ``controller_name``: the run's controller (its ``hdet.controller`` tag), which the decisions name."""
     windows = {r: k for k in series if (r := names.parse_window_loss_metric(k)) is not None}
     converge: list[Converge] = []
     if windows:
@@ -569,6 +575,7 @@ def sync_events_from_series(
                     permutation=[],
                     onecycle=[t["onecycle"] for t in ts] if name == "lr" else None,
                     reference=[t["reference"] for t in ts],
+                    **({"controller": controller_name} if controller_name else {}),
                 )
             )
     decisions.sort(key=lambda d: d.step)

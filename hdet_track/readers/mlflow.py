@@ -408,7 +408,7 @@ class MLflowReader:
 
     def _rebuild_sync_events(self, run: HDETRun, latest: dict[str, float]) -> None:
         series = {key: dict(zip(*self._history(run.run_id, key))) for key in latest if is_sync_series(key)}
-        run.converge, run.controller, run.guard = sync_events_from_series(series)
+        run.converge, run.controller, run.guard = sync_events_from_series(series, run.tags.get("hdet.controller", ""))
         run.metrics.update(divergence_summaries(series))
 
     def _read_user_metrics(self, run: HDETRun, latest: dict[str, float], archive: bool) -> None:

@@ -317,7 +317,7 @@ class WandbReader:
                 for key, value in row.items():
                     if is_sync_series(key) and isinstance(value, (int, float)):
                         series.setdefault(key, {})[int(sync)] = float(value)
-        run.converge, run.controller, run.guard = sync_events_from_series(series)
+        run.converge, run.controller, run.guard = sync_events_from_series(series, run.tags.get("hdet.controller", ""))
         run.metrics.update(divergence_summaries(series))
         for row in history:
             for key, value in row.items():

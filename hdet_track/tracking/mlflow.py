@@ -215,6 +215,7 @@ class MLflowTracker(Tracker):
             opened = _create(client, experiment, run_start, self.run_name, tags)
         _log_params_and_tags(client, opened, run_start, tags)
         self._attached = bool(attach) and not opened.reopen  # a given run we reopened is ours to end
+        self._given = self._given or opened.means_given
         self._skip_until, self._archived, self._user_steps = opened.skip_until, opened.archived, opened.user_steps
         self._client = client
         self._run_id = opened.run_id
@@ -378,6 +379,9 @@ class _Opened:
     skip_until: int = -1  # HDET's metric points up to this step are in the store already
     archived: tuple[int, int] = (-1, -1)  # the archive's step rows, and its events, up to these steps
     user_steps: dict[str, set[int]] | None = None  # user key -> steps in the store (a resumed job)
+    # HDET's means are in the run under their given-run names (an earlier attempt logged into a run
+    # it was given, whose owner logs a ``loss`` of its own): a resumed attempt keeps them there
+    means_given: bool = False
 
 
 def _create(client: Any, experiment: str, run_start: RunStart, run_name: str | None, tags: dict[str, str]) -> _Opened:
@@ -401,6 +405,7 @@ def _reopen(client: Any, run_id: str, run_start: RunStart, resumed: bool) -> _Op
         reopen=reopen,
         params=frozenset(run.data.params),
         start_index=max((chunk_index(p) for p in chunks), default=0),  # continue the archive's numbering
+        means_given=any(key in run.data.metrics for key in names.MEANS_IN_GIVEN_RUN.values()),
     )
     if run_start.start_step > 0:
         opened.skip_until = _logged_through(client, run)

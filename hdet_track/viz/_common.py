@@ -75,6 +75,20 @@ def layout(fig: go.Figure, title: str, ytitle: str, log_y: bool = False) -> go.F
         margin={"l": 60, "r": 20, "t": 50, "b": 40},
         hovermode="x unified",
     )
-    if log_y:
+    if log_y and _positive(fig):
         fig.update_yaxes(type="log")
     return fig
+
+
+def _positive(fig: go.Figure) -> bool:
+    """Whether every finite y value of ``fig`` is above 0 (a log axis draws nothing else: a loss
+    that is zero or negative, such as a log-likelihood plus a constant, gets a linear axis)."""
+    for trace in fig.data:
+        y = getattr(trace, "y", None)
+        if y is None:
+            continue
+        values = np.asarray(y, dtype=float)
+        values = values[np.isfinite(values)]
+        if len(values) and values.min() <= 0:
+            return False
+    return True

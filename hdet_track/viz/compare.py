@@ -35,7 +35,7 @@ def plot_compare(
                 y=v,
                 mode="lines",
                 name=f"{run.name} ({schedule_label(run.schedule)})"
-                + ("" if run.resolution is None else f", mean per {run.resolution:,} steps"),
+                + ("" if not run.is_bucketed(key) else f", mean per {run.resolution:,} steps"),
                 line={"color": color(i), "dash": "dash" if run.schedule == "onecycle" else "solid"},
             )
         )
