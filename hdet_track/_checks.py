@@ -7,6 +7,8 @@ import math
 import numbers
 from typing import Any
 
+import numpy as np
+
 
 def real(value: Any) -> float | None:
     """``value`` as a float when it is a real number: a Python or NumPy scalar, or a one-element
@@ -57,4 +59,16 @@ def check_str(name: str, value: Any, empty: bool = False) -> str | None:
     if value is not None and (not isinstance(value, str) or not (value or empty)):
         kind = "a str" if empty else "a non-empty str"
         raise ValueError(f"Expected {name} to be {kind} or None, but got {value!r}")
+    return value
+
+
+def plain(value: Any) -> Any:
+    """``value`` with NumPy scalars as Python numbers, in lists, tuples and dicts too (tensors and
+    everything else as they are): what a checkpoint holds must load with ``weights_only=True``."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if type(value) in (list, tuple):
+        return type(value)(plain(v) for v in value)
+    if type(value) is dict:
+        return {k: plain(v) for k, v in value.items()}
     return value

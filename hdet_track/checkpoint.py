@@ -22,7 +22,10 @@ import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from . import collectives
+from ._checks import plain
 from .errors import CheckpointMismatchError
 
 if TYPE_CHECKING:
@@ -92,7 +95,7 @@ class Checkpointing:
         }
         if all_ranks:
             state["windows"] = {r: w for r, w in enumerate(collectives.all_gather_objects(window, self._group))}
-        return state
+        return plain(state)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output (or hdet-track 0.1's) and re-apply this rank's values.
@@ -119,7 +122,11 @@ class Checkpointing:
             settings=self._resume_settings(),
             controller_settings=None if controller is None else controller.settings(),
         )
-        self.__dict__.update({k: v for k, v in state["onecycle"].items() if k in self._onecycle_keys})
+        # a checkpoint holds Python numbers (weights_only=True); OneCycleLR computes with the NumPy
+        # scalars it was given (np.float32 arithmetic): their types come back, bit for bit
+        self.__dict__.update(
+            {k: numbers_like(self.__dict__.get(k), v) for k, v in state["onecycle"].items() if k in self._onecycle_keys}
+        )
         self._fanout.load_state_dict(state)
         if controller is not None:
             controller.load_state_dict(state["controller"]["state"])
@@ -141,7 +148,24 @@ class Checkpointing:
             "param_groups": len(self.optimizer.param_groups),
             **{k: self._config[k] for k in shape if k in self._config},
             "lr_bounds": [[float(low), float(high)] for low, high in self._lr_bounds],
+            # each explored hyperparameter's targets (a model that gained a Dropout) and bounds
+            "explored_targets": self._fanout.num_targets(),
+            "explore_bounds": {
+                name: [float(x) for x in self._fanout.hyperparams[name].bounds] for name in self._fanout.names[1:]
+            },
         }
+
+
+def numbers_like(template: Any, value: Any) -> Any:
+    """``value`` (from a checkpoint: Python numbers) with the NumPy scalar types of ``template`` (what
+    this scheduler holds in the same place), in lists and dicts too."""
+    if isinstance(template, np.generic) and isinstance(value, (int, float)):
+        return type(template)(value)
+    if isinstance(template, (list, tuple)) and isinstance(value, (list, tuple)) and len(template) == len(value):
+        return type(value)(numbers_like(t, v) for t, v in zip(template, value))
+    if isinstance(template, dict) and isinstance(value, dict):
+        return {k: numbers_like(template.get(k), v) for k, v in value.items()}
+    return value
 
 
 def upgrade(state: dict[str, Any], onecycle_keys: Collection[str], num_groups: int) -> dict[str, Any]:

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ._checks import check_bool, check_int, check_number
+from ._checks import check_bool, check_int, check_number, plain
 from .record import ControllerUpdate, GuardAction
 from .schedule import decay_gamma
 
@@ -246,7 +246,7 @@ class Controller:
     def settings(self) -> dict:
         """The constructor's arguments, as given (a checkpoint keeps them: a job resumes exactly only
         with the same ones)."""
-        return dict(getattr(self, "_settings", {}))
+        return plain(dict(getattr(self, "_settings", {})))  # NumPy scalars as numbers: weights_only=True
 
 
 # ---------------------------------------------------------------------- the paper's controller
@@ -323,11 +323,15 @@ class PaperController(Controller):
         return reference if held is None else held[target]
 
     def state_dict(self) -> dict:
-        return {"base": dict(self._base), "velocity": dict(self._velocity)}
+        # gamma too: it was bound to the step the controller started at (a job that took over a
+        # schedule part-way), which a scheduler built to resume does not know
+        return {"base": dict(self._base), "velocity": dict(self._velocity), "gamma": dict(self.gamma)}
 
     def load_state_dict(self, state: dict) -> None:
         self._base = {k: None if v is None else [float(x) for x in v] for k, v in state["base"].items()}
         self._velocity = {k: [float(x) for x in v] for k, v in state["velocity"].items()}
+        if "gamma" in state:  # a checkpoint of an earlier version: the gamma bound here
+            self.gamma = {k: float(v) for k, v in state["gamma"].items()}
 
 
 # ---------------------------------------------------------------------- the drift controller

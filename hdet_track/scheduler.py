@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import socket
 import warnings
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -230,6 +231,11 @@ class HDETScheduler(Reporting, Checkpointing, OneCycleLR):
         self._bind_controller()
         self._hdet_ready = True
         self._apply_explored()
+        # optimizer.load_state_dict() writes the saving rank's LRs and explored values into the param
+        # groups: this rank's come back at once, whichever of the two is loaded first
+        if optimizer not in _LATEST:
+            optimizer.register_load_state_dict_post_hook(_reapply_after_load)
+        _LATEST[optimizer] = weakref.ref(self)  # the latest scheduler of the optimizer, not kept alive
         if self._world_size == 1 and fan.spreading:
             warnings.warn(
                 "HDETScheduler runs on a single replica (no initialised process group, or a group "
@@ -478,6 +484,18 @@ class HDETScheduler(Reporting, Checkpointing, OneCycleLR):
             g["lr"].clone() if isinstance(g["lr"], torch.Tensor) else g["lr"] for g in self.optimizer.param_groups
         ]
         self._apply_explored()
+
+
+_LATEST: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref[HDETScheduler]] = weakref.WeakKeyDictionary()
+
+
+def _reapply_after_load(optimizer: torch.optim.Optimizer) -> None:
+    """After ``optimizer.load_state_dict()``: the optimizer's latest HDETScheduler (if still alive)
+    puts this rank's values back into the param groups."""
+    ref = _LATEST.get(optimizer)
+    sched = ref() if ref is not None else None
+    if sched is not None and sched.optimizer is optimizer:
+        sched._refresh()
 
 
 def check_hdet_kwargs(owner: str, kwargs: Mapping[str, Any], taken: Iterable[str] = (), **given: Any) -> None:

@@ -563,7 +563,10 @@ def test_the_callback_form_refuses_what_it_cannot_drive(tmp_path, kwargs, messag
     "kwargs, message",
     [
         (dict(lr_scheduler_type="cosine_with_restarts", lr_scheduler_kwargs={"num_cycles": 3}), "but got 'cosine_with"),
-        (dict(lr_scheduler_kwargs={"power": 2.0}), r"Expected no lr_scheduler_kwargs with HDET, but got \{'power': 2.0\}"),
+        (
+            dict(lr_scheduler_kwargs={"power": 2.0}),
+            r"Expected no lr_scheduler_kwargs with HDET, but got \{'power': 2.0\}",
+        ),
     ],
 )
 def test_a_schedule_chosen_in_the_arguments_is_refused_not_replaced_in_silence(tmp_path, kwargs, message):

@@ -6,6 +6,7 @@ import io
 import math
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -191,6 +192,33 @@ def test_load_state_dict_rejects_other_world_or_explore():
         HDETScheduler(make()[1], 0.1, total_steps=10).load_state_dict(bad)
     with pytest.raises(CheckpointMismatchError, match="weight_decay"):
         HDETScheduler(make()[1], 0.1, total_steps=10, explore={"weight_decay": 0.1}).load_state_dict(state)
+
+
+def test_load_state_dict_rejects_other_explored_targets_or_bounds():
+    """A model that gained a Dropout (the same state_dict keys) failed half-way with an IndexError,
+    one that lost one loaded in silence; other bounds of an explored hyperparameter loaded in silence
+    and clipped the replicas differently. Both are named, before anything is applied."""
+    from hdet_track import CheckpointMismatchError
+
+    def build(dropouts, bounds=None):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), *[nn.Dropout(0.1) for _ in range(dropouts)], nn.Linear(4, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=1e-3)
+        return opt, quiet(
+            optimizer=opt, max_lr=0.1, total_steps=10, auto_lr=True,
+            explore=[explore.dropout(model, 0.5), explore.param_group("weight_decay", 0.5, bounds=bounds)],
+        )  # fmt: skip
+
+    opt, sched = build(1)
+    for k in range(1, 4):
+        opt.step()
+        sched.step(1.0 / k)
+    state = sched.state_dict()
+    with pytest.raises(CheckpointMismatchError, match=r"explored_targets is \{'lr': 1, 'dropout': 2, "):
+        build(2)[1].load_state_dict(state)
+    with pytest.raises(CheckpointMismatchError, match=r"explore_bounds is .*'weight_decay': \[0.0, 0.0012\]"):
+        build(1, bounds=(0.0, 1.2e-3))[1].load_state_dict(state)
+    build(1)[1].load_state_dict(state)  # the same job loads it
 
 
 @pytest.mark.parametrize(
@@ -613,3 +641,114 @@ def test_as_sequential_lrs_first_scheduler_it_makes_no_sync_while_being_built():
         syncs += [hdet.last_sync.step] if hdet.last_sync is not None and hdet.last_sync.step not in syncs else []
         assert sched.get_last_lr() == ref.get_last_lr()
     assert syncs == [5]  # SequentialLR hands over at its milestone: HDET's 10th step is the next scheduler's
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(max_lr=np.float32(0.1), div_factor=np.float32(25)),
+        dict(controller=DriftController(guard=np.float64(3.0), max_rollbacks=np.int64(4))),
+        dict(controller="paper", temperature=np.float32(0.2)),
+    ],
+)
+def test_a_checkpoint_of_numpy_scalar_arguments_loads_with_weights_only_and_resumes_the_same(kwargs):
+    """NumPy scalars are accepted for HDET's numbers, and OneCycleLR's state (base_lrs) and the
+    controller's recorded settings kept them: torch.load(weights_only=True), torch's default, refused
+    the checkpoint. The run that resumes computes what the uninterrupted one did, bit for bit (OneCycleLR
+    computes in np.float32 with np.float32 arguments)."""
+    import copy
+
+    args = dict(max_lr=0.1, total_steps=20, sync_every=5, auto_lr=True) | kwargs
+
+    def build():
+        model, opt = make()
+        controller = args.get("controller")
+        fresh = (
+            dict(args, controller=DriftController(**controller.settings()))
+            if isinstance(controller, DriftController)
+            else args
+        )
+        return model, opt, quiet(optimizer=opt, model=model, **fresh)
+
+    model, opt, sched = build()
+    lrs = []
+    for k in range(1, 21):
+        opt.step()
+        sched.step(1.0 / k)
+        lrs.append([g["lr"] for g in opt.param_groups])
+        if k == 7:
+            buf = io.BytesIO()
+            torch.save(sched.state_dict(), buf)
+            # (the optimizer's own state holds OneCycleLR's NumPy max_lr in its param groups, as with
+            # plain OneCycleLR: torch's matter, kept aside here)
+            state = {"opt": copy.deepcopy(opt.state_dict()), "model": copy.deepcopy(model.state_dict())}
+    buf.seek(0)
+    state["sched"] = torch.load(buf, weights_only=True)
+    model, opt, resumed = build()
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["opt"])
+    resumed.load_state_dict(state["sched"])
+    for k in range(8, 21):
+        opt.step()
+        resumed.step(1.0 / k)
+        assert [g["lr"] for g in opt.param_groups] == lrs[k - 1]
+
+
+def test_loading_the_optimizer_after_the_scheduler_keeps_this_ranks_values():
+    """A checkpoint written by rank 0: its optimizer state holds rank 0's LRs and explored values.
+    Loaded after the scheduler, it gave every rank rank 0's LR until the next step and its explored
+    values until the next sync (the README says the order does not matter)."""
+    model, opt = make()
+    sched = quiet(optimizer=opt, max_lr=0.1, total_steps=20, sync_every=5, model=model, explore={"weight_decay": 0.5})
+    for k in range(1, 8):
+        opt.step()
+        sched.step(1.0 / k)
+    state = {"sched": sched.state_dict(), "opt": opt.state_dict()}
+    mine = [(g["lr"], g["weight_decay"]) for g in opt.param_groups]
+    for group in state["opt"]["param_groups"]:  # another rank's values, as rank 0's checkpoint holds them
+        group["lr"], group["weight_decay"] = 0.123, 0.0456
+    model, opt = make()
+    resumed = quiet(optimizer=opt, max_lr=0.1, total_steps=20, sync_every=5, model=model, explore={"weight_decay": 0.5})
+    resumed.load_state_dict(state["sched"])
+    opt.load_state_dict(state["opt"])
+    assert [(g["lr"], g["weight_decay"]) for g in opt.param_groups] == mine
+    # only the optimizer's latest scheduler answers a load, and a deepcopy of the optimizer still works
+    import copy
+
+    copy.deepcopy(opt)
+    later = quiet(optimizer=opt, max_lr=0.2, total_steps=20, sync_every=5, model=model)
+    opt.load_state_dict(state["opt"])
+    assert [g["lr"] for g in opt.param_groups] == later.get_last_lr()
+
+
+def test_the_paper_controller_resumes_with_the_decay_of_the_job_that_took_over_part_way():
+    """A OneCycleLR run that HDET took over at step 20 (from_onecycle, the paper controller): its decay
+    rate spans the syncs after step 20. Resumed from a checkpoint into a scheduler built from the start,
+    it was recomputed over the whole schedule (0.527 -> 0.451): the LRs ended 2x off, with no error."""
+    kwargs = dict(spread=0.0, sync_every=10, auto_lr=True, controller="paper")
+
+    def onecycle():
+        model, opt = make(groups=1)
+        return model, opt, OneCycleLR(opt, max_lr=0.1, total_steps=100)
+
+    model, opt, plain = onecycle()
+    for _ in range(20):
+        opt.step()
+        plain.step()
+    sched = HDETScheduler.from_onecycle(plain, model=model, **kwargs)
+    lrs = {}
+    for k in range(21, 101):
+        opt.step()
+        sched.step(1.0 / k)
+        lrs[k] = opt.param_groups[0]["lr"]
+        if k == 50:
+            state = {"sched": sched.state_dict(), "opt": opt.state_dict()}
+    model, opt, plain = onecycle()
+    resumed = HDETScheduler.from_onecycle(plain, model=model, **kwargs)
+    opt.load_state_dict(state["opt"])
+    resumed.load_state_dict(state["sched"])
+    assert resumed.gamma == sched.gamma
+    for k in range(51, 101):
+        opt.step()
+        resumed.step(1.0 / k)
+        assert opt.param_groups[0]["lr"] == lrs[k], k
