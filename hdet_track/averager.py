@@ -97,6 +97,31 @@ class ReplicaAverager:
         self.optimizer.state.clear()
         self._buckets = []
 
+    def average_optimizer_state(self) -> bool:
+        """Average the optimizer's state (momentum buffers, Adam's moments: every floating tensor of
+        one or more dimensions) across the replicas, so that one replica's state stands for all (a
+        checkpoint written by rank 0 alone). Only where every replica holds state of the same layout
+        (one small gather tells); a replica the guard reset has none, and then nothing is averaged.
+        Returns whether it averaged. A collective: every rank calls it at the same point."""
+        if self.world_size == 1:
+            return True
+        tensors, layout = [], []
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                for key, value in sorted(self.optimizer.state.get(p, {}).items(), key=lambda kv: str(kv[0])):
+                    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() > 0:
+                        tensors.append(value)
+                        layout.append((str(key), tuple(value.shape), str(value.dtype)))
+        layouts = collectives.all_gather_objects(layout, self.group)
+        if any(other != layout for other in layouts):
+            return False
+        if not tensors:  # no state to average (SGD without momentum), the same on every replica
+            return True
+        with torch.no_grad():
+            buckets = collectives.make_buckets(tensors)
+            collectives.average_buckets(buckets, self.group)
+        return True
+
     def state_dict(self) -> dict:
         return {"consensus": None if self._consensus is None else [c.clone() for c in self._consensus]}
 

@@ -233,9 +233,10 @@ class HDETScheduler(Reporting, Checkpointing, OneCycleLR):
         self._apply_explored()
         # optimizer.load_state_dict() writes the saving rank's LRs and explored values into the param
         # groups: this rank's come back at once, whichever of the two is loaded first
-        if optimizer not in _LATEST:
-            optimizer.register_load_state_dict_post_hook(_reapply_after_load)
-        _LATEST[optimizer] = weakref.ref(self)  # the latest scheduler of the optimizer, not kept alive
+        inner = _innermost(optimizer)  # a wrapper's (accelerate's AcceleratedOptimizer) loads into it
+        if inner not in _LATEST:
+            inner.register_load_state_dict_post_hook(_reapply_after_load)
+        _LATEST[inner] = weakref.ref(self)  # the latest scheduler of the optimizer, not kept alive
         if self._world_size == 1 and fan.spreading:
             warnings.warn(
                 "HDETScheduler runs on a single replica (no initialised process group, or a group "
@@ -372,15 +373,28 @@ class HDETScheduler(Reporting, Checkpointing, OneCycleLR):
         """Converge now instead of at the next multiple of ``sync_every`` (the schedule of later
         syncs is unchanged); a collective: every rank calls it after the same step. Integrations call
         it before a checkpoint, so that the checkpoint holds one consensus that every replica resumes
-        from. Returns the sync's record (None right after a sync: nothing to converge).
+        from. The optimizer's state (momentum, Adam's moments) is averaged too, also right after a
+        sync, so that rank 0's optimizer state in such a checkpoint is every replica's (with weight
+        decay, or independent replicas, each replica's own differs). Returns the sync's record (None
+        right after a sync: nothing to converge).
         """
+        record = None
         if not self._converger.losses:
             self.gather_pending()  # right after a sync: its divergences, before a checkpoint
-            return None
-        self._deliver()
-        record = self._sync(self.last_epoch, final=True)  # often before a checkpoint: nothing left pending
-        self._refresh()  # the next step's values, from the new drift and permutations
-        self._synced(record)
+        else:
+            self._deliver()
+            record = self._sync(self.last_epoch, final=True)  # often before a checkpoint: nothing left pending
+            self._refresh()  # the next step's values, from the new drift and permutations
+            self._synced(record)
+        if not self._converger.averager.average_optimizer_state() and not self.__dict__.get("_state_said"):
+            self._state_said = True
+            warnings.warn(
+                "HDETScheduler.sync_now() could not average the optimizer's state: the replicas hold it in different "
+                "layouts (one the guard reset has none yet), so one rank's optimizer state is not every rank's; "
+                "save every rank's optimizer state for an exact resume",
+                UserWarning,
+                stacklevel=2,
+            )
         return record
 
     def _synced(self, record: SyncRecord) -> None:
@@ -494,8 +508,21 @@ def _reapply_after_load(optimizer: torch.optim.Optimizer) -> None:
     puts this rank's values back into the param groups."""
     ref = _LATEST.get(optimizer)
     sched = ref() if ref is not None else None
-    if sched is not None and sched.optimizer is optimizer:
+    needed = ("initial_lr", "max_lr", "min_lr")  # OneCycleLR's, gone from a state saved without it
+    if sched is not None and sched._hdet_ready and all(k in g for g in optimizer.param_groups for k in needed):
         sched._refresh()
+
+
+def _innermost(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer a wrapper (accelerate's ``AcceleratedOptimizer``, which never ran
+    ``Optimizer.__init__``) holds as ``.optimizer``; ``optimizer`` itself otherwise."""
+    seen = {id(optimizer)}
+    while (
+        isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer) and id(optimizer.optimizer) not in seen
+    ):
+        optimizer = optimizer.optimizer
+        seen.add(id(optimizer))
+    return optimizer
 
 
 def check_hdet_kwargs(owner: str, kwargs: Mapping[str, Any], taken: Iterable[str] = (), **given: Any) -> None:

@@ -881,3 +881,30 @@ def test_a_file_store_is_refused_when_the_tracker_is_made_and_still_read(tmp_pat
             MLflowTracker()
     finally:
         mlflow.set_tracking_uri(before)
+
+
+def test_a_second_training_from_step_1_in_a_given_run_is_named(sqlite_uri, caplog):
+    """Lightning's Trainer fit again with the same MLFlowLogger, Hugging Face's train() twice: each
+    training logged steps 1-N into the one given run, which read as one mixed series, with no word."""
+    import logging
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(sqlite_uri)
+    run_id = client.create_run(client.create_experiment("given")).info.run_id
+
+    def train(steps):
+        opt = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)
+        tracker = MLflowTracker(tracking_uri=sqlite_uri, run_id=run_id)
+        tracker.isolate = False  # its warning in this process (the tracker's own process logs it otherwise)
+        sched = HDETScheduler(opt, 0.1, total_steps=steps, sync_every=2, track=tracker)
+        for k in range(1, steps + 1):
+            opt.step()
+            sched.step(1.0 / k)
+        sched.close()
+
+    with caplog.at_level(logging.WARNING):
+        train(4)
+        assert "already holds an earlier HDET training" not in caplog.text
+        train(6)
+    assert f"MLflow run {run_id} already holds an earlier HDET training (through step 4)" in caplog.text

@@ -920,6 +920,8 @@ def test_two_schedulers_logging_into_one_given_run_at_once_are_named_not_silentl
                 sched.step(1.0 / k)
             sched.close()
         assert "another scheduler is logging into W&B run" not in caplog.text
+        # one after the other, each from step 1: their steps mix in the run, which a warning says
+        assert caplog.text.count(f"W&B run {run.id} already holds an earlier HDET training") == 1
         (g_opt, g), (d_opt, d) = scheduler(run), scheduler(run)
         for k in range(1, 5):
             for opt, sched in ((g_opt, g), (d_opt, d)):

@@ -23,7 +23,7 @@ from ..errors import needs_extra
 from ..events import RunEnd, RunStart
 from ..owner import process_identity
 from ..summaries import SUMMARY_DIR
-from ._common import run_params, run_tags
+from ._common import run_params, run_tags, warn_second_training
 from .archive import ARTIFACT_DIR, EventArchive, artifact_dir, chunk_index
 from .base import Batch, Point, Tracker
 from .spill import PENDING_HEADER, PENDING_PREFIX, store_spill_dir, uri_scheme
@@ -407,6 +407,9 @@ def _reopen(client: Any, run_id: str, run_start: RunStart, resumed: bool) -> _Op
         start_index=max((chunk_index(p) for p in chunks), default=0),  # continue the archive's numbering
         means_given=any(key in run.data.metrics for key in names.MEANS_IN_GIVEN_RUN.values()),
     )
+    earlier = run.data.tags.get(LOGGED_THROUGH_TAG)
+    if not resumed and run_start.start_step == 0 and earlier is not None:
+        warn_second_training("MLflow", run_id, earlier)
     if run_start.start_step > 0:
         opened.skip_until = _logged_through(client, run)
         opened.archived = _archived_through(client, run_id, chunks)

@@ -27,7 +27,7 @@ from ..owner import process_identity
 from ..wandb_file import RunFileProgress, WandbFormatError
 from ..wandb_store import OWNER_FILE, SYNC_PREFIXES, USER_METRICS_FILE, StoredSteps
 from . import lifecycle
-from ._common import run_params, run_tags
+from ._common import run_params, run_tags, warn_second_training
 from .archive import ARTIFACT_DIR, EventArchive, chunk_index
 from .base import Batch, Tracker
 
@@ -430,6 +430,9 @@ class WandbTracker(Tracker):
         self._run = run
         if self._given is not None:
             self._given.join(self)
+            owner = Path(run.dir) / ARTIFACT_DIR / OWNER_FILE
+            if run_start.start_step == 0 and owner.exists():  # an earlier HDET training's (or a live one's)
+                warn_second_training("W&B", run.id, str(_LOGGED.get(run.id, _Logged()).rows or "?"))
 
         self._call(partial(_define_metrics, run, tags, given=self._existing is not None))
         folder = Path(run.dir) / ARTIFACT_DIR  # a given run may hold an earlier scheduler's chunks: none overwritten

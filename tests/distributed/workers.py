@@ -693,3 +693,41 @@ def closed_between_syncs(rank: int, world: int, uri: str, sync_first: bool) -> d
         sched.sync_now()
     sched.close()
     return {"warnings": [m for m in records if "closed between two syncs" in m], "run_ids": sched.run_ids}
+
+
+def resume_from_rank0_after_sync_now(rank: int, world: int, independent: bool, ckpt: str) -> dict:
+    """SGD with momentum and weight decay, 4 ranks: a checkpoint written by rank 0 alone after
+    ``sync_now()`` (what the Lightning and Hugging Face integrations do), resumed on every rank,
+    against the run that went on. Each rank's momentum differs (``weight_decay * p`` and, with
+    independent replicas, its own gradients): rank 0's stood in for every rank's."""
+    import torch.distributed as dist
+
+    def build():
+        model = make_model()
+        net = model if independent else DDP(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-2)
+        sched = HDETScheduler(opt, max_lr=0.1, total_steps=16, spread=0.5, sync_every=4, model=model)
+        return model, net, opt, sched
+
+    model, net, opt, sched = build()
+    for step in range(1, 17):
+        sched.step(sgd_step(net, opt, rank, step))
+        if step == 6:
+            sched.sync_now()
+            momentum = [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+            if rank == 0:
+                torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()}, ckpt)
+            dist.barrier()
+    went_on = [p.detach().clone() for p in model.parameters()]
+    model, net, opt, sched = build()
+    state = torch.load(ckpt, weights_only=True)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["opt"])
+    sched.load_state_dict(state["sched"])
+    for step in range(7, 17):
+        sched.step(sgd_step(net, opt, rank, step))
+    return {
+        "momentum": [m.tolist() for m in momentum],
+        "same": all(torch.equal(a, b) for a, b in zip(went_on, model.parameters())),
+        "max_diff": max(float((a - b).abs().max()) for a, b in zip(went_on, model.parameters())),
+    }
