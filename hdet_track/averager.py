@@ -109,11 +109,13 @@ class ReplicaAverager:
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 for key, value in sorted(self.optimizer.state.get(p, {}).items(), key=lambda kv: str(kv[0])):
-                    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() > 0:
+                    if isinstance(value, torch.Tensor) and value.dim() > 0:
+                        if not value.is_floating_point():  # quantized moments (8-bit Adam): codes and scales
+                            layout.append(("not averaged", str(key), str(value.dtype)))  # go together, or not at all
                         tensors.append(value)
                         layout.append((str(key), tuple(value.shape), str(value.dtype)))
         layouts = collectives.all_gather_objects(layout, self.group)
-        if any(other != layout for other in layouts):
+        if any(other != layout for other in layouts) or any(entry[0] == "not averaged" for entry in layout):
             return False
         if not tensors:  # no state to average (SGD without momentum), the same on every replica
             return True

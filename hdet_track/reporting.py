@@ -145,6 +145,7 @@ class Reporting:
         self._deliver(force=True)
         if status == "FINISHED":
             self._keep_window()
+        self.__dict__["_released"] = True  # a later optimizer.load_state_dict() is not this scheduler's
         self._callbacks.on_close(status, error, max(self.last_epoch, 0))
 
     def _keep_window(self) -> None:

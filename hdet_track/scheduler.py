@@ -509,7 +509,9 @@ def _reapply_after_load(optimizer: torch.optim.Optimizer) -> None:
     ref = _LATEST.get(optimizer)
     sched = ref() if ref is not None else None
     needed = ("initial_lr", "max_lr", "min_lr")  # OneCycleLR's, gone from a state saved without it
-    if sched is not None and sched._hdet_ready and all(k in g for g in optimizer.param_groups for k in needed):
+    if sched is None or not sched._hdet_ready or sched.__dict__.get("_released"):
+        return  # gone, or closed: the optimizer is no longer HDET's
+    if sched.last_epoch < sched.total_steps and all(k in g for g in optimizer.param_groups for k in needed):
         sched._refresh()
 
 

@@ -719,6 +719,9 @@ def test_loading_the_optimizer_after_the_scheduler_keeps_this_ranks_values():
     later = quiet(optimizer=opt, max_lr=0.2, total_steps=20, sync_every=5, model=model)
     opt.load_state_dict(state["opt"])
     assert [g["lr"] for g in opt.param_groups] == later.get_last_lr()
+    later.close()  # closed: the optimizer is no longer HDET's, a load keeps what it holds
+    opt.load_state_dict(state["opt"])
+    assert [(g["lr"], g["weight_decay"]) for g in opt.param_groups] == [(0.123, 0.0456)] * len(opt.param_groups)
 
 
 def test_the_paper_controller_resumes_with_the_decay_of_the_job_that_took_over_part_way():

@@ -406,8 +406,8 @@ def _check_schedule_choice(args: Any) -> None:
     if kind != "linear":
         raise ValueError(
             f"Expected lr_scheduler_type='linear' (the Trainer's default) with HDET, but got {kind!r}: HDET's "
-            "OneCycle-shaped schedule takes the scheduler's place (warmup_steps and warmup_ratio still set its "
-            "ramp-up); leave lr_scheduler_type at its default"
+            "OneCycle-shaped schedule takes the scheduler's place (warmup_steps still sets its ramp-up); leave "
+            "lr_scheduler_type at its default"
         )
     if getattr(args, "lr_scheduler_kwargs", None):
         raise ValueError(

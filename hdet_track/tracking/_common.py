@@ -58,11 +58,11 @@ def run_tags(run_start: RunStart) -> dict[str, str]:
     return tags
 
 
-def warn_second_training(backend: str, run_id: str, through: str) -> None:
+def warn_second_training(backend: str, run_id: str, through: str | None = None) -> None:
     """A training from its first step in a given run that already holds an earlier HDET training."""
     logging.getLogger("hdet_track.tracking").warning(
-        "hdet-track: %s run %s already holds an earlier HDET training (through step %s), and this one starts at "
+        "hdet-track: %s run %s already holds an earlier HDET training%s, and this one starts at "
         "step 1 in it: the two share their steps and read as one mixed series. Give each training a run of its "
         "own (a new logger, or W&B's reinit), or resume the earlier one from its checkpoint",
-        backend, run_id, through,
+        backend, run_id, f" (through step {through})" if through is not None else "",
     )  # fmt: skip

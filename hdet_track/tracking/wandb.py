@@ -432,7 +432,7 @@ class WandbTracker(Tracker):
             self._given.join(self)
             owner = Path(run.dir) / ARTIFACT_DIR / OWNER_FILE
             if run_start.start_step == 0 and owner.exists():  # an earlier HDET training's (or a live one's)
-                warn_second_training("W&B", run.id, str(_LOGGED.get(run.id, _Logged()).rows or "?"))
+                warn_second_training("W&B", run.id)
 
         self._call(partial(_define_metrics, run, tags, given=self._existing is not None))
         folder = Path(run.dir) / ARTIFACT_DIR  # a given run may hold an earlier scheduler's chunks: none overwritten
