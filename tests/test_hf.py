@@ -892,3 +892,44 @@ def test_a_resume_into_the_new_run_hugging_face_opened_says_so_and_mlflow_run_id
     run = MLflowReader(uri).read(old)
     steps = run.steps.step.tolist()
     assert sorted(set(steps)) == list(range(1, 11)) and len(steps) == len(set(steps))  # each step once
+
+
+@pytest.mark.parametrize("form", ["wrap", "callback"])
+def test_a_second_train_reporting_to_mlflow_logs_the_trainers_and_hdets_metrics_into_one_run(
+    tmp_path, monkeypatch, form
+):
+    """Hugging Face's MLflowCallback opens its run at the first train() only: at a second train() of the
+    same Trainer its metrics went to a run MLflow started by itself and HDET's series into one of HDET's
+    own (two runs, each half of the training)."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    import hdet_track
+    from hdet_track.integrations.transformers import HDETTrainerCallback
+
+    uri = f"sqlite:///{tmp_path / 'twice.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "twice")
+    kwargs = dict(report_to=["mlflow"], logging_strategy="steps", logging_steps=1)
+    if form == "wrap":
+        trainer = hdet_track.wrap(_tiny_trainer(tmp_path, **kwargs), sync_every=3)
+        last = lambda: trainer.lr_scheduler  # noqa: E731
+    else:
+        callback = HDETTrainerCallback(sync_every=3)
+        trainer = _tiny_trainer(tmp_path, [callback], **kwargs)
+        last = lambda: callback.scheduler  # noqa: E731
+    try:
+        trainer.train()
+        first = last().run_ids["mlflow"]
+        trainer.train()
+        second = last().run_ids["mlflow"]
+        last().close()
+    finally:
+        while mlflow.active_run() is not None:
+            mlflow.end_run()
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("twice").experiment_id])
+    assert len(runs) == 2 and first != second
+    for run_id in (first, second):
+        assert [m.step for m in client.get_metric_history(run_id, "hdet/replica_00/lr")] == list(range(1, 11))
+        assert [m.step for m in client.get_metric_history(run_id, "loss")] == list(range(1, 11))  # Hugging Face's

@@ -209,10 +209,21 @@ def _end_failed(sched: HDETScheduler, args: Any, exc: BaseException) -> None:
             mlflow.end_run(status)
 
 
-def _report_tracker(args: Any, track: Any, resumed: dict[str, str] | None = None) -> Any:
+def _mlflow_open(args: Any) -> bool:
+    """Whether Hugging Face's MLflow callback has a run open (``report_to`` MLflow, this rank)."""
+    report_to = args.report_to if isinstance(args.report_to, (list, tuple)) else [args.report_to]
+    if "mlflow" not in report_to:
+        return False
+    import mlflow
+
+    return mlflow.active_run() is not None
+
+
+def _report_tracker(args: Any, track: Any, resumed: dict[str, str] | None = None, again: bool = False) -> Any:
     """The runs Hugging Face's reporting callbacks opened (``report_to``: one tracker for each of
     MLflow and W&B reported to), else ``track`` as given. ``resumed``: the runs of the checkpoint
-    being resumed (a warning when Hugging Face opened another one)."""
+    being resumed (a warning when Hugging Face opened another one). ``again``: a later ``train()``
+    of a Trainer whose MLflow callback opened a run at an earlier one."""
     report_to = args.report_to if isinstance(args.report_to, (list, tuple)) else [args.report_to]
     trackers: list[Any] = []
     opened: dict[str, str] = {}
@@ -222,6 +233,12 @@ def _report_tracker(args: Any, track: Any, resumed: dict[str, str] | None = None
         from ..tracking.mlflow import MLflowTracker
 
         active = mlflow.active_run()
+        earlier = (resumed or {}).get("mlflow")
+        if active is None and again and getattr(args, "process_index", 0) == 0:
+            # Hugging Face's MLflowCallback opens its run at its first train() only: at a later one its
+            # metrics would go to a run MLflow starts by itself, and HDET's to another. One run for both
+            # (the checkpoint's on a resume), which the callback ends at on_train_end as it did the first.
+            active = mlflow.start_run(run_id=earlier) if earlier else mlflow.start_run(run_name=args.run_name)
         # the store Hugging Face opened it in: MLflow's own (mlflow.set_tracking_uri() wins over
         # $MLFLOW_TRACKING_URI there), not the environment's alone
         uri = mlflow.get_tracking_uri() if active is not None else None
@@ -264,6 +281,7 @@ class _TrackingCallback(TrainerCallback):
         self.run_name = run_name
         self.scheduler: HDETScheduler | None = None  # the last train()'s, whose run may still be open
         self.began = False  # this train() call reached on_train_begin (its scheduler is self.scheduler)
+        self._mlflow_opened = False  # Hugging Face's MLflow callback opened a run at an earlier train()
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         sched = self.trainer.lr_scheduler
@@ -272,7 +290,8 @@ class _TrackingCallback(TrainerCallback):
         self.scheduler = sched if isinstance(sched, HDETScheduler) else None
         self.began = True
         if isinstance(sched, HDETScheduler) and not sched.tracking:
-            track = _report_tracker(args, self.track, sched._resumed_runs)
+            track = _report_tracker(args, self.track, sched._resumed_runs, again=self._mlflow_opened)
+            self._mlflow_opened = self._mlflow_opened or _mlflow_open(args)
             if track not in (False, None):
                 run_name = self.run_name or args.run_name
                 sched.start_tracking(
@@ -477,6 +496,7 @@ class HDETTrainerCallback(TrainerCallback):
         self.hdet_kwargs = hdet_kwargs
         self.scheduler: _LossFedScheduler | None = None
         self._hook: Any = None
+        self._mlflow_opened = False  # Hugging Face's MLflow callback opened a run at an earlier train()
 
     def on_train_begin(
         self,
@@ -529,7 +549,8 @@ class HDETTrainerCallback(TrainerCallback):
         self._hook = model.register_forward_hook(capture, with_kwargs=True)
         if lr_scheduler is not None:
             _drive(lr_scheduler, sched)
-        tracker = _report_tracker(args, self.track, sched._resumed_runs)
+        tracker = _report_tracker(args, self.track, sched._resumed_runs, again=self._mlflow_opened)
+        self._mlflow_opened = self._mlflow_opened or _mlflow_open(args)
         if tracker not in (False, None):
             run_name = self.hdet_kwargs.get("run_name") or args.run_name
             sched.start_tracking(tracker, log_every=self.log_every, compare_group=self.compare_group, run_name=run_name)
