@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -46,6 +47,7 @@ class ReplicaAverager:
         self.keep_consensus = keep_consensus
         self._buckets: list[collectives.Bucket] = []
         self._consensus: list[torch.Tensor] | None = None
+        self._state_said = False  # average_optimizer_state() warned that it could not
         if keep_consensus:
             self._consensus = [b.flat.clone() for b in collectives.make_buckets(tensors())]
 
@@ -97,32 +99,38 @@ class ReplicaAverager:
         self.optimizer.state.clear()
         self._buckets = []
 
-    def average_optimizer_state(self) -> bool:
+    def average_optimizer_state(self) -> None:
         """Average the optimizer's state (momentum buffers, Adam's moments: every floating tensor of
         one or more dimensions) across the replicas, so that one replica's state stands for all (a
         checkpoint written by rank 0 alone). Only where every replica holds state of the same layout
-        (one small gather tells); a replica the guard reset has none, and then nothing is averaged.
-        Returns whether it averaged. A collective: every rank calls it at the same point."""
+        (one small gather tells) and none of it is quantized (8-bit moments: integer codes beside
+        float scales); otherwise nothing is averaged, and a warning says so once. A collective:
+        every rank calls it at the same point."""
         if self.world_size == 1:
-            return True
-        tensors, layout = [], []
+            return
+        tensors, layout, quantized = [], [], False
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 for key, value in sorted(self.optimizer.state.get(p, {}).items(), key=lambda kv: str(kv[0])):
                     if isinstance(value, torch.Tensor) and value.dim() > 0:
-                        if not value.is_floating_point():  # quantized moments (8-bit Adam): codes and scales
-                            layout.append(("not averaged", str(key), str(value.dtype)))  # go together, or not at all
+                        quantized = quantized or not value.is_floating_point()
                         tensors.append(value)
                         layout.append((str(key), tuple(value.shape), str(value.dtype)))
-        layouts = collectives.all_gather_objects(layout, self.group)
-        if any(other != layout for other in layouts) or any(entry[0] == "not averaged" for entry in layout):
-            return False
-        if not tensors:  # no state to average (SGD without momentum), the same on every replica
-            return True
-        with torch.no_grad():
-            buckets = collectives.make_buckets(tensors)
-            collectives.average_buckets(buckets, self.group)
-        return True
+        layouts = collectives.all_gather_objects((quantized, layout), self.group)
+        if quantized or any(other != (quantized, layout) for other in layouts):
+            if not self._state_said:
+                self._state_said = True
+                warnings.warn(
+                    "hdet-track could not average the optimizer's state at sync_now(): the replicas hold it in "
+                    "different layouts (one the guard reset has none yet) or quantized, so one rank's optimizer "
+                    "state is not every rank's; save every rank's optimizer state for an exact resume",
+                    UserWarning,
+                    stacklevel=3,
+                )
+            return
+        if tensors:  # (SGD without momentum has none, on every replica)
+            with torch.no_grad():
+                collectives.average_buckets(collectives.make_buckets(tensors), self.group)
 
     def state_dict(self) -> dict:
         return {"consensus": None if self._consensus is None else [c.clone() for c in self._consensus]}

@@ -386,15 +386,7 @@ class HDETScheduler(Reporting, Checkpointing, OneCycleLR):
             record = self._sync(self.last_epoch, final=True)  # often before a checkpoint: nothing left pending
             self._refresh()  # the next step's values, from the new drift and permutations
             self._synced(record)
-        if not self._converger.averager.average_optimizer_state() and not self.__dict__.get("_state_said"):
-            self._state_said = True
-            warnings.warn(
-                "HDETScheduler.sync_now() could not average the optimizer's state: the replicas hold it in different "
-                "layouts (one the guard reset has none yet), so one rank's optimizer state is not every rank's; "
-                "save every rank's optimizer state for an exact resume",
-                UserWarning,
-                stacklevel=2,
-            )
+        self._converger.averager.average_optimizer_state()
         return record
 
     def _synced(self, record: SyncRecord) -> None:
@@ -508,9 +500,9 @@ def _reapply_after_load(optimizer: torch.optim.Optimizer) -> None:
     puts this rank's values back into the param groups."""
     ref = _LATEST.get(optimizer)
     sched = ref() if ref is not None else None
-    needed = ("initial_lr", "max_lr", "min_lr")  # OneCycleLR's, gone from a state saved without it
     if sched is None or not sched._hdet_ready or sched.__dict__.get("_released"):
         return  # gone, or closed: the optimizer is no longer HDET's
+    needed = ("initial_lr", "max_lr", "min_lr")  # OneCycleLR's, gone from a state saved without it
     if sched.last_epoch < sched.total_steps and all(k in g for g in optimizer.param_groups for k in needed):
         sched._refresh()
 

@@ -543,7 +543,10 @@ def test_wrap_refuses_a_trainer_given_its_own_scheduler(tmp_path):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(lr_scheduler_type="reduce_lr_on_plateau", eval_strategy="steps", eval_steps=5), "stepped only after"),
+        (
+            dict(lr_scheduler_type="reduce_lr_on_plateau", eval_strategy="steps", eval_steps=5),
+            r"lr_scheduler_type='linear' .* but got 'reduce_lr_on_plateau'",
+        ),
         (dict(label_smoothing_factor=0.1), "label_smoothing_factor=0"),
         (dict(lr_scheduler_type="cosine"), r"Expected lr_scheduler_type='linear' .* but got 'cosine'"),
     ],

@@ -37,13 +37,6 @@ except ImportError as exc:  # pragma: no cover
 
 __all__ = ["HDETTrainerCallback", "wrap_trainer"]
 
-try:  # schedulers the Trainer steps only after an evaluation, with its metric
-    from transformers.optimization import GreedyLR as _GreedyLR
-
-    _METRIC_STEPPED: tuple[type, ...] = (torch.optim.lr_scheduler.ReduceLROnPlateau, _GreedyLR)
-except ImportError:  # pragma: no cover - an older transformers
-    _METRIC_STEPPED = (torch.optim.lr_scheduler.ReduceLROnPlateau,)
-
 logger = logging.getLogger(__name__)
 
 
@@ -198,8 +191,7 @@ def _end_failed(sched: HDETScheduler, args: Any, exc: BaseException) -> None:
     """``train()`` raised ``exc``: the run ends FAILED (KILLED on ``KeyboardInterrupt``) with the error."""
     status, text = lifecycle.caught_failure(exc)  # under torchrun: the error of the rank that failed first
     sched.close(status, text)
-    report_to = args.report_to if isinstance(args.report_to, (list, tuple)) else [args.report_to]
-    if "mlflow" in report_to:
+    if _reports_to(args, "mlflow"):
         # Hugging Face's MLflow callback opened this run and ends it only in on_train_end, which an
         # exception skips: MLflow's own exit hook would then end it FINISHED.
         import mlflow
@@ -209,10 +201,14 @@ def _end_failed(sched: HDETScheduler, args: Any, exc: BaseException) -> None:
             mlflow.end_run(status)
 
 
+def _reports_to(args: Any, backend: str) -> bool:
+    """Whether the Trainer's ``report_to`` names ``backend`` (``"mlflow"``, ``"wandb"``)."""
+    return backend in (args.report_to if isinstance(args.report_to, (list, tuple)) else [args.report_to])
+
+
 def _mlflow_open(args: Any) -> bool:
     """Whether Hugging Face's MLflow callback has a run open (``report_to`` MLflow, this rank)."""
-    report_to = args.report_to if isinstance(args.report_to, (list, tuple)) else [args.report_to]
-    if "mlflow" not in report_to:
+    if not _reports_to(args, "mlflow"):
         return False
     import mlflow
 
@@ -224,10 +220,9 @@ def _report_tracker(args: Any, track: Any, resumed: dict[str, str] | None = None
     MLflow and W&B reported to), else ``track`` as given. ``resumed``: the runs of the checkpoint
     being resumed (a warning when Hugging Face opened another one). ``again``: a later ``train()``
     of a Trainer whose MLflow callback opened a run at an earlier one."""
-    report_to = args.report_to if isinstance(args.report_to, (list, tuple)) else [args.report_to]
     trackers: list[Any] = []
     opened: dict[str, str] = {}
-    if "mlflow" in report_to:
+    if _reports_to(args, "mlflow"):
         import mlflow
 
         from ..tracking.mlflow import MLflowTracker
@@ -245,7 +240,7 @@ def _report_tracker(args: Any, track: Any, resumed: dict[str, str] | None = None
         trackers.append(MLflowTracker(tracking_uri=uri, run_id=active.info.run_id if active is not None else None))
         if active is not None:
             opened["mlflow"] = active.info.run_id
-    if "wandb" in report_to:
+    if _reports_to(args, "wandb"):
         import wandb
 
         from ..tracking.wandb import WandbTracker
@@ -421,7 +416,7 @@ def _check_schedule_choice(args: Any) -> None:
     """HDET's OneCycle-shaped schedule takes the place of the scheduler the Trainer would make: a
     schedule chosen in the arguments is refused, not dropped in silence (as Lightning's integration
     refuses a scheduler other than OneCycleLR)."""
-    kind = _scheduler_kind(args)
+    kind = str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type))
     if kind != "linear":
         raise ValueError(
             f"Expected lr_scheduler_type='linear' (the Trainer's default) with HDET, but got {kind!r}: HDET's "
@@ -452,22 +447,12 @@ def _check_callback_form(args: Any, lr_scheduler: Any) -> None:
             "the Trainer then computes the loss itself and the model's output (which the callback reads) has "
             "none; use hdet_track.wrap(trainer), which takes the loss the Trainer computes"
         )
-    if isinstance(lr_scheduler, _METRIC_STEPPED) and _scheduler_kind(args) != "linear":
-        raise ValueError(
-            f"Expected a scheduler the Trainer steps at every optimizer step, but lr_scheduler_type="
-            f"{_scheduler_kind(args)!r} ({type(lr_scheduler).__name__}) is stepped only after evaluations: use the "
-            "default lr_scheduler_type with HDETTrainerCallback (HDET's schedule takes the scheduler's place)"
-        )
+    _check_schedule_choice(args)  # ReduceLROnPlateau and GreedyLR too (stepped only after evaluations)
     if lr_scheduler is not None and not _made_by_the_trainer(lr_scheduler):
         raise ValueError(
             f"Expected a Trainer that makes its own scheduler (HDET takes its place), but it was given "
             f"{type(lr_scheduler).__name__} in optimizers=(optimizer, lr_scheduler): pass optimizers=(optimizer, None)"
         )
-    _check_schedule_choice(args)
-
-
-def _scheduler_kind(args: Any) -> str:
-    return str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type))
 
 
 class HDETTrainerCallback(TrainerCallback):

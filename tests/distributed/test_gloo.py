@@ -390,3 +390,9 @@ def test_a_checkpoint_rank_0_wrote_after_sync_now_resumes_every_rank_exactly(tmp
         assert all(r["same"] for r in res), [r["max_diff"] for r in res]
     else:
         assert max(r["max_diff"] for r in res) < 1e-7, [r["max_diff"] for r in res]
+
+
+def test_sync_now_leaves_optimizer_states_of_different_layouts_alone_on_every_rank():
+    res = run_ranks(workers.sync_now_with_a_replica_without_optimizer_state, WORLD)
+    assert all(r["kept"] for r in res)
+    assert all(len(r["warnings"]) == 1 and "could not average the optimizer's state" in r["warnings"][0] for r in res)

@@ -731,3 +731,28 @@ def resume_from_rank0_after_sync_now(rank: int, world: int, independent: bool, c
         "same": all(torch.equal(a, b) for a, b in zip(went_on, model.parameters())),
         "max_diff": max(float((a - b).abs().max()) for a, b in zip(went_on, model.parameters())),
     }
+
+
+def sync_now_with_a_replica_without_optimizer_state(rank: int, world: int) -> dict:
+    """Rank 1's optimizer state was cleared (as the guard does to a replica it resets): the layouts
+    differ, so ``sync_now()`` averages nothing of it, on every rank alike (no rank waits in a
+    collective the others skip), and says so once."""
+    import warnings
+
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = HDETScheduler(opt, max_lr=0.1, total_steps=12, spread=0.5, sync_every=4, model=model)
+    for step in range(1, 7):
+        sched.step(sgd_step(model, opt, rank, step))
+    if rank == 1:
+        opt.state.clear()
+    before = [v["momentum_buffer"].clone() for v in opt.state.values()]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sched.sync_now()
+        sched.sync_now()
+    after = [v["momentum_buffer"] for v in opt.state.values()]
+    return {
+        "kept": len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after)),
+        "warnings": [str(w.message) for w in caught if "optimizer's state" in str(w.message)],
+    }
