@@ -6,7 +6,9 @@ The scheduler owns OneCycle's schedule and wires the parts:
   and their generators; the pure math is :mod:`hdet_track.schedule`),
 - the controller that decides the next base (:mod:`hdet_track.controller`),
 - the converge step at each sync (:mod:`hdet_track.converge`: the window, health, rollback, averaging
-  by :mod:`hdet_track.averager` over :mod:`hdet_track.collectives`, the controller's decision),
+  by :mod:`hdet_track.averager` over :mod:`hdet_track.collectives`, the controller's decision); what
+  the scheduler hands it at a sync, and ``sync_now``, are the :class:`~hdet_track.syncing.Syncing`
+  half of the class,
 - its callbacks (:mod:`hdet_track.callbacks`), which receive one :class:`~hdet_track.record.SyncRecord`
   per sync (tracking is one: :class:`hdet_track.tracking.recorder.Recorder`, built when ``track`` is set);
   what they receive and when is the :class:`~hdet_track.reporting.Reporting` half of the class,
@@ -52,13 +54,14 @@ from .explore import Hyperparam, resolve_explore
 from .fanout import FanOut
 from .record import RunInfo, SchedulerCallback, SyncRecord
 from .reporting import Reporting
+from .syncing import Syncing
 
 __all__ = ["HDETScheduler", "SyncReport"]
 
 SyncReport = SyncRecord  # the name of hdet-track 0.1
 
 
-class HDETScheduler(Reporting, Checkpointing, OneCycleLR):
+class HDETScheduler(Syncing, Reporting, Checkpointing, OneCycleLR):
     r"""OneCycleLR for data-parallel replicas that explore their hyperparameters.
 
     The N ranks of the process group train with learning rates spread around one shared
@@ -369,71 +372,8 @@ class HDETScheduler(Reporting, Checkpointing, OneCycleLR):
             self._deliver()  # before the run ends at its last step
         self._callbacks.on_step(k)
 
-    def sync_now(self) -> SyncRecord | None:
-        """Converge now instead of at the next multiple of ``sync_every`` (the schedule of later
-        syncs is unchanged); a collective: every rank calls it after the same step. Integrations call
-        it before a checkpoint, so that the checkpoint holds one consensus that every replica resumes
-        from. The optimizer's state (momentum, Adam's moments) is averaged too, also right after a
-        sync, so that rank 0's optimizer state in such a checkpoint is every replica's (with weight
-        decay, or independent replicas, each replica's own differs). Returns the sync's record (None
-        right after a sync: nothing to converge).
-        """
-        record = None
-        if not self._converger.losses:
-            self.gather_pending()  # right after a sync: its divergences, before a checkpoint
-        else:
-            self._deliver()
-            record = self._sync(self.last_epoch, final=True)  # often before a checkpoint: nothing left pending
-            self._refresh()  # the next step's values, from the new drift and permutations
-            self._synced(record)
-        self._converger.averager.average_optimizer_state()
-        return record
-
-    def _synced(self, record: SyncRecord) -> None:
-        self._apply_explored()
-        self._deliver(ready_only=True)  # the last sync's record, completed by this sync's gather
-        self.last_sync = record
-        if not self._converger.pending:
-            self._notify(record)
-
     def _apply_explored(self) -> None:
         self._fanout.write(self.base_values, self._rank)
-
-    def _sync_tensors(self) -> list[torch.Tensor]:
-        if self._model is not None:
-            tensors = list(self._model.parameters())
-            if self.average_buffers:
-                tensors += list(self._model.buffers())
-            return tensors
-        return [p for g in self.optimizer.param_groups for p in g["params"]]
-
-    # ------------------------------------------------------------------ the sync
-    def _sync(self, step: int, blown: str | None = None, final: bool = False) -> SyncRecord:
-        """Converge with the window's schedule; the next window's permutations come back in the record."""
-        record = self._converger.sync(
-            step,
-            perms=self._fanout.perm,
-            values={name: self.replica_values(name) for name in self._fanout.names},
-            references=self._references(),
-            peaks={"lr": self._onecycle_peaks()} | {k: list(v) for k, v in self._fanout.references.items()},
-            measure=self.measure_divergence,
-            blown=blown,
-            final=final or step >= self.total_steps,
-        )
-        self._fanout.perm = {k: list(v) for k, v in record.next_permutations.items()}
-        return record
-
-    def _references(self) -> dict[str, list[float]]:
-        return {"lr": list(self._onecycle)} | {k: list(v) for k, v in self._fanout.references.items()}
-
-    def _window_record(self) -> SyncRecord:
-        """The steps since the last sync as a ``partial`` record (this process's replica; nothing changes)."""
-        return self._converger.window_record(self.last_epoch, self._fanout.perm, self._references())
-
-    def _onecycle_peaks(self) -> list[float]:
-        """OneCycle's highest LR per group from the current step to the end: max_lr until the peak."""
-        rising = self.last_epoch < self._schedule_phases[0]["end_step"]
-        return [float(g["max_lr"]) if rising else lr for g, lr in zip(self.optimizer.param_groups, self._onecycle)]
 
     # ------------------------------------------------------------------ what callbacks receive at the start (tracking: .reporting)
     def run_info(self, gather: bool = True) -> RunInfo:

@@ -421,6 +421,15 @@ def test_a_run_killed_after_flush_reads_killed_with_everything_flushed(tmp_path)
         assert proc.stdout.readline().strip() == "READY"
         summary, run = _read_single(tmp_path / "store")
         assert run.status == "RUNNING" and run.live and summary.live  # the owner is alive
+        assert not any("no event archive" in w for w in run.warnings)
+        # a live run read before its first event-archive chunk: "not yet", not "none"
+        (events,) = glob.glob(str(tmp_path / "store" / "wandb" / "offline-run-*" / "files" / "hdet_events"))
+        os.rename(events, events + ".aside")
+        try:
+            _, early = _read_single(tmp_path / "store")
+        finally:
+            os.rename(events + ".aside", events)
+        assert early.live and any(w.startswith("no event archive yet") for w in early.warnings), early.warnings
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
     finally:

@@ -234,7 +234,10 @@ class WandbReader:
             builtin = (names.LOSS, names.LR) if run.has_step_series else ()
             run.metrics.update(session_user_metrics(sessions, skip=builtin))
         else:
-            run.warnings.append("no event archive: rebuilt from the run's history")
+            if run.live:  # a live run's first chunk comes within seconds of its first steps (as in MLflow)
+                run.warnings.append("no event archive yet: shown from the run's history until its first chunk")
+            else:
+                run.warnings.append("no event archive: rebuilt from the run's history")
             rows = _rows_in_force(dirs[run_id], [h for h, _ in sessions])
             self._read_history(run, rows)
             # in a given run, loss and lr are its owner's and HDET's means hdet/loss and hdet/lr (as in MLflow)
