@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -244,6 +245,16 @@ class Converger:
         window = self.records.tables(self.onecycle, perms, references)  # as training used them, before anything changes
         ctrl = self.controller or Controller()
         health = ctrl.health(stats) if blown is None else Health([False] * n, [blown] * n, ctrl.rollback)
+        skipped = not ctrl.rollback and not any(health.healthy) and all(stats.finite)
+        if skipped:  # only the losses: nothing to reset from, and nothing broken (a skipped step's inf)
+            warnings.warn(
+                f"HDETScheduler: every replica's window loss is non-finite at step {step} "
+                f"({stats.window_losses}) but their parameters are finite (a step skipped on an overflow, "
+                "a NaN batch): they are averaged as they are and the controller does not move",
+                UserWarning,
+                stacklevel=4,  # the training loop's step() or sync_now()
+            )
+            health = Health([True] * n, [""] * n)
         wanted = any(cb.needs_divergence for cb in self.callbacks)
         divergences = [math.nan] * n
         gathering: collectives.PendingRows | None = None
@@ -268,7 +279,7 @@ class Converger:
                 self._own = (step, divergence)
             elif wanted:  # for the callbacks: gathered while training goes on (see complete())
                 gathering = collectives.start_gather_rows([divergence], self.averager.group)
-            decision = ctrl.update(stats, health)
+            decision = Decision() if skipped else ctrl.update(stats, health)
         drawn = dict(perms) | {name: draw_permutation(n, self.generators[name]) for name in self.names}
         self.losses, self.onecycle, self.tripped = [], [], False
         record = self.records.record(stats, window, health, divergences, decision, drawn)

@@ -437,7 +437,7 @@ def test_step_loss_validation():
 
 
 def test_single_process_warns_once_and_nonfinite_raises():
-    _, opt = make()
+    model, opt = make()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         s = HDETScheduler(opt, 0.1, total_steps=10, spread=0.2, sync_every=3)
@@ -446,8 +446,43 @@ def test_single_process_warns_once_and_nonfinite_raises():
             s.step(float("nan"))
     assert sum("single replica" in str(w.message) for w in caught) == 1
     opt.step()
+    with torch.no_grad():
+        model[0].weight[0, 0] = float("nan")  # diverged: nothing to reset it from
     with pytest.raises(NonFiniteReplicasError, match="step 3"):
         s.step(1.0)
+
+
+@pytest.mark.parametrize("controller", [None, "paper"])
+def test_a_non_finite_loss_with_finite_parameters_is_no_divergence(controller):
+    """A step whose loss is inf or NaN while the parameters stay finite (a step that fp16's
+    GradScaler skipped, a NaN batch the loop stepped over) makes every window loss non-finite;
+    with no rollback to fall back on, HDET used to raise at the sync where OneCycleLR goes on. The
+    replicas are averaged as they are, with a warning; the LRs stay OneCycleLR's (the controller
+    does not move at that sync), and the record leaves no replica out."""
+    from torch.optim.lr_scheduler import OneCycleLR
+
+    model, opt = make()
+    ref_model, ref_opt = make()
+    kw = dict(auto_lr=True, controller="paper", auto_lr_warmup=0) if controller else {}
+    s = HDETScheduler(opt, 0.1, total_steps=12, sync_every=3, model=model, **kw)
+    ref = OneCycleLR(ref_opt, 0.1, total_steps=12)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for k in range(1, 13):
+            opt.step()
+            ref_opt.step()
+            s.step(math.inf if k == 2 else 1.0)
+            ref.step()
+            if k == 3:
+                assert s.last_sync.left_out == [] and s.last_sync.step == 3
+                assert not s.last_sync.weights or all(math.isfinite(w) for w in s.last_sync.weights)
+            if not controller:
+                assert s.get_last_lr() == ref.get_last_lr()
+    said = [str(w.message) for w in caught if "window loss is non-finite" in str(w.message)]
+    assert len(said) == 1 and "step 3" in said[0], said
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    if controller:  # it moved at the syncs after the skipped one
+        assert s.base_values() != ref.get_last_lr()
 
 
 def test_warm_noisy_init_scale_and_determinism():

@@ -292,6 +292,9 @@ def all_nonfinite(rank: int, world: int) -> dict:
     sched = HDETScheduler(opt, max_lr=0.1, total_steps=10, spread=0.2, sync_every=4, model=model)
     for step in range(10):
         opt.step()
+        if step >= 2:  # a real divergence: the parameters too (a NaN loss alone is averaged, with a warning)
+            with torch.no_grad():
+                next(model.parameters()).fill_(math.nan)
         try:
             sched.step(math.nan if step >= 2 else 1.0)
         except Exception as exc:  # noqa: BLE001 - the test inspects it
@@ -580,6 +583,9 @@ def nonfinite_after_a_carried_sync(rank: int, world: int) -> dict:
     sched._converger.carry_below_seconds = math.inf
     for step in range(12):
         loss = sgd_step(model, opt, rank, step)
+        if step >= 4:  # diverged: the parameters too
+            with torch.no_grad():
+                next(model.parameters()).fill_(math.nan)
         try:
             sched.step(math.nan if step >= 4 else loss)
         except NonFiniteReplicasError as exc:
