@@ -16,6 +16,7 @@ import dataclasses
 import math
 import time
 import warnings
+import zlib
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -121,6 +122,7 @@ class Converger:
             controller, averager.rank, names=names, multipliers=multipliers, bounds=bounds, series_keys=series_keys
         )
         self.generators = generators
+        self._multipliers = {k: list(v) for k, v in multipliers.items()}
         self.callbacks = callbacks
         self.losses: list[float | torch.Tensor | None] = []  # this replica's losses since the last sync
         self.onecycle: list[list[float]] = []  # OneCycle's LR per group at each step of the window
@@ -227,14 +229,22 @@ class Converger:
         carried_step, carried = self._own
         short = now - self._window_start < self.carry_below_seconds  # rank 0's decides for all
         head = [1.0 if finite else 0.0, float(self.tripped), float(short), float(carried_step), carried]
+        head.append(self._fan_out_checksum(perms))
         rows = collectives.all_gather_rows([*head, *row], self.averager.group)
+        differ = [r for r, got in enumerate(rows) if got[5] != rows[0][5]]
+        if differ:  # every rank sees the same rows: every rank raises
+            raise ValueError(
+                f"Expected every replica to explore the same hyperparameters with the same spreads, seed and "
+                f"permutations, but rank(s) {differ} differ from rank 0 at step {step} (their multipliers would "
+                "clash): pass the same seed=, spread= and explore= on every rank (one seed for the job, not the rank)"
+            )
         self._window_start, self._own = now, (0, math.nan)
         self._complete_carried([int(r[3]) for r in rows], [r[4] for r in rows])
         stats = WindowStats(
             step=step,
-            losses=np.array([r[7:] for r in rows], dtype=np.float64).reshape(n, len(self.losses)),
-            counts=[int(r[6]) for r in rows],
-            sums=[r[5] for r in rows],
+            losses=np.array([r[8:] for r in rows], dtype=np.float64).reshape(n, len(self.losses)),
+            counts=[int(r[7]) for r in rows],
+            sums=[r[6] for r in rows],
             finite=[r[0] == 1.0 for r in rows],
             tripped=[r[1] == 1.0 for r in rows],
             perms={k: list(v) for k, v in perms.items()},
@@ -334,6 +344,14 @@ class Converger:
         if wait or gathering.done():
             record = dataclasses.replace(record, divergences=[r[0] for r in gathering.wait()])
         return record
+
+    def _fan_out_checksum(self, perms: Mapping[str, Sequence[int]]) -> float:
+        """A checksum of what decides each replica's multipliers: the explored names, multipliers,
+        this window's permutations and the generators that draw the next (a CRC-32, exact as a float)."""
+        crc = zlib.crc32(repr([(k, self._multipliers[k], list(perms[k])) for k in self.names]).encode())
+        for name in self.names:
+            crc = zlib.crc32(self.generators[name].get_state().numpy().tobytes(), crc)
+        return float(crc)
 
     def _window_row(self) -> list[float]:
         """``[loss sum (float64), losses given, every step's loss (nan where none)]``: one device sync."""

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._checks import real
 from .names import check_name
 from .schedule import _check_spread
 
@@ -49,7 +50,7 @@ DROPOUT_TYPES: tuple[type[nn.Module], ...] = (
     nn.FeatureAlphaDropout,
 )
 # What OneCycleLR keeps in the param groups to compute the schedule: not hyperparameters to explore.
-_SCHEDULE_KEYS = {"initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum"}
+_SCHEDULE_KEYS = {"lr", "initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum"}
 # Keys whose values must stay below 1 (momentum coefficients, probabilities).
 _UNIT_KEYS = {"momentum", "betas.0", "betas.1", "dampening", "alpha", "rho"}
 
@@ -87,6 +88,11 @@ class Hyperparam:
 
     def default_bounds(self) -> tuple[float, float]:
         return (0.0, math.inf)
+
+    def targets(self) -> list[tuple[tuple[Any, ...], str]]:
+        """What each target writes to, ((object id, key), description): two explored hyperparameters
+        must not write to the same one (empty where it cannot be told: a setter)."""
+        return []
 
     # -- shared -------------------------------------------------------------
     def _finish_bind(self) -> None:
@@ -162,7 +168,11 @@ class ParamGroupKey(Hyperparam):
                 f"Expected explore key {self.key!r} to name a param-group key of "
                 f"{type(optimizer).__name__}, but it matches nothing; known keys: {known}"
             )
-        for g in groups:
+        if self._key == "params":
+            raise ValueError(
+                f"Expected explore key {self.key!r} to be a hyperparameter, but 'params' holds the tensors"
+            )
+        for i, g in enumerate(groups):
             value = g[self._key]
             if self._index is None and isinstance(value, (tuple, list)):
                 raise ValueError(
@@ -174,11 +184,22 @@ class ParamGroupKey(Hyperparam):
                     f"Expected explore key {self.key!r} to index a tuple, but "
                     f"param_groups[...][{self._key!r}] is {value!r}"
                 )
+            scalar = value if self._index is None else value[self._index]
+            if real(scalar) is None:
+                raise ValueError(
+                    f"Expected explore key {self.key!r} to be a real number in every param group, but "
+                    f"param_groups[{i}][{self._key!r}] is {value!r}"
+                )
         self._optimizer = optimizer
         self._finish_bind()
 
     def labels(self) -> list[str]:
         return [f"pg{i}" for i in range(len(self._groups))]
+
+    def targets(self) -> list[tuple[tuple[Any, ...], str]]:
+        return [
+            ((id(self._optimizer), i, self.key), f"param_groups[{i}][{self.key!r}]") for i in range(len(self._groups))
+        ]
 
     def read(self) -> list[float]:
         out = []
@@ -249,9 +270,12 @@ class ModuleAttr(Hyperparam):
         for (_, mod), value in zip(self._targets, values):
             setattr(mod, self.attr, value)
 
+    def targets(self) -> list[tuple[tuple[Any, ...], str]]:
+        return [((id(mod), self.attr), f"{type(mod).__name__}.{self.attr}") for _, mod in self._targets]
+
     def default_bounds(self) -> tuple[float, float]:
-        if self.types is not None and self.attr == "p":
-            return (0.0, 1.0)
+        if self.attr == "p" and all(isinstance(mod, DROPOUT_TYPES) for _, mod in self._targets):
+            return (0.0, 1.0)  # a probability
         return (0.0, math.inf)
 
 
@@ -279,7 +303,13 @@ class Setter(Hyperparam):
         return [self.name]
 
     def read(self) -> list[float]:
-        return [float(self._get())]
+        value = self._get()
+        number = real(value)
+        if number is None:
+            raise ValueError(
+                f"Expected explore[{self.name!r}] getter to return a real number, but it returned {value!r}"
+            )
+        return [number]
 
     def write(self, values: Sequence[float]) -> None:
         self._set(values[0])
@@ -337,9 +367,14 @@ def resolve_explore(
     if isinstance(explore, Mapping):
         for name, spec in explore.items():
             if isinstance(spec, Hyperparam):
+                if spec.name != name:
+                    raise ValueError(
+                        f"Expected explore[{name!r}] to be named {name!r}, but it is a Hyperparam named "
+                        f"{spec.name!r} (logged under that name); use that key, or pass a list"
+                    )
                 items.append(spec)
-            elif isinstance(spec, (int, float)) and not isinstance(spec, bool):
-                items.append(ParamGroupKey(name, spec))
+            elif real(spec) is not None:
+                items.append(ParamGroupKey(name, real(spec)))
             elif isinstance(spec, Mapping):
                 unknown = set(spec) - {"spread", "bounds"}
                 if unknown or "spread" not in spec:
@@ -371,4 +406,13 @@ def resolve_explore(
                 "sets it every step), but got it; pass cycle_momentum=False to explore it"
             )
         hp.bind(optimizer)
+    written: dict[tuple[Any, ...], str] = {}
+    for hp in items:
+        for target, what in hp.targets():
+            if target in written:
+                raise ValueError(
+                    f"Expected explored hyperparameters to set different values, but explore[{hp.name!r}] and "
+                    f"explore[{written[target]!r}] both set the same {what}; explore it once"
+                )
+            written[target] = hp.name
     return items

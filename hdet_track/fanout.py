@@ -65,10 +65,15 @@ class FanOut:
         """What replica ``rank`` uses of ``name`` on each target, given the shared ``bases``."""
         return replica_values(bases, self.multipliers[name], self.perm[name], rank, self.bounds(name))
 
-    def write(self, bases: Callable[[str], Sequence[float]], rank: int) -> None:
-        """Set replica ``rank``'s values of the explored hyperparameters other than the LR."""
+    def write(self, bases: Callable[[str], Sequence[float]], rank: int | None) -> None:
+        """Set replica ``rank``'s values of the explored hyperparameters other than the LR (``None``:
+        the shared bases themselves, within their bounds)."""
         for name, hp in self.hyperparams.items():
-            hp.write(self.values(name, bases(name), rank))
+            if rank is None:
+                low, high = hp.bounds
+                hp.write([min(max(b, low), high) for b in bases(name)])
+            else:
+                hp.write(self.values(name, bases(name), rank))
 
     def series_keys(self, name: str) -> list[str]:
         if name == "lr":

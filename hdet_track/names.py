@@ -137,7 +137,7 @@ def series_key(name: str, target: int, label: str = "") -> str:
     """
     if target == 0:
         return name
-    if label.startswith("pg") and label[2:].isdigit():
+    if label == f"pg{target}":  # a param group (a module named like one at another place is not)
         return f"{name}/{label}"
     return f"{name}/t{target}"
 

@@ -303,10 +303,11 @@ class HDETScheduler(Syncing, Reporting, Checkpointing, OneCycleLR):
 
     def multiplier(self, name: str = "lr") -> float:
         """This rank's current multiplier of hyperparameter ``name``."""
-        return self._fanout.multiplier(name, self._rank)
+        return self._fanout.multiplier(self._explored(name), self._rank)
 
     def base_values(self, name: str = "lr") -> list[float]:
         """The shared base of ``name`` per target at the current step."""
+        name = self._explored(name)
         refs = self._onecycle if name == "lr" else self._fanout.references[name]
         if self._controller is None:
             return list(refs)
@@ -316,6 +317,11 @@ class HDETScheduler(Syncing, Reporting, Checkpointing, OneCycleLR):
         """``values[r][t]``: the value of ``name`` replica r uses on target t right now."""
         bases = self.base_values(name)
         return [self._fanout.values(name, bases, r) for r in range(self._world_size)]
+
+    def _explored(self, name: str) -> str:
+        if name not in self._fanout.names:
+            raise ValueError(f"Expected name to be one of explored_names {self._fanout.names}, but got {name!r}")
+        return name
 
     def onecycle_lrs(self) -> list[float]:
         """What plain OneCycleLR gives each param group at the current step."""
@@ -373,7 +379,8 @@ class HDETScheduler(Syncing, Reporting, Checkpointing, OneCycleLR):
         self._callbacks.on_step(k)
 
     def _apply_explored(self) -> None:
-        self._fanout.write(self.base_values, self._rank)
+        # after the last step every rank holds the shared base: what a later phase's scheduler reads
+        self._fanout.write(self.base_values, None if self.last_epoch >= self.total_steps else self._rank)
 
     # ------------------------------------------------------------------ what callbacks receive at the start (tracking: .reporting)
     def run_info(self, gather: bool = True) -> RunInfo:

@@ -790,3 +790,56 @@ def test_the_paper_controller_resumes_with_the_decay_of_the_job_that_took_over_p
         opt.step()
         resumed.step(1.0 / k)
         assert opt.param_groups[0]["lr"] == lrs[k], k
+
+
+def test_explore_refuses_what_it_cannot_explore_and_names_it():
+    """An audit's findings: an explored key 'lr' under another name overwrote OneCycle's LR at every
+    sync; bool/None/'params' keys were taken or failed with a bare float() error; two explored
+    hyperparameters on one attribute logged values never applied; a mapping key other than the
+    Hyperparam's name was dropped."""
+    model, opt = make()
+    lin = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.2))
+    sgd = torch.optim.SGD(lin.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3)
+
+    def build(spec, optimizer=sgd, **kw):
+        return HDETScheduler(optimizer, 0.1, total_steps=10, cycle_momentum=False, explore=spec, **kw)
+
+    with pytest.raises(ValueError, match="'lr'.*OneCycle's own schedule keys"):
+        explore.ParamGroupKey("lr", 0.3, name="lr2")
+    with pytest.raises(ValueError, match="'params' holds the tensors"):
+        build({"params": 0.5})
+    with pytest.raises(ValueError, match=r"'nesterov' to be a real number.*param_groups\[0\]\['nesterov'\] is True"):
+        build({"nesterov": 0.5})
+    with pytest.raises(ValueError, match=r"'foreach' to be a real number.*is None"):
+        build({"foreach": 0.5})
+    with pytest.raises(ValueError, match=r"explore\['x'\] getter to return a real number, but it returned None"):
+        build([explore.setter("x", lambda: None, lambda v: None, 0.3)])
+    with pytest.raises(ValueError, match=r"explore\['wd'\] to be named 'wd'.*named 'weight_decay'"):
+        build({"wd": explore.param_group("weight_decay", 0.5)})
+    with pytest.raises(ValueError, match=r"explore\['head'\] and explore\['dropout'\] both set the same Dropout.p"):
+        build([explore.dropout(lin, 0.3), explore.module_attr("head", lin[1], "p", 0.3)])
+    two = [explore.param_group("weight_decay", 0.3), explore.ParamGroupKey("weight_decay", 0.5, name="wd2")]
+    with pytest.raises(
+        ValueError,
+        match=r"explore\['wd2'\] and explore\['weight_decay'\] both set the same param_groups\[0\]\['weight_decay'\]",
+    ):
+        build(two)
+    # a sweep's NumPy or tensor spread works in the mapping form, as everywhere else
+    for spread in (np.float32(0.5), torch.tensor(0.5)):
+        assert build({"weight_decay": spread})._fanout.spreads["weight_decay"] == 0.5
+    # a dropout's p found without types= is a probability: bounded by 1, not unbounded
+    assert build([explore.module_attr("drop", lin, "p", 0.5)])._fanout.hyperparams["drop"].bounds == (0.0, 1.0)
+    sched = build({"weight_decay": 0.5})
+    for ask in (sched.multiplier, sched.base_values, sched.replica_values):
+        with pytest.raises(ValueError, match=r"explored_names \['lr', 'weight_decay'\], but got 'wd'"):
+            ask("wd")
+
+
+def test_a_module_named_like_a_param_group_keeps_its_own_series_key():
+    """Targets labelled 'enc', 'pg0', 'pg1' (a ModuleDict's keys) got the keys dropout, dropout/pg0,
+    dropout/pg1, read back as targets 0, 0, 1: target 1's series overwrote target 0's."""
+    from hdet_track.names import parse_series_key, series_key
+
+    keys = [series_key("dropout", t, label) for t, label in enumerate(["enc", "pg0", "pg1"])]
+    assert [parse_series_key(k) for k in keys] == [("dropout", 0), ("dropout", 1), ("dropout", 2)]
+    assert [series_key("lr", g, f"pg{g}") for g in range(3)] == ["lr", "lr/pg1", "lr/pg2"]  # unchanged

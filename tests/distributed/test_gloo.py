@@ -396,3 +396,24 @@ def test_sync_now_leaves_optimizer_states_of_different_layouts_alone_on_every_ra
     res = run_ranks(workers.sync_now_with_a_replica_without_optimizer_state, WORLD)
     assert all(r["kept"] for r in res)
     assert all(len(r["warnings"]) == 1 and "could not average the optimizer's state" in r["warnings"][0] for r in res)
+
+
+def test_a_seed_per_rank_is_refused_at_the_first_sync_on_every_rank():
+    """``seed=rank``: each rank drew its own permutations, so two replicas shared a multiplier (19 of
+    20 steps in a 4-rank audit) and the controller read every rank's own; now every rank raises at
+    the first sync, naming the ranks and the arguments to make equal."""
+    res = run_ranks(workers.seed_per_rank, WORLD)
+    for r in range(WORLD):
+        assert res[r]["error_step"] == 4, res[r]
+        assert "rank(s) [1, 2, 3]" in res[r]["message"] and "seed=" in res[r]["message"]
+
+
+def test_explored_values_end_on_the_shared_base_on_every_rank():
+    """After the last step every rank holds the shared base of each explored hyperparameter (it
+    held its own spread value), so a later phase's scheduler starts from one base everywhere."""
+    res = run_ranks(workers.explored_after_the_end, WORLD)
+    assert len({res[r]["during"][-2] for r in range(WORLD)}) == WORLD  # spread until the end
+    for r in range(WORLD):
+        (p_base,), (wd_base,) = res[r]["bases"]
+        assert res[r]["after"] == (p_base, wd_base) == res[0]["after"], r
+        assert res[r]["second"] == res[0]["second"] == ([p_base], [wd_base]), r

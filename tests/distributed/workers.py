@@ -762,3 +762,40 @@ def sync_now_with_a_replica_without_optimizer_state(rank: int, world: int) -> di
         "kept": len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after)),
         "warnings": [str(w.message) for w in caught if "optimizer's state" in str(w.message)],
     }
+
+
+def seed_per_rank(rank: int, world: int) -> dict:
+    """``seed=rank`` (a per-rank seed): the replicas would draw clashing multipliers."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = HDETScheduler(opt, max_lr=0.1, total_steps=20, spread=0.3, sync_every=4, model=model, seed=rank)
+    for step in range(20):
+        loss = sgd_step(model, opt, rank, step)
+        try:
+            sched.step(loss)
+        except ValueError as exc:
+            return {"error_step": step + 1, "message": str(exc)}
+    return {"error_step": None}
+
+
+def explored_after_the_end(rank: int, world: int) -> dict:
+    """Dropout and weight decay explored to the last step, then a second scheduler on the same
+    model and optimizer (a later phase): what every rank holds after the first, what the second reads."""
+    model = make_model(dropout=0.2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
+    hps = [explore.dropout(model, spread=0.5), explore.param_group("weight_decay", spread=0.5)]
+    kw = dict(max_lr=0.1, spread=0.3, sync_every=4, model=model, seed=1)
+    sched = HDETScheduler(opt, total_steps=10, explore=hps, **kw)
+    during = []
+    for step in range(10):
+        sched.step(sgd_step(model, opt, rank, step))
+        during.append((model[2].p, opt.param_groups[0]["weight_decay"]))
+    after = (model[2].p, opt.param_groups[0]["weight_decay"])
+    hps2 = [explore.dropout(model, spread=0.5), explore.param_group("weight_decay", spread=0.5)]
+    second = HDETScheduler(opt, total_steps=10, explore=hps2, **kw)
+    return {
+        "during": during,
+        "after": after,
+        "bases": (sched.base_values("dropout"), sched.base_values("weight_decay")),
+        "second": (second.base_values("dropout"), second.base_values("weight_decay")),
+    }
