@@ -4,7 +4,8 @@
 
 It starts its own worker processes (torch's elastic launcher, 127.0.0.1) and logs to whatever
 MLFLOW_TRACKING_URI / HDET_TRACKER say (MLflow's default store, sqlite:///mlflow.db, otherwise).
-Under torchrun, call ``main_worker`` from your script instead of ``launch``.
+Under torchrun, call ``dist.init_process_group("gloo")`` and then ``main_worker(steps)`` from your
+script instead of ``launch``.
 """
 
 from __future__ import annotations

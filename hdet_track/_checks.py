@@ -40,11 +40,25 @@ def check_number(name: str, value: Any, low: float, high: float, *, low_open: bo
     return number  # type: ignore[return-value]
 
 
+def integer(value: Any) -> int | None:
+    """``value`` as an int when it is an integer: a Python or NumPy one, or a one-element integer
+    tensor or array, as a sweep's config gives them (not a bool); else None."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return None
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    one = getattr(value, "ndim", None) == 0 or (hasattr(value, "numel") and value.numel() == 1)
+    if one and "int" in str(getattr(value, "dtype", "")):  # torch.int64, int32, uint8 (not bool, not float)
+        return int(value)
+    return None
+
+
 def check_int(name: str, value: Any, low: int) -> int:
-    """``int(value)`` if it is an integer (a Python or NumPy one, not a bool) >= ``low``, else ``ValueError``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+    """``int(value)`` if it is an integer (see :func:`integer`) >= ``low``, else ``ValueError``."""
+    number = integer(value)
+    if number is None or number < low:
         raise ValueError(f"Expected {name} to be an integer >= {low}, but got {value!r}")
-    return int(value)
+    return number
 
 
 def check_bool(name: str, value: Any) -> bool:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.lr_scheduler import OneCycleLR
 
-from ._checks import check_bool, check_int, check_number, real
+from ._checks import check_bool, check_int, check_number, integer, real
 from .callbacks import check_track_settings
 from .controller import Controller, PaperController
 from .record import SchedulerCallback
@@ -37,12 +37,15 @@ __all__ = [
 
 
 def paper_arguments(values: Mapping[str, Any]) -> dict[str, Any]:
-    return {
+    """The paper controller's settings; a one-element tensor as its Python number (the controller's
+    arithmetic would make every LR a tensor), NumPy scalars as they are (their precision is kept)."""
+    given = {
         "warmup": values["auto_lr_warmup"],
         "temperature": values["temperature"],
         "meta_lr": values["meta_lr"],
         "meta_momentum": values["meta_momentum"],
     }
+    return {k: v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v for k, v in given.items()}
 
 
 def check_values(args: Mapping[str, Any]) -> None:
@@ -57,8 +60,8 @@ def check_values(args: Mapping[str, Any]) -> None:
     if not isinstance(args["auto_lr"], bool):
         raise ValueError(f"Expected auto_lr to be a bool, but got {args['auto_lr']!r}")
     seed = args["seed"]
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"Expected seed to be an int, but got {seed!r}")
+    if integer(seed) is None:
+        raise ValueError(f"Expected seed to be an integer, but got {seed!r}")
     group = args["process_group"]
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"Expected process_group to be a torch.distributed.ProcessGroup or None, but got {group!r}")
@@ -251,8 +254,9 @@ def _as_plain(value: Any) -> Any:
         return type(value)(_as_plain(v) for v in value)
     if isinstance(value, (bool, str)) or value is None:
         return value
-    if isinstance(value, numbers.Integral):
-        return int(value)
+    whole = integer(value)
+    if whole is not None:
+        return whole
     number = real(value)
     return value if number is None else number
 

@@ -21,7 +21,9 @@ def _number(kind: type, what: str, ok) -> object:
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
         if not ok(value):
-            raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
+            raise argparse.ArgumentTypeError(
+                f"expected {what}, got {value!r}" if isinstance(value, str) else f"expected {what}, got {value}"
+            )
         return value
 
     return parse
@@ -32,6 +34,7 @@ _positive_float = _number(float, "a positive finite number", lambda v: 0 < v < f
 _spread = _number(float, "a number in [0, 1)", lambda v: 0.0 <= v < 1.0)
 _port = _number(int, "a port in 1..65535", lambda v: 1 <= v <= 65535)
 _seed = _number(int, "an integer in [0, 2**63)", lambda v: 0 <= v < 2**63)
+_nonempty = _number(str, "a non-empty value (leave the option out for its default)", lambda v: v != "")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,22 +86,30 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto: nccl on the GPUs when there is one per replica, else gloo on the CPU",
     )
     demo.add_argument("--spread", type=_spread, default=0.5, help="HDET's LR spread alpha in [0, 1) (default 0.5)")
-    demo.add_argument("--group", default=None, help="compare group of the runs (default: a fresh one)")
+    demo.add_argument("--group", type=_nonempty, default=None, help="compare group of the runs (default: a fresh one)")
     demo.add_argument("--seed", type=_seed, default=0)
     demo.set_defaults(subparser=demo)  # run_demo's own errors read "usage: hdet-track demo ..."
     cmp = sub.add_parser("compare", help="the comparison table (paper's Table 1) from runs already logged")
     cmp.add_argument(
         "--tracking-uri",
+        type=_nonempty,
         default=None,
         help="an MLflow tracking URI or a W&B directory (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)",
     )
     cmp.add_argument(
         "--experiment",
+        type=_nonempty,
         default=None,
         help="default: the experiment the demo writes to ($MLFLOW_EXPERIMENT_NAME or hdet); "
-        "for a W&B directory, the W&B project",
+        "for a W&B directory, the W&B project ($WANDB_PROJECT or hdet)",
     )
-    cmp.add_argument("--group", default=None, help="compare group (default: the newest run's group)")
+    cmp.add_argument(
+        "--group",
+        type=_nonempty,
+        default=None,
+        help="compare group (default: the group of the newest run that has one); a group spans experiments "
+        "unless --experiment is given",
+    )
     cmp.add_argument("--format", choices=["table", "markdown", "json"], default="table")
     dash = sub.add_parser(
         "dashboard",
@@ -141,11 +152,22 @@ def _unwritable_store(tracker: str, uri: str) -> str | None:
     from pathlib import Path
 
     if tracker == "wandb":
-        if os.environ.get("WANDB_MODE", "").lower() == "disabled":
+        from .tracking.wandb import _MODES
+
+        mode = os.environ.get("WANDB_MODE")
+        if mode is not None and mode not in _MODES:
+            return f"WANDB_MODE={mode!r} is no W&B mode; expected one of {_MODES} or unset (offline)"
+        if mode == "disabled":
             return "WANDB_MODE=disabled writes no W&B run, and the demo reads its runs back: unset it or use WANDB_MODE=offline"
-        where = Path(os.environ.get("WANDB_DIR") or os.getcwd())
+        given = os.environ.get("WANDB_DIR")
+        where = Path(given or os.getcwd())
+        if given and not where.is_dir():
+            return f"WANDB_DIR={given!r} is not a directory: create it, or point WANDB_DIR at one"
         if not os.access(where, os.W_OK):
-            return f"cannot write W&B's run files in {where}: run from a writable directory or set WANDB_DIR"
+            fix = (
+                "point WANDB_DIR at a writable directory" if given else "run from a writable directory or set WANDB_DIR"
+            )
+            return f"cannot write W&B's run files in {where}: {fix}"
         return None
     from .tracking.spill import uri_scheme
 
@@ -181,6 +203,8 @@ def run_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     ):
         if value is not None and args.dataset != dataset:
             parser.error(f"{flag} {value!r} is for --dataset {dataset}, not --dataset {args.dataset}")
+    if args.quick and args.low_lr is not None:
+        parser.error(f"--low-lr {args.low_lr:g} is for the full demo: --quick runs no conservative baseline")
     steps = args.steps or (200 if args.quick else 600)
     if steps < args.sync_every:
         parser.error(f"--steps ({steps}) must be at least --sync-every ({args.sync_every})")
@@ -307,7 +331,7 @@ def _wandb_table(wandb_dir: str, results: list[dict], group: str | None = None, 
                     continue  # it died before its run was created: nothing to show
             if run_id is None:
                 raise ReaderError("its tracker reported no run id")
-            runs.append(WandbReader(wandb_dir).read(run_id))
+            runs.append(WandbReader(wandb_dir).read(run_id, max_rows=sys.maxsize))  # as compare reads them
         except ReaderError as exc:
             missing.append(f"hdet-track: could not read run {r['name']} back from {wandb_dir}: {exc}")
     if runs:
@@ -397,8 +421,6 @@ def run_compare(tracking_uri: str | None, experiment: str | None, group: str | N
         chosen = reader.list_runs(scope, compare_group=group, limit=None if group else 1000)
         if not chosen:
             return _fail(_no_runs(reader, wandb, tracking_uri, experiment, named, scope, group))
-        # every row at full resolution: a run read as an overview has bucket means, not its last values
-        runs = [reader.read(r.run_id, max_rows=sys.maxsize) for r in reversed(chosen)]  # oldest first
     except ReaderError as exc:
         return _fail(str(exc))
     except Exception as exc:  # noqa: BLE001 - MLflow's or SQLAlchemy's own errors: name the argument
@@ -406,11 +428,20 @@ def run_compare(tracking_uri: str | None, experiment: str | None, group: str | N
             f"cannot read --tracking-uri {tracking_uri!r} (expected an MLflow tracking URI such as "
             f"sqlite:///PATH or http://HOST:PORT, or a W&B directory): {type(exc).__name__}: {exc}"
         )
-    print(format_rows(comparison_rows(runs), fmt))
+    runs, unreadable = [], []
+    for summary in reversed(chosen):  # oldest first
+        try:  # every row at full resolution: a run read as an overview has bucket means, not its last values
+            runs.append(reader.read(summary.run_id, max_rows=sys.maxsize))
+        except Exception as exc:  # noqa: BLE001 - one run's damage: the others' rows still come
+            unreadable.append(f"run {summary.name or summary.run_id} ({summary.run_id}): {type(exc).__name__}: {exc}")
+    if runs:
+        print(format_rows(comparison_rows(runs), fmt))
     for run in runs:
         for warning in run.warnings:
             print(f"hdet-track compare: run {run.name or run.run_id}: {warning}", file=sys.stderr)
-    return 0
+    for line in unreadable:
+        print(f"hdet-track compare: cannot read {line}; left out of the table", file=sys.stderr)
+    return 2 if unreadable else 0
 
 
 def _choices(values) -> str:
@@ -441,7 +472,10 @@ def _no_runs(reader, wandb: bool, uri: str, experiment: str, named: bool, scope:
         groups = {r.compare_group for r in reader.list_runs(scope, limit=None) if r.compare_group}
         allowed = f"expected one of {_choices(groups)}" if groups else "no run there has a compare group"
         return f"--group {group!r}: no runs with that compare group in {inside}{where}; {allowed}"
-    others = {r.experiment for r in reader.list_runs(None, limit=None) if r.experiment} - {experiment}
+    everywhere = reader.list_runs(None, limit=None)
+    if not everywhere:  # not the experiment's fault: the store holds no run at all
+        return f"--tracking-uri {uri!r}: no runs{where}; expected a store (or W&B directory) a job has logged to"
+    others = {r.experiment for r in everywhere if r.experiment} - {experiment}
     if others:
         allowed = f"expected one of the {kind}s with runs: {_choices(others)}"
     else:
@@ -517,7 +551,11 @@ def run_dashboard(source: str | None, host: str, port: int) -> int:
     from .readers import ReaderError, resolve_source
     from .readers.mlflow import StoreNotReady, check_store_exists, pending_store
 
-    with socket.socket() as s:
+    try:  # the host's own address family: an IPv6 address (::1) is bound as one
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except OSError:
+        family = socket.AF_INET  # the bind below says why
+    with socket.socket(family) as s:
         try:
             s.bind((host, port))
         except OSError as exc:
@@ -579,7 +617,8 @@ def run_dashboard(source: str | None, host: str, port: int) -> int:
         "--client.toolbarMode",
         "minimal",
     ]
-    print(f"hdet-track dashboard on http://{host}:{port} reading {source}", flush=True)
+    shown = f"[{host}]" if ":" in host else host  # an IPv6 address in a URL
+    print(f"hdet-track dashboard on http://{shown}:{port} reading {source}", flush=True)
     return _run_child(cmd, env)
 
 
@@ -646,6 +685,15 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     parser = build_parser()
     args = parser.parse_args(argv)
+    try:
+        return _dispatch(parser, args)
+    except BrokenPipeError:  # `hdet-track compare ... | head`: the reader left; nothing more to say
+        with contextlib.suppress(OSError, ValueError):  # Python's flush at exit must not fail again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1  # as Python's own on EPIPE
+
+
+def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.command == "demo":
         return run_demo(args.subparser, args)
     if args.command == "compare":

@@ -13,7 +13,8 @@ Example:
     >>> sched = HDETScheduler(opt, 0.1, total_steps=1000, spread=0.2, explore=hps)
 
 A mapping works too: ``explore={"weight_decay": 0.5, "momentum": {"spread": 0.1, "bounds": (0.5, 0.99)}}``
-(names of optimizer param-group keys; ``"betas.0"`` / ``"betas.1"`` address Adam's betas).
+(names of optimizer param-group keys; ``"betas.0"`` / ``"betas.1"`` address Adam's betas; a
+momentum that OneCycle cycles, ``momentum`` or ``betas.0``, needs ``cycle_momentum=False``).
 """
 
 from __future__ import annotations

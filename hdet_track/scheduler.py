@@ -85,7 +85,9 @@ class HDETScheduler(Syncing, Reporting, Checkpointing, OneCycleLR):
             :class:`hdet_track.controller.Controller`.
         auto_lr_warmup, temperature, meta_lr, meta_momentum: the paper controller's settings:
             steps of plain OneCycle before it takes over (then the LR is held between syncs), the
-            softmax temperature in loss units, the step size and momentum of its base update.
+            softmax temperature in loss units, the step size and momentum of its base update. With
+            the drift controller ``auto_lr_warmup`` is its ``warmup``: steps before its evidence
+            moves the drift (the guard acts from the first step); the other three are the paper's only.
         lr_bounds: ``(low, high)`` for every param group, or one pair per group, that the
             controller keeps the base LR in. Default for the paper controller
             ``(max_lr / div_factor / final_div_factor, 10 * max_lr)``; the drift controller bounds
@@ -180,7 +182,7 @@ class HDETScheduler(Syncing, Reporting, Checkpointing, OneCycleLR):
         self.spread = float(spread)
         self.sync_every = int(sync_every)
         self.auto_lr = auto_lr
-        self.seed = seed
+        self.seed = int(seed)
         explored = resolve_explore(
             explore, optimizer, cycle_momentum=cycle_momentum, use_beta1="betas" in optimizer.defaults
         )

@@ -413,6 +413,7 @@ def test_wandb_demo_logs_offline_without_wandb_mode_and_prints_compare_s_table(t
     client.create_run(client.create_experiment("hdet"), run_name="mlflow-run", tags={"hdet.compare_group": "m"})
     env = _env_without_tracking()  # no WANDB_MODE, WANDB_API_KEY or WANDB_DIR
     env["WANDB_SILENT"] = "true"
+    env["HDET_FULL_ROWS"] = "20"  # the demo's table read these runs as bucket means, where compare reads every row
     proc = _cli(
         ["demo", "--quick", "--replicas", "2", "--steps", "50", "--tracker", "wandb", "--group", "wb-test"],
         tmp_path,
@@ -423,7 +424,7 @@ def test_wandb_demo_logs_offline_without_wandb_mode_and_prints_compare_s_table(t
     assert len(list((tmp_path / "wandb").glob("offline-run-*"))) == 2
     reader = WandbReader(tmp_path)
     summaries = reader.list_runs(compare_group="wb-test")
-    runs = [reader.read(s.run_id) for s in reversed(summaries)]  # oldest first, as the demo ran them
+    runs = [reader.read(s.run_id, max_rows=sys.maxsize) for s in reversed(summaries)]  # oldest first, as run
     assert [r.name for r in runs] == ["baseline-high", "hdet"]
     assert all(r.status in ("FINISHED", "FAILED") for r in runs)
     expected = format_rows(comparison_rows(runs), "table")
@@ -517,8 +518,9 @@ def test_compare_reads_a_wandb_project_and_says_where_it_looked(tmp_path, capsys
     (tmp_path / "empty").mkdir()
     assert main(["compare", "--tracking-uri", str(tmp_path / "empty")]) == 2
     err = capsys.readouterr().err
-    assert "no runs in W&B project 'proj2'" in err and "read as a W&B directory: it holds no mlflow.db" in err
-    assert "it holds no W&B runs" in err
+    # the directory holds no run at all: the argument at fault is --tracking-uri, not --experiment
+    assert f"--tracking-uri {str(tmp_path / 'empty')!r}: no runs" in err, err
+    assert "read as a W&B directory: it holds no mlflow.db" in err and "--experiment" not in err
     # a project that is not there: the argument, and the projects that are
     assert main(["compare", "--tracking-uri", str(tmp_path / "wb"), "--experiment", "nope"]) == 2
     err = capsys.readouterr().err
@@ -925,3 +927,102 @@ def test_compare_shows_an_infinite_value_as_inf_and_a_missing_one_as_a_dash():
     assert row[at:].split()[0] == "inf", table
     at = header.index("mean LR")
     assert row[at:].split()[0] == "-", table  # never logged
+
+
+def test_cli_mistakes_a_second_audit_found_are_named(tmp_path, monkeypatch, capsys):
+    """An empty --group turned compare's group filter off (every run of every experiment); an
+    empty --experiment or --tracking-uri fell back to the default; `demo --quick --low-lr` ignored
+    --low-lr; a WANDB_MODE typo started every run and failed in each worker; a WANDB_DIR that does
+    not exist was blamed on WANDB_DIR being unset; an empty W&B directory blamed --experiment."""
+    for flag in ("--group", "--experiment", "--tracking-uri"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["compare", flag, ""])
+        assert exit_.value.code == 2
+        assert f"argument {flag}: expected a non-empty value" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["demo", "--quick", "--low-lr", "0.01"])
+    assert exit_.value.code == 2 and "--low-lr 0.01 is for the full demo" in capsys.readouterr().err
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("WANDB_MODE", "offlne")
+    assert main(["demo", "--quick", "--tracker", "wandb"]) == 2
+    err = capsys.readouterr().err
+    assert "WANDB_MODE='offlne' is no W&B mode" in err and len(err.strip().splitlines()) == 1, err
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "absent"))
+    assert main(["demo", "--quick", "--tracker", "wandb"]) == 2
+    assert f"WANDB_DIR={str(tmp_path / 'absent')!r} is not a directory" in capsys.readouterr().err
+    assert list(work.iterdir()) == []  # nothing ran
+
+
+def test_compare_sees_past_a_thousand_experiments_and_a_group_with_both_quotes(tmp_path, capsys):
+    """MLflow returns at most 1,000 experiments a call: compare said an experiment past them did
+    not exist. A compare group holding both kinds of quote (which HDET takes and tags) failed
+    compare with an error about an argument nobody passed."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    quoted = 'it\'s "gold"'
+    _attached_run(uri, "hdet", "first", quoted)
+    client = MlflowClient(uri)
+    for i in range(1001):
+        client.create_experiment(f"x{i:04d}")
+    late = _attached_run(uri, "zz-last", "late", "late-group")
+    assert main(["compare", "--tracking-uri", uri, "--experiment", "zz-last", "--format", "json"]) == 0
+    assert [r["run_id"] for r in json.loads(capsys.readouterr().out)] == [late]
+    assert main(["compare", "--tracking-uri", uri, "--group", quoted, "--format", "json"]) == 0
+    assert [r["name"] for r in json.loads(capsys.readouterr().out)] == ["first"]
+
+
+def test_compare_shows_the_runs_it_can_read_when_one_cannot_be_read(demo_store, capsys, monkeypatch):
+    """A run that failed to read (a damaged chunk raising a non-reader error) dropped the whole
+    table and blamed --tracking-uri; the other runs' rows now come, and the run is named."""
+    from hdet_track.readers.mlflow import MLflowReader
+
+    uri = demo_store[0]
+    real = MLflowReader.read
+    broken = MLflowReader(uri).list_runs("hdet")[0].run_id
+
+    def read(self, run_id, *args, **kwargs):  # a fault injected into one run's read
+        if run_id == broken:
+            raise TypeError("a damaged chunk")
+        return real(self, run_id, *args, **kwargs)
+
+    monkeypatch.setattr(MLflowReader, "read", read)
+    assert main(["compare", "--tracking-uri", uri, "--format", "json"]) == 2
+    out, err = capsys.readouterr()
+    rows = json.loads(out)
+    assert rows and broken not in [r["run_id"] for r in rows]
+    assert "cannot read run" in err and f"({broken}): TypeError: a damaged chunk" in err
+    assert "--tracking-uri" not in err
+
+
+def test_compare_into_a_closed_pipe_ends_without_a_traceback(demo_store, capsys, monkeypatch):
+    """`hdet-track compare ... | head -1`: the reader closed the pipe, and compare died with a
+    BrokenPipeError traceback."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    closed = open(write_end, "w", buffering=1)  # noqa: SIM115
+    monkeypatch.setattr(sys, "stdout", closed)
+    assert main(["compare", "--tracking-uri", demo_store[0], "--format", "json"]) == 1
+    closed.write("x" * 100)  # its descriptor now goes to /dev/null: Python's flush at exit does not fail
+    closed.flush()
+    monkeypatch.undo()
+    closed.close()
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_dashboard_takes_an_ipv6_address(capsys):
+    """--host ::1 was refused as "an address of no machine": the check bound an IPv4 socket."""
+    import socket
+
+    try:
+        taken = socket.socket(socket.AF_INET6)
+        taken.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    with taken:
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["dashboard", "--host", "::1", "--port", str(port)]) == 2  # in use: before Streamlit starts
+    err = capsys.readouterr().err
+    assert f"cannot listen on ::1:{port}" in err and "pick another --port" in err and "--host must" not in err

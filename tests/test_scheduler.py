@@ -843,3 +843,35 @@ def test_a_module_named_like_a_param_group_keeps_its_own_series_key():
     keys = [series_key("dropout", t, label) for t, label in enumerate(["enc", "pg0", "pg1"])]
     assert [parse_series_key(k) for k in keys] == [("dropout", 0), ("dropout", 1), ("dropout", 2)]
     assert [series_key("lr", g, f"pg{g}") for g in range(3)] == ["lr", "lr/pg1", "lr/pg2"]  # unchanged
+
+
+@pytest.mark.parametrize("kind", [np.int64, torch.tensor, lambda v: torch.tensor([v])])
+def test_integer_arguments_take_a_sweeps_numpy_and_tensor_integers(kind):
+    """The README says HDET takes NumPy and one-element tensor scalars for its numbers; seed=np.int64
+    was refused ("to be an int"), and tensors for sync_every, auto_lr_warmup and log_every. They
+    now run as the Python ints do; a float tensor where an integer is needed is still refused."""
+
+    def run(convert):
+        model, opt = make()
+        s = HDETScheduler(
+            opt, 0.1, total_steps=20, spread=0.3, sync_every=convert(5), auto_lr=True, controller="paper",
+            auto_lr_warmup=convert(5), seed=convert(3), log_every=convert(2),
+        )  # fmt: skip
+        lrs = []
+        for k in range(1, 21):
+            opt.step()
+            s.step(1.0 / k)
+            lrs.append(s.get_last_lr())
+        return s, lrs
+
+    given, lrs = run(kind)
+    plain, expected = run(int)
+    assert lrs == expected
+    assert given._config == plain._config and isinstance(given.seed, int)
+    buf = io.BytesIO()
+    torch.save(given.state_dict(), buf)
+    buf.seek(0)
+    torch.load(buf, weights_only=True)  # torch's default loader takes it
+    _, opt = make()
+    with pytest.raises(ValueError, match=r"Expected sync_every to be an integer >= 1, but got tensor\(5\.\)"):
+        HDETScheduler(opt, 0.1, total_steps=20, sync_every=torch.tensor(5.0))

@@ -911,3 +911,33 @@ def test_a_second_training_from_step_1_in_a_given_run_is_named(sqlite_uri, caplo
         assert "already holds an earlier HDET training" not in caplog.text
         train(6)
     assert f"MLflow run {run_id} already holds an earlier HDET training (through step 4)" in caplog.text
+
+
+def _log_with_a_secret(secret: str, track) -> HDETScheduler:
+    """A run whose param-group name, run name and compare group carry ``secret``."""
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD([{"params": model.parameters(), "name": f"enc-{secret}"}], lr=0.1)
+    sched = HDETScheduler(
+        opt, 0.1, total_steps=10, sync_every=5, track=track, run_name=f"nightly-{secret}", compare_group=f"g-{secret}"
+    )
+    for k in range(1, 11):
+        opt.step()
+        sched.step(1.0 / k)
+    sched.close()
+    return sched
+
+
+def test_a_secret_in_a_list_a_tag_or_a_run_name_is_never_logged(sqlite_uri, monkeypatch):
+    """Only string values were checked, and only params: a param-group name holding a secret went
+    out in the param_groups list, and a run name or compare group holding one became MLflow's
+    runName and hdet.compare_group tags. Lists holding it are dropped; names and groups are kept
+    with the secret masked, so the run is still found by them."""
+    monkeypatch.setenv("MY_API_KEY", "sekret-xyz")
+    sched = _log_with_a_secret("sekret-xyz", MLflowTracker(tracking_uri=sqlite_uri))
+    run = MlflowClient(sqlite_uri).get_run(sched.run_ids["mlflow"])
+    blob = repr(run.data.params) + repr(run.data.tags) + repr(run.info)
+    assert "sekret-xyz" not in blob
+    assert "param_groups" not in run.data.params and "spread" in run.data.params
+    assert run.data.tags["hdet.compare_group"] == "g-***" and run.info.run_name == "nightly-***"
+    (summary,) = MLflowReader(sqlite_uri).list_runs(compare_group="g-***")
+    assert summary.run_id == run.info.run_id

@@ -1074,3 +1074,19 @@ def test_an_mlflow_server_that_is_down_does_not_hold_back_wandb(tmp_path, monkey
     assert run.status == "FINISHED" and sorted(set(run.steps.step.tolist())) == list(range(1, 21))
     assert [c.step for c in run.converge] == [5, 10, 15, 20]
     assert list((tmp_path / "cache").rglob("spill-mlflow-*.jsonl"))  # MLflow's data waits for it
+
+
+def test_a_secret_in_a_list_a_group_or_a_run_name_never_reaches_the_run_file(tmp_path, monkeypatch):
+    """W&B's config, group, name and tags held a secret that sat in a param-group name, the run
+    name or the compare group; the run file now holds none of it."""
+    from hdet_track.tracking.wandb import WandbTracker
+
+    from .test_tracking_mlflow import _log_with_a_secret
+
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("MY_API_KEY", "sekret-xyz")
+    _log_with_a_secret("sekret-xyz", WandbTracker(mode="offline"))
+    (path,) = glob.glob(os.path.join(run_dir(str(tmp_path)), "run-*.wandb"))
+    assert b"sekret-xyz" not in open(path, "rb").read()
+    contents = read_finished(path)
+    assert contents.group == "g-***" and "param_groups" not in contents.config

@@ -1,8 +1,9 @@
 """Hugging Face ``Trainer``: ``hdet_track.wrap(transformers.Trainer(...), spread=..., ...)``.
 
 The trainer's scheduler becomes an ``HDETScheduler`` (OneCycle-shaped: each param group peaks at
-its own LR, ``args.learning_rate`` for the Trainer's optimizer; warm-up from
-``warmup_steps``/``warmup_ratio`` when set, over the trainer's optimizer steps; one HDET step per
+its own LR, ``args.learning_rate`` for the Trainer's optimizer; warm-up as the Trainer computes it
+(``warmup_steps``, a ratio below 1 in transformers 5; ``warmup_ratio`` in transformers 4), over
+the trainer's optimizer steps; one HDET step per
 optimizer step, so gradient accumulation counts once), fed with this rank's training loss of
 that step. It honours ``report_to``: with ``mlflow`` or ``wandb`` it logs into the run Hugging
 Face's own callback opened (a new one at each ``train()``, also a resumed one, unless
@@ -325,7 +326,9 @@ def wrap_trainer(
 ) -> Any:
     """Make ``trainer`` train with HDET; returns it."""
     taken = ("track", "log_every", "compare_group", "close_at_end")
-    check_hdet_kwargs("wrap_trainer", hdet_kwargs, taken=taken, log_every=log_every, compare_group=compare_group)
+    check_hdet_kwargs(
+        "hdet_track.wrap(Trainer)", hdet_kwargs, taken=taken, log_every=log_every, compare_group=compare_group
+    )
     if trainer.lr_scheduler is not None and not getattr(trainer, "_created_lr_scheduler", False):
         raise ValueError(
             f"Expected a Trainer that makes its own scheduler (HDET takes its place), but it was given "

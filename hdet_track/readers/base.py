@@ -129,7 +129,8 @@ class HDETRun:
             its event archive; otherwise what the metric histories hold).
         converge: one :class:`~hdet_track.events.Converge` per sync.
         controller: the controller's decisions, per sync and hyperparameter.
-        metrics: other metric series (``val_loss``, the means ``loss``/``lr``...): key -> (steps, values).
+        metrics: other metric series (``val_loss``...; the means ``loss``/``lr`` only where the steps
+            came from metric histories, not the archive's step rows): key -> (steps, values).
         live: the run is still running.
         warnings: what could not be read (a truncated chunk, an unknown schema...).
         aggregates: the archive's per-bucket aggregates of the steps table (None for archives written
@@ -306,7 +307,8 @@ class HDETRun:
             return steps, (lo + hi) / 2
 
     def controller_series(self, name: str = "lr", target: int = 0) -> dict[str, np.ndarray]:
-        """step, base, base_before, velocity, delta, onecycle and drift (= base / onecycle) per sync
+        """step, base, base_before, velocity, delta, onecycle, reference (the drift's reference: OneCycle's
+        LR, an explored value's start) and drift (= base / reference) per sync
         (empty arrays for a run without auto-LR). A ``name`` this run did not explore, or a ``target``
         past its param groups, is a ValueError naming what it has."""
         _check_name(self, name, target)

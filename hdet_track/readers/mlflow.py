@@ -160,15 +160,14 @@ def _check_schema(uri: str, db: Path, tables: set[str]) -> None:
         )
 
 
-def _quoted(argument: str, value: str) -> str:
-    """``value`` as a string literal of MLflow's search filter."""
+def _quoted(value: str) -> str | None:
+    """``value`` as a string literal of MLflow's search filter (None: it holds both kinds of quote,
+    which the filter cannot hold)."""
     if "'" not in value:
         return f"'{value}'"
     if '"' not in value:
         return f'"{value}"'
-    raise ReaderError(
-        f"Expected {argument} without both kinds of quote (MLflow's filter cannot hold it), but got {value!r}"
-    )
+    return None
 
 
 class MLflowReader:
@@ -195,11 +194,22 @@ class MLflowReader:
         self.client = MlflowClient(self.uri)
 
     def experiments(self) -> list[str]:
-        return [e.name for e in self.client.search_experiments()]
+        return [e.name for e in self._all_experiments()]
+
+    def _all_experiments(self) -> list[Any]:
+        """Every experiment of the store, page by page (MLflow returns at most 1,000 a call)."""
+        found: list[Any] = []
+        token = None
+        while True:
+            page = self.client.search_experiments(max_results=1000, page_token=token)
+            found += list(page)
+            token = page.token
+            if not token:
+                return found
 
     def _experiment_ids(self, experiment: str | None) -> list[str]:
         if experiment is None:
-            return [e.experiment_id for e in self.client.search_experiments()]
+            return [e.experiment_id for e in self._all_experiments()]
         exp = self.client.get_experiment_by_name(experiment)
         if exp is None:
             raise RunNotFoundError(f"Expected an experiment named {experiment!r} at {self.uri}, but there is none")
@@ -213,7 +223,9 @@ class MLflowReader:
         ids = self._experiment_ids(experiment)
         if not ids:
             return []
-        filt = f"tags.`hdet.compare_group` = {_quoted('compare_group', compare_group)}" if compare_group else ""
+        literal = _quoted(compare_group) if compare_group else None
+        filt = f"tags.`hdet.compare_group` = {literal}" if literal else ""
+        by_hand = bool(compare_group) and literal is None  # a group with both kinds of quote: matched here
         runs: list[Any] = []
         token = None
         while limit is None or len(runs) < limit:
@@ -224,11 +236,11 @@ class MLflowReader:
                 max_results=1000 if limit is None else min(1000, limit - len(runs)),
                 page_token=token,
             )
-            runs += list(page)
+            runs += [r for r in page if not by_hand or r.data.tags.get("hdet.compare_group") == compare_group]
             token = page.token
             if not token:
                 break
-        names = {e.experiment_id: e.name for e in self.client.search_experiments()}
+        names = {e.experiment_id: e.name for e in self._all_experiments()}
         out = []
         for r in runs:
             tags = r.data.tags

@@ -7,7 +7,7 @@ import logging
 from typing import Any
 
 from ..events import RunStart
-from .base import redact
+from .base import mask_secrets, redact
 
 
 def flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
@@ -54,7 +54,7 @@ def run_tags(run_start: RunStart) -> dict[str, str]:
         "hdet.world_size": str(run_start.world_size),
     }
     if run_start.compare_group:
-        tags["hdet.compare_group"] = run_start.compare_group
+        tags["hdet.compare_group"] = mask_secrets(run_start.compare_group)  # as the W&B group
     return tags
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import re
 import threading
@@ -289,12 +290,29 @@ def is_secret(key: str) -> bool:
     return bool(_SECRET.search(key))
 
 
+def _secrets() -> set[str]:
+    """The values of this process's secret-looking environment variables (4 characters or more)."""
+    return {v for k, v in os.environ.items() if is_secret(k) and len(v) >= 4}
+
+
 def redact(config: dict[str, Any]) -> dict[str, Any]:
-    """Drop secret-looking keys and any value equal to a secret environment variable."""
-    secrets = {v for k, v in os.environ.items() if is_secret(k) and len(v) >= 4}
+    """Drop secret-looking keys and any value holding a secret environment variable's value (in
+    its text: a list or dict holding one is dropped too)."""
+    secrets = _secrets()
     out = {}
     for k, v in config.items():
-        if is_secret(k) or (isinstance(v, str) and any(s in v for s in secrets)):
+        text = v if isinstance(v, str) else json.dumps(v, default=str)
+        if is_secret(k) or any(s in text for s in secrets):
             continue
         out[k] = v
     return out
+
+
+def mask_secrets(text: str | None) -> str | None:
+    """``text`` (a run's name, group, tag) with every secret environment variable's value replaced
+    by ``***``: kept, since runs are found by it, but never with the secret."""
+    if not text:
+        return text
+    for secret in sorted(_secrets(), key=len, reverse=True):
+        text = text.replace(secret, "***")
+    return text

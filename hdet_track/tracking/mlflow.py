@@ -25,7 +25,7 @@ from ..owner import process_identity
 from ..summaries import SUMMARY_DIR
 from ._common import run_params, run_tags, warn_second_training
 from .archive import ARTIFACT_DIR, EventArchive, artifact_dir, chunk_index
-from .base import Batch, Point, Tracker
+from .base import Batch, Point, Tracker, mask_secrets
 from .spill import PENDING_HEADER, PENDING_PREFIX, store_spill_dir, uri_scheme
 
 __all__ = ["MLflowTracker", "DEFAULT_EXPERIMENT"]
@@ -212,7 +212,7 @@ class MLflowTracker(Tracker):
             opened = _reopen(client, attach or self._resume_id, run_start, resumed=not attach)
         else:
             experiment = self.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT
-            opened = _create(client, experiment, run_start, self.run_name, tags)
+            opened = _create(client, experiment, run_start, mask_secrets(self.run_name), tags)
         _log_params_and_tags(client, opened, run_start, tags)
         self._attached = bool(attach) and not opened.reopen  # a given run we reopened is ours to end
         self._given = self._given or opened.means_given

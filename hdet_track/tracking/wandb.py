@@ -29,7 +29,7 @@ from ..wandb_store import OWNER_FILE, SYNC_PREFIXES, USER_METRICS_FILE, StoredSt
 from . import lifecycle
 from ._common import run_params, run_tags, warn_second_training
 from .archive import ARTIFACT_DIR, EventArchive, chunk_index
-from .base import Batch, Tracker
+from .base import Batch, Tracker, mask_secrets
 
 __all__ = ["WandbTracker", "DEFAULT_PROJECT", "DEFAULT_MODE", "SYNC_STEP", "STEP", "wait_until_written"]
 
@@ -410,8 +410,8 @@ class WandbTracker(Tracker):
             project=self.project or os.environ.get("WANDB_PROJECT") or DEFAULT_PROJECT,
             entity=self.entity or os.environ.get("WANDB_ENTITY"),
             mode=self.mode or os.environ.get("WANDB_MODE") or DEFAULT_MODE,
-            group=self.group or run_start.compare_group or os.environ.get("WANDB_RUN_GROUP"),
-            name=self.run_name,
+            group=mask_secrets(self.group or run_start.compare_group or os.environ.get("WANDB_RUN_GROUP")),
+            name=mask_secrets(self.run_name),
             dir=str(self.dir) if self.dir is not None else os.environ.get("WANDB_DIR") or None,
             config=run_params(run_start),
             # W&B's tags are at most 64 characters: longer ones stay in the summary only
