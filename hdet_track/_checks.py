@@ -17,12 +17,12 @@ def real(value: Any) -> float | None:
         return None
     if isinstance(value, numbers.Real):
         return float(value)
-    if getattr(value, "ndim", None) == 0 or (hasattr(value, "numel") and value.numel() == 1):
+    if _one_element(value):
         if getattr(getattr(value, "dtype", None), "is_complex", False) or "bool" in str(getattr(value, "dtype", "")):
             return None
         try:
-            return float(value)
-        except (TypeError, ValueError):
+            return float(value.item())
+        except (TypeError, ValueError, AttributeError):
             return None
     return None
 
@@ -40,6 +40,14 @@ def check_number(name: str, value: Any, low: float, high: float, *, low_open: bo
     return number  # type: ignore[return-value]
 
 
+def _one_element(value: Any) -> bool:
+    """A 0-d or one-element tensor or array."""
+    if getattr(value, "ndim", None) == 0:
+        return True
+    size = value.numel() if hasattr(value, "numel") else getattr(value, "size", None)  # torch / NumPy
+    return size == 1 and hasattr(value, "dtype")
+
+
 def integer(value: Any) -> int | None:
     """``value`` as an int when it is an integer: a Python or NumPy one, or a one-element integer
     tensor or array, as a sweep's config gives them (not a bool); else None."""
@@ -47,9 +55,9 @@ def integer(value: Any) -> int | None:
         return None
     if isinstance(value, numbers.Integral):
         return int(value)
-    one = getattr(value, "ndim", None) == 0 or (hasattr(value, "numel") and value.numel() == 1)
-    if one and "int" in str(getattr(value, "dtype", "")):  # torch.int64, int32, uint8 (not bool, not float)
-        return int(value)
+    dtype = str(getattr(value, "dtype", ""))  # torch.int64, int32, uint8 (not bool, not float)
+    if _one_element(value) and "int" in dtype:
+        return int(value.item())
     return None
 
 

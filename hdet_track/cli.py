@@ -687,10 +687,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return _dispatch(parser, args)
-    except BrokenPipeError:  # `hdet-track compare ... | head`: the reader left; nothing more to say
-        with contextlib.suppress(OSError, ValueError):  # Python's flush at exit must not fail again
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1  # as Python's own on EPIPE
+    except BrokenPipeError:
+        try:
+            sys.stdout.flush()
+        except BrokenPipeError:  # `hdet-track compare ... | head`: the reader left; nothing more to say
+            with contextlib.suppress(OSError, ValueError):  # Python's flush at exit must not fail again
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 1  # as Python's own on EPIPE
+        raise  # another pipe's (a worker's, a socket's): not the output's
 
 
 def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

@@ -26,7 +26,7 @@ from . import collectives
 from .averager import ReplicaAverager
 from .controller import Controller, Decision, Health, WindowStats
 from .errors import NonFiniteReplicasError
-from .record import SchedulerCallback, SyncRecord
+from .record import GuardAction, SchedulerCallback, SyncRecord
 from .schedule import draw_permutation
 from .window_record import RecordBuilder
 
@@ -87,6 +87,12 @@ def gradients_shared(fingerprints: Sequence[Sequence[float]]) -> bool | None:
         if any(first[at : at + k]) and all(list(f[at : at + k]) == first[at : at + k] for f in fingerprints):
             return True
     return False
+
+
+_AVERAGED = (
+    "every window loss non-finite, every replica's parameters finite (a skipped step, a NaN batch): "
+    "averaged as they are; the controller did not move"
+)
 
 
 class Converger:
@@ -255,8 +261,14 @@ class Converger:
         window = self.records.tables(self.onecycle, perms, references)  # as training used them, before anything changes
         ctrl = self.controller or Controller()
         health = ctrl.health(stats) if blown is None else Health([False] * n, [blown] * n, ctrl.rollback)
-        skipped = not ctrl.rollback and not any(health.healthy) and all(stats.finite)
-        if skipped:  # only the losses: nothing to reset from, and nothing broken (a skipped step's inf)
+        skipped = (  # only the losses: nothing to reset from, and nothing broken (a skipped step's inf)
+            blown is None
+            and not ctrl.rollback
+            and not any(health.healthy)
+            and all(stats.finite)
+            and not any(math.isfinite(x) for x in stats.window_losses)
+        )
+        if skipped:
             warnings.warn(
                 f"HDETScheduler: every replica's window loss is non-finite at step {step} "
                 f"({stats.window_losses}) but their parameters are finite (a step skipped on an overflow, "
@@ -289,7 +301,11 @@ class Converger:
                 self._own = (step, divergence)
             elif wanted:  # for the callbacks: gathered while training goes on (see complete())
                 gathering = collectives.start_gather_rows([divergence], self.averager.group)
-            decision = Decision() if skipped else ctrl.update(stats, health)
+            decision = (
+                Decision(guard=[GuardAction("averaged", list(range(n)), _AVERAGED)])
+                if skipped
+                else ctrl.update(stats, health)
+            )
         drawn = dict(perms) | {name: draw_permutation(n, self.generators[name]) for name in self.names}
         self.losses, self.onecycle, self.tripped = [], [], False
         record = self.records.record(stats, window, health, divergences, decision, drawn)
@@ -348,8 +364,9 @@ class Converger:
     def _fan_out_checksum(self, perms: Mapping[str, Sequence[int]]) -> float:
         """A checksum of what decides each replica's multipliers: the explored names, multipliers,
         this window's permutations and the generators that draw the next (a CRC-32, exact as a float)."""
-        crc = zlib.crc32(repr([(k, self._multipliers[k], list(perms[k])) for k in self.names]).encode())
-        for name in self.names:
+        spread = [k for k in self.names if len(set(self._multipliers[k])) > 1]  # without spread: one multiplier
+        crc = zlib.crc32(repr([(k, self._multipliers[k], list(perms[k])) for k in spread]).encode())
+        for name in spread:
             crc = zlib.crc32(self.generators[name].get_state().numpy().tobytes(), crc)
         return float(crc)
 

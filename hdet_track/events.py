@@ -196,7 +196,8 @@ class ControllerDecision(_Event):
 @dataclass(frozen=True)
 class Guard(_Event):
     """A guard action at a sync: ``backoff`` (the LR drift cut because the highest-LR replicas blew
-    up) or ``rollback`` (every replica restored to the last good consensus, the LR drift cut).
+    up), ``rollback`` (every replica restored to the last good consensus, the LR drift cut) or
+    ``averaged`` (every window loss non-finite, every replica's parameters finite: averaged as they were).
     ``drift_change`` is the change of the LR's log drift."""
 
     kind: ClassVar[str] = "guard"

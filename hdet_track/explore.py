@@ -275,8 +275,9 @@ class ModuleAttr(Hyperparam):
         return [((id(mod), self.attr), f"{type(mod).__name__}.{self.attr}") for _, mod in self._targets]
 
     def default_bounds(self) -> tuple[float, float]:
-        if self.attr == "p" and all(isinstance(mod, DROPOUT_TYPES) for _, mod in self._targets):
-            return (0.0, 1.0)  # a probability
+        dropouts = self.types is not None or all(isinstance(mod, DROPOUT_TYPES) for _, mod in self._targets)
+        if self.attr == "p" and dropouts:
+            return (0.0, 1.0)  # a probability (a dropout module's, or one of the types given)
         return (0.0, math.inf)
 
 

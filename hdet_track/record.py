@@ -44,7 +44,9 @@ class GuardAction:
     ``"backoff"`` (the LR drift was cut because the highest-LR replicas blew up or tripped the
     local step guard, or any replica tripped it with ``trip_backoff="spread"``) or
     ``"rollback"`` (the consensus blew up: every replica was restored to the last good consensus
-    and the LR drift was cut). ``drift_change`` is the change of the LR's log drift (0 if none).
+    and the LR drift was cut) or ``"averaged"`` (every window loss was non-finite while every
+    replica's parameters were finite, with no rollback to fall back on: averaged as they were, the
+    controller did not move). ``drift_change`` is the change of the LR's log drift (0 if none).
     """
 
     kind: str

@@ -473,9 +473,12 @@ def test_a_non_finite_loss_with_finite_parameters_is_no_divergence(controller):
             ref_opt.step()
             s.step(math.inf if k == 2 else 1.0)
             ref.step()
-            if k == 3:
-                assert s.last_sync.left_out == [] and s.last_sync.step == 3
-                assert not s.last_sync.weights or all(math.isfinite(w) for w in s.last_sync.weights)
+            if k == 3:  # no replica left out; the guard's record says what happened; no controller move
+                rec = s.last_sync
+                assert rec.left_out == [] and rec.step == 3 and rec.updates == {} and rec.weights is None
+                assert [(g.kind, g.replicas) for g in rec.guard] == [("averaged", [0])]
+            elif k % 3 == 0 and controller:
+                assert s.last_sync.updates  # the paper controller decides at the other syncs
             if not controller:
                 assert s.get_last_lr() == ref.get_last_lr()
     said = [str(w.message) for w in caught if "window loss is non-finite" in str(w.message)]
@@ -827,8 +830,19 @@ def test_explore_refuses_what_it_cannot_explore_and_names_it():
     # a sweep's NumPy or tensor spread works in the mapping form, as everywhere else
     for spread in (np.float32(0.5), torch.tensor(0.5)):
         assert build({"weight_decay": spread})._fanout.spreads["weight_decay"] == 0.5
-    # a dropout's p found without types= is a probability: bounded by 1, not unbounded
+    # a dropout's p found without types= is a probability: bounded by 1, not unbounded; so is the p of
+    # the types given (a custom dropout class)
     assert build([explore.module_attr("drop", lin, "p", 0.5)])._fanout.hyperparams["drop"].bounds == (0.0, 1.0)
+
+    class MyDrop(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.p = 0.2
+
+    mine = nn.Sequential(nn.Linear(2, 2), MyDrop())
+    opt_mine = torch.optim.SGD(mine.parameters(), lr=0.1)
+    custom = build([explore.module_attr("drop", mine, "p", 0.5, types=MyDrop)], optimizer=opt_mine)
+    assert custom._fanout.hyperparams["drop"].bounds == (0.0, 1.0)
     sched = build({"weight_decay": 0.5})
     for ask in (sched.multiplier, sched.base_values, sched.replica_values):
         with pytest.raises(ValueError, match=r"explored_names \['lr', 'weight_decay'\], but got 'wd'"):
@@ -875,3 +889,20 @@ def test_integer_arguments_take_a_sweeps_numpy_and_tensor_integers(kind):
     _, opt = make()
     with pytest.raises(ValueError, match=r"Expected sync_every to be an integer >= 1, but got tensor\(5\.\)"):
         HDETScheduler(opt, 0.1, total_steps=20, sync_every=torch.tensor(5.0))
+
+
+def test_a_finite_blow_up_without_rollback_still_raises():
+    """Only non-finite losses with finite parameters are averaged as they are: a finite blow-up of
+    every replica with no rollback to fall back on (the drift controller's rollback=False) still
+    stops training, naming it."""
+    model, opt = make()
+    s = HDETScheduler(
+        opt, 0.1, total_steps=20, sync_every=10, auto_lr=True, model=model,
+        controller=DriftController(rollback=False, step_guard=10.0),
+    )  # fmt: skip
+    opt.step()
+    s.step(1.0)
+    opt.step()
+    with pytest.raises(NonFiniteReplicasError) as info:
+        s.step(1000.0)
+    assert "step guard" in str(info.value)

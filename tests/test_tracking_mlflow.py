@@ -930,14 +930,38 @@ def _log_with_a_secret(secret: str, track) -> HDETScheduler:
 def test_a_secret_in_a_list_a_tag_or_a_run_name_is_never_logged(sqlite_uri, monkeypatch):
     """Only string values were checked, and only params: a param-group name holding a secret went
     out in the param_groups list, and a run name or compare group holding one became MLflow's
-    runName and hdet.compare_group tags. Lists holding it are dropped; names and groups are kept
-    with the secret masked, so the run is still found by them."""
+    runName and hdet.compare_group tags, and went into the event archive. Names and groups are kept
+    with the secret masked, so the run is still found by them. A secret-looking variable holding a
+    flag or a number (TOKENIZERS_PARALLELISM=false) hides nothing: params that read false stay."""
     monkeypatch.setenv("MY_API_KEY", "sekret-xyz")
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    monkeypatch.setenv("MAX_TOKENS", "4096")
     sched = _log_with_a_secret("sekret-xyz", MLflowTracker(tracking_uri=sqlite_uri))
     run = MlflowClient(sqlite_uri).get_run(sched.run_ids["mlflow"])
     blob = repr(run.data.params) + repr(run.data.tags) + repr(run.info)
     assert "sekret-xyz" not in blob
-    assert "param_groups" not in run.data.params and "spread" in run.data.params
+    assert run.data.params["param_groups"] == '["enc-***"]' and run.data.params["auto_lr"] == "false"
     assert run.data.tags["hdet.compare_group"] == "g-***" and run.info.run_name == "nightly-***"
     (summary,) = MLflowReader(sqlite_uri).list_runs(compare_group="g-***")
     assert summary.run_id == run.info.run_id
+    read = MLflowReader(sqlite_uri).read(summary.run_id)  # the event archive too
+    assert read.start is not None and read.compare_group == "g-***" and read.start.param_groups == ["enc-***"]
+
+
+def test_log_every_takes_a_sweeps_numpy_or_tensor_integer(sqlite_uri):
+    """log_every=torch.tensor(2) or np.int64(2) passed the scheduler's check, then failed in the
+    tracking hub at the first step; it now thins the series as the int 2 does."""
+    import numpy as np
+
+    logged = []
+    for log_every in (2, np.int64(2), torch.tensor(2)):
+        model = nn.Linear(2, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        tracker = MLflowTracker(tracking_uri=sqlite_uri)
+        sched = HDETScheduler(opt, 0.1, total_steps=10, sync_every=5, track=tracker, log_every=log_every)
+        for k in range(1, 11):
+            opt.step()
+            sched.step(1.0 / k)
+        sched.close()
+        logged.append(sorted(history(MlflowClient(sqlite_uri), tracker.run_id, "hdet/replica_00/loss")))
+    assert logged[0] == logged[1] == logged[2] and logged[0] != list(range(1, 11))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import re
 import threading
@@ -290,19 +289,45 @@ def is_secret(key: str) -> bool:
     return bool(_SECRET.search(key))
 
 
+_NOT_SECRETS = {"true", "false", "yes", "no", "none", "null", "on", "off"}
+
+
 def _secrets() -> set[str]:
-    """The values of this process's secret-looking environment variables (4 characters or more)."""
-    return {v for k, v in os.environ.items() if is_secret(k) and len(v) >= 4}
+    """The values of this process's secret-looking environment variables: 4 characters or more,
+    not a number or a flag (``TOKENIZERS_PARALLELISM=false``, ``MAX_TOKENS=4096`` hold no secret)."""
+    return {
+        v
+        for k, v in os.environ.items()
+        if is_secret(k) and len(v) >= 4 and v.lower() not in _NOT_SECRETS and not _is_number(v)
+    }
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _strings(value: Any) -> list[str]:
+    """Every string inside ``value`` (itself, or inside its lists, tuples and dicts)."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for k, v in value.items() for s in _strings(k) + _strings(v)]
+    if isinstance(value, (list, tuple)):
+        return [s for v in value for s in _strings(v)]
+    return []
 
 
 def redact(config: dict[str, Any]) -> dict[str, Any]:
-    """Drop secret-looking keys and any value holding a secret environment variable's value (in
-    its text: a list or dict holding one is dropped too)."""
+    """Drop secret-looking keys and any value holding a secret environment variable's value (also
+    inside a list or dict: the param-group names)."""
     secrets = _secrets()
     out = {}
     for k, v in config.items():
-        text = v if isinstance(v, str) else json.dumps(v, default=str)
-        if is_secret(k) or any(s in text for s in secrets):
+        if is_secret(k) or any(s in text for text in _strings(v) for s in secrets):
             continue
         out[k] = v
     return out

@@ -12,7 +12,7 @@ from typing import Any
 from ..events import RunStart
 from ..record import RunInfo, SchedulerCallback, SyncRecord
 from . import lifecycle
-from .base import resolve_trackers
+from .base import mask_secrets, redact, resolve_trackers
 
 __all__ = ["Recorder"]
 
@@ -47,7 +47,7 @@ class Recorder(SchedulerCallback):
         close_at_end: bool = False,
     ) -> None:
         self.trackers = resolve_trackers(track)
-        self.log_every = log_every
+        self.log_every = int(log_every)  # a sweep's NumPy or tensor integer (checked by the scheduler)
         self.compare_group = compare_group
         self.run_name = run_name
         self.close_at_end = close_at_end
@@ -102,11 +102,11 @@ class Recorder(SchedulerCallback):
         self._end_abandoned(set(info.resumed_runs.values()))
         import torch
 
-        start = RunStart(
-            config=info.config,
+        start = RunStart(  # what a run, its event archive and its spill hold: no secret (base.redact)
+            config=redact(info.config),
             world_size=info.world_size,
             schedule=info.schedule,
-            param_groups=info.param_groups,
+            param_groups=[mask_secrets(g) or g for g in info.param_groups],
             explored=info.explored,
             versions={
                 "hdet_track": _version.__version__,
@@ -114,7 +114,7 @@ class Recorder(SchedulerCallback):
                 "python": platform.python_version(),
             },
             hostnames=info.hostnames,
-            compare_group=self.compare_group,
+            compare_group=mask_secrets(self.compare_group),
             time=self.created if info.start_step == 0 else time.time(),
             controller=info.controller,
             total_steps=info.total_steps,

@@ -406,6 +406,8 @@ def test_a_seed_per_rank_is_refused_at_the_first_sync_on_every_rank():
     for r in range(WORLD):
         assert res[r]["error_step"] == 4, res[r]
         assert "rank(s) [1, 2, 3]" in res[r]["message"] and "seed=" in res[r]["message"]
+    # without spread every replica has the one multiplier 1: the seed decides nothing, nothing is refused
+    assert all(r["error_step"] is None for r in run_ranks(workers.seed_per_rank, WORLD, 0.0))
 
 
 def test_explored_values_end_on_the_shared_base_on_every_rank():

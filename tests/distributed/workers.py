@@ -764,11 +764,11 @@ def sync_now_with_a_replica_without_optimizer_state(rank: int, world: int) -> di
     }
 
 
-def seed_per_rank(rank: int, world: int) -> dict:
+def seed_per_rank(rank: int, world: int, spread: float = 0.3) -> dict:
     """``seed=rank`` (a per-rank seed): the replicas would draw clashing multipliers."""
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    sched = HDETScheduler(opt, max_lr=0.1, total_steps=20, spread=0.3, sync_every=4, model=model, seed=rank)
+    sched = HDETScheduler(opt, max_lr=0.1, total_steps=20, spread=spread, sync_every=4, model=model, seed=rank)
     for step in range(20):
         loss = sgd_step(model, opt, rank, step)
         try:
