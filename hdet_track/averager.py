@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from . import collectives
 
-__all__ = ["ReplicaAverager"]
+__all__ = ["ReplicaAverager", "innermost_optimizer"]
 
 logger = logging.getLogger(__name__)
 
@@ -29,8 +29,9 @@ class ReplicaAverager:
         tensors: returns the tensors to average (looked up at each sync).
         optimizer: whose state is cleared on a replica that is reset.
         group: the process group (default: the default group, or a world of one).
-        keep_consensus: keep a copy of the last good consensus (the tensors when the averager is
-            built, then after every sync) for :meth:`restore`.
+        keep_consensus: keep a copy of the last good consensus (the tensors right before the
+            optimizer's first step, so weights loaded after the scheduler was built count; then
+            after every sync) for :meth:`restore`.
     """
 
     def __init__(
@@ -49,12 +50,50 @@ class ReplicaAverager:
         self._consensus: list[torch.Tensor] | None = None
         self._state_said = False  # average_optimizer_state() warned that it could not
         if keep_consensus:
-            self._consensus = [b.flat.clone() for b in collectives.make_buckets(tensors())]
+            found = tensors()
+            lazy = [i for i, t in enumerate(found) if isinstance(t, torch.nn.parameter.UninitializedTensorMixin)]
+            if lazy:
+                raise ValueError(
+                    f"Expected initialised parameters to keep a consensus of, but {len(lazy)} are lazy "
+                    "(nn.LazyLinear...): run one forward pass before building HDETScheduler"
+                )
+            self._consensus = [b.flat.clone() for b in collectives.make_buckets(found)]
+            inner = innermost_optimizer(optimizer)
+            self._first_step = inner.register_step_pre_hook(lambda *_: self._keep_start())
+
+    def _keep_start(self) -> None:
+        """Right before the optimizer's first step: the consensus is the weights training starts
+        from (loaded into the model after the scheduler was built, say), unless a checkpoint gave
+        one. (The hook is removed at the first sync: not from inside the optimizer's hook loop.)"""
+        if self._consensus is not None and not self._loaded and not self._stepped:
+            self._consensus = [b.flat.clone() for b in collectives.make_buckets(self.tensors())]
+        self._stepped = True
+
+    def _forget_start(self) -> None:
+        if self._first_step is not None:
+            self._first_step.remove()
+            self._first_step = None
+        self._stepped = True
+
+    _loaded = False  # load_state_dict() gave the consensus
+    _stepped = False  # the optimizer has stepped (or a sync came): the consensus is training's own
+    _first_step: torch.utils.hooks.RemovableHandle | None = None
 
     def local_finite(self) -> bool:
-        """Flatten this replica's tensors for the sync; whether every floating value is finite."""
-        self._buckets = collectives.make_buckets(self.tensors())
-        return collectives.buckets_finite(self._buckets)
+        """Flatten this replica's tensors for the sync; whether it is finite: every parameter value,
+        and no NaN in a buffer (an attention mask of -inf, an observer's inf are values of their own)."""
+        tensors = self.tensors()
+        self._buckets = collectives.make_buckets(tensors)
+        if self._consensus is not None:
+            layout = [(b.flat.shape, b.flat.dtype) for b in self._buckets]
+            if layout != [(c.shape, c.dtype) for c in self._consensus]:
+                raise ValueError(
+                    "Expected the model's tensors to keep their shapes and dtypes while HDETScheduler runs, but "
+                    f"they changed since it was built ({[str(d) for _, d in layout]}, sizes "
+                    f"{[s.numel() for s, _ in layout]}, against {[str(c.dtype) for c in self._consensus]}, "
+                    f"{[c.numel() for c in self._consensus]}): build the scheduler after the model's final cast or change"
+                )
+        return collectives.buckets_finite(self._buckets) or all(_finite(t) for t in tensors)
 
     def average(self, healthy: list[bool], measure: bool = False) -> float:
         """Average the healthy replicas into every replica (one ``all_reduce`` per bucket).
@@ -73,9 +112,12 @@ class ReplicaAverager:
             )
             if measure:
                 divergence = collectives.relative_divergence(d_sq, norm_sq)
+        self._forget_start()
         if not healthy[self.rank]:
             self.optimizer.state.clear()
-        if self._consensus is not None:
+        if self._consensus is not None and (
+            collectives.buckets_finite(self._buckets) or all(_finite(t) for t in self.tensors())
+        ):  # (an average of finite replicas that is not, kept, would be restored by every rollback)
             for saved, b in zip(self._consensus, self._buckets):
                 saved.copy_(b.flat)
         self._buckets = []
@@ -89,6 +131,7 @@ class ReplicaAverager:
         """Every replica back to the last good consensus, optimizer state cleared (a rollback)."""
         if self._consensus is None:
             raise RuntimeError("Expected a kept consensus to restore, but keep_consensus is off")
+        self._forget_start()
         buckets = collectives.make_buckets(self.tensors())
         if [b.flat.shape for b in buckets] != [c.shape for c in self._consensus]:
             raise RuntimeError("The model's tensors changed shape since the consensus was kept; cannot roll back")
@@ -112,17 +155,19 @@ class ReplicaAverager:
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 for key, value in sorted(self.optimizer.state.get(p, {}).items(), key=lambda kv: str(kv[0])):
-                    if isinstance(value, torch.Tensor) and value.dim() > 0:
-                        quantized = quantized or not value.is_floating_point()
-                        tensors.append(value)
-                        layout.append((str(key), tuple(value.shape), str(value.dtype)))
+                    if not isinstance(value, torch.Tensor) or value.dtype == torch.bool:
+                        continue
+                    if value.dim() > 0:  # (sparse momentum, integer codes: not averaged as numbers)
+                        quantized = quantized or value.is_sparse or not value.is_floating_point()
+                    tensors.append(value)  # 0-dim too: Adam's step, different on a replica the guard reset
+                    layout.append((str(key), tuple(value.shape), str(value.dtype)))
         layouts = collectives.all_gather_objects((quantized, layout), self.group)
         if quantized or any(other != (quantized, layout) for other in layouts):
             if not self._state_said:
                 self._state_said = True
                 warnings.warn(
                     "hdet-track could not average the optimizer's state at sync_now(): the replicas hold it in "
-                    "different layouts (one the guard reset has none yet) or quantized, so one rank's optimizer "
+                    "different layouts (one the guard reset has none yet), quantized or sparse, so one rank's optimizer "
                     "state is not every rank's; save every rank's optimizer state for an exact resume",
                     UserWarning,
                     stacklevel=3,
@@ -138,7 +183,27 @@ class ReplicaAverager:
     def load_state_dict(self, state: dict) -> None:
         saved = state.get("consensus")
         if saved is not None and self._consensus is not None:
+            self._loaded = True
             if [s.shape for s in saved] != [c.shape for c in self._consensus]:
                 raise ValueError("Expected a kept consensus of this model's shape in the checkpoint, but it differs")
             for mine, theirs in zip(self._consensus, saved):
                 mine.copy_(theirs)
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """A parameter (or a tensor the optimizer trains) finite everywhere; a buffer free of NaN."""
+    if not (t.is_floating_point() or t.is_complex()):
+        return True
+    if isinstance(t, torch.nn.Parameter) or t.requires_grad:
+        return bool(torch.isfinite(t).all())
+    return not bool(torch.isnan(t).any())
+
+
+def innermost_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer a wrapper (accelerate's ``AcceleratedOptimizer``, which never ran
+    ``Optimizer.__init__``) holds as ``.optimizer``; ``optimizer`` itself otherwise."""
+    seen = {id(optimizer)}
+    while isinstance(inner := getattr(optimizer, "optimizer", None), torch.optim.Optimizer) and id(inner) not in seen:
+        optimizer = inner
+        seen.add(id(optimizer))
+    return optimizer

@@ -53,6 +53,7 @@ class Checkpointing:
     _max_lrs: list[float]
     _lr_bounds: list[tuple[float, float]]
     _resumed_runs: dict[str, str]
+    _job: str
     _group: Any
     _rank: int
     _world_size: int
@@ -92,6 +93,7 @@ class Checkpointing:
             "window": window,
             "averager": self._converger.averager.state_dict(),
             "runs": {k: v for k, v in runs.items() if v},
+            "job": self._job,  # an attempt that never reached its backend is known by it
         }
         if all_ranks:
             state["windows"] = {r: w for r, w in enumerate(collectives.all_gather_objects(window, self._group))}
@@ -133,6 +135,7 @@ class Checkpointing:
         self._converger.load_window(state.get("windows", {}).get(self._rank, state["window"]))  # its own, if saved
         self._converger.averager.load_state_dict(state.get("averager", {}))
         self._resumed_runs = dict(state.get("runs", {}))
+        self._job = str(state.get("job") or self._job)
         self._refresh()
 
     def _resume_settings(self) -> dict[str, Any]:

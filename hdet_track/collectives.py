@@ -59,11 +59,15 @@ class Bucket:
 
 
 def make_buckets(tensors: Iterable[torch.Tensor]) -> list[Bucket]:
-    """Group ``tensors`` by (dtype, device), skipping duplicates, and flatten each group."""
+    """Group ``tensors`` by (dtype, device), skipping duplicates, bool tensors (masks: nothing to
+    average) and expanded views (a stride of 0: one value shown many times, which cannot be written
+    back), and flatten each group."""
     groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     seen: set[int] = set()
     for t in tensors:
-        if id(t) in seen or t.numel() == 0:
+        if id(t) in seen or t.numel() == 0 or t.dtype == torch.bool:
+            continue
+        if t.numel() > 1 and 0 in t.stride():
             continue
         seen.add(id(t))
         groups.setdefault((t.dtype, t.device), []).append(t)
@@ -91,7 +95,8 @@ def average_buckets(
     """Average the buckets over the ranks of ``group`` (one ``all_reduce`` each) and copy back.
 
     A rank with ``contribute=False`` sends zeros and receives the mean of the others
-    (``num_contributors`` of them). Integer tensors are averaged with floor division.
+    (``num_contributors`` of them). Integer tensors are summed as int64 and averaged with floor
+    division; float16 ones are summed in float32 (four values of 20,000 overflow float16's sum).
 
     Returns:
         With ``measure=True``, ``(distance_sq, mean_norm_sq)`` over the floating buckets:
@@ -110,13 +115,20 @@ def average_buckets(
             measured = measure and b.flat.is_floating_point()
             local = b.flat.clone() if measured else b.flat
             if size > 1:
+                work = b.flat  # the sum's own dtype where it cannot overflow (float32, bfloat16, int64)
+                if b.flat.dtype == torch.float16:
+                    work = b.flat.float()
+                elif not floating and b.flat.dtype != torch.int64:
+                    work = b.flat.long()
                 if not contribute:
-                    b.flat.zero_()
-                dist.all_reduce(b.flat, op=dist.ReduceOp.SUM, group=group)
+                    work.zero_()
+                dist.all_reduce(work, op=dist.ReduceOp.SUM, group=group)
                 if floating:
-                    b.flat.div_(count)
+                    work.div_(count)
                 else:
-                    b.flat.floor_divide_(count)
+                    work.floor_divide_(count)
+                if work is not b.flat:
+                    b.flat.copy_(work)
             if measured:
                 diff = local.double() - b.flat.double()
                 dist_sq += float(torch.dot(diff, diff))

@@ -110,6 +110,7 @@ class RunStart(_Event):
     controller: str = ""
     total_steps: int = 0
     start_step: int = 0
+    job: str = ""  # the job's id, the same across its attempts: a spill with no run yet is known by it
 
     def to_dict(self) -> dict[str, Any]:
         out = {"kind": self.kind, "schema": SCHEMA_VERSION}

@@ -116,6 +116,7 @@ class RunInfo:
     start_step: int  # > 0 when the job resumed from a checkpoint or wrapped a running OneCycle
     hostnames: list[str]
     resumed_runs: dict[str, str] = field(default_factory=dict)  # backend name -> run id of the checkpoint
+    job: str = ""  # the job's id, the same across its attempts (kept in the checkpoint)
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ The scheduler owns OneCycle's schedule and wires the parts:
 from __future__ import annotations
 
 import socket
+import uuid
 import warnings
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
@@ -45,7 +46,7 @@ from .arguments import (
     recorded_config,
     resolve_lr_bounds,
 )
-from .averager import ReplicaAverager
+from .averager import ReplicaAverager, innermost_optimizer
 from .callbacks import CallbackList, resolve_track
 from .checkpoint import Checkpointing
 from .controller import Controller, ControllerContext, PaperController, make_controller
@@ -196,6 +197,7 @@ class HDETScheduler(Syncing, Reporting, Checkpointing, OneCycleLR):
         self._onecycle: list[float] = []
         self._started = False
         self._resumed_runs: dict[str, str] = {}
+        self._job = uuid.uuid4().hex  # this job's id; a checkpoint carries it to the job's next attempt
         self.measure_divergence = False
         self.last_sync: SyncRecord | None = None
         before = set(self.__dict__)
@@ -238,7 +240,7 @@ class HDETScheduler(Syncing, Reporting, Checkpointing, OneCycleLR):
         self._apply_explored()
         # optimizer.load_state_dict() writes the saving rank's LRs and explored values into the param
         # groups: this rank's come back at once, whichever of the two is loaded first
-        inner = _innermost(optimizer)  # a wrapper's (accelerate's AcceleratedOptimizer) loads into it
+        inner = innermost_optimizer(optimizer)  # a wrapper's (accelerate's AcceleratedOptimizer) loads into it
         if inner not in _LATEST:
             inner.register_load_state_dict_post_hook(_reapply_after_load)
         _LATEST[inner] = weakref.ref(self)  # the latest scheduler of the optimizer, not kept alive
@@ -364,6 +366,12 @@ class HDETScheduler(Syncing, Reporting, Checkpointing, OneCycleLR):
                 UserWarning,
                 stacklevel=2,
             )
+        if len(self.optimizer.param_groups) != self._fanout.num_groups:
+            raise ValueError(
+                f"Expected the optimizer's {self._fanout.num_groups} param groups HDETScheduler was built with, but it "
+                f"has {len(self.optimizer.param_groups)} now (add_param_group after the scheduler was built): build "
+                "the scheduler after the optimizer's last add_param_group"
+            )
         if not self._started:
             self._start()
         self._deliver()
@@ -404,6 +412,7 @@ class HDETScheduler(Syncing, Reporting, Checkpointing, OneCycleLR):
             start_step=max(self.last_epoch, 0),
             hostnames=[str(h) for h in collectives.all_gather_objects(host, self._group)] if gather else [host],
             resumed_runs=dict(self._resumed_runs),
+            job=self._job,
         )
 
     def _bind_controller(self) -> None:
@@ -454,18 +463,6 @@ def _reapply_after_load(optimizer: torch.optim.Optimizer) -> None:
     needed = ("initial_lr", "max_lr", "min_lr")  # OneCycleLR's, gone from a state saved without it
     if sched.last_epoch < sched.total_steps and all(k in g for g in optimizer.param_groups for k in needed):
         sched._refresh()
-
-
-def _innermost(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The torch optimizer a wrapper (accelerate's ``AcceleratedOptimizer``, which never ran
-    ``Optimizer.__init__``) holds as ``.optimizer``; ``optimizer`` itself otherwise."""
-    seen = {id(optimizer)}
-    while (
-        isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer) and id(optimizer.optimizer) not in seen
-    ):
-        optimizer = optimizer.optimizer
-        seen.add(id(optimizer))
-    return optimizer
 
 
 def check_hdet_kwargs(owner: str, kwargs: Mapping[str, Any], taken: Iterable[str] = (), **given: Any) -> None:

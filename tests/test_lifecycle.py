@@ -171,6 +171,18 @@ def test_a_finished_run_left_open_is_not_failed_by_the_next_run_of_the_sweep(tmp
         assert "FIRST_FREED True" in proc.stdout, proc.stdout
 
 
+def test_exit_with_a_code_after_the_last_step_fails_the_run(tmp_path):
+    """An audit's finding: site's exit(3) (and quit(3)) after the last step left the run FINISHED;
+    only sys.exit(3) was seen."""
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    proc = subprocess.run(
+        [sys.executable, SWEEP_JOB, "sqlite", uri, "builtin_exit"], capture_output=True, text=True, timeout=240
+    )
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    second = _runs_by_name("sqlite", uri)["second"]
+    assert second.status == "FAILED" and "exited with code 3" in second.tags.get("hdet.error", ""), second.tags
+
+
 @pytest.mark.parametrize("backend", ["sqlite", "wandb"])
 def test_a_retry_loop_that_resumes_in_the_same_process_ends_the_run_finished(tmp_path, backend):
     """The first attempt raises (the loop catches it) and a new scheduler of the same process

@@ -906,3 +906,46 @@ def test_a_finite_blow_up_without_rollback_still_raises():
     with pytest.raises(NonFiniteReplicasError) as info:
         s.step(1000.0)
     assert "step guard" in str(info.value)
+
+
+def test_a_structure_changed_after_the_scheduler_was_built_is_named():
+    """add_param_group after the scheduler was built failed deep inside (IndexError in the
+    controller, NumPy's 'inhomogeneous shape'); a lazy module failed with 'uninitialized
+    parameter'; a submodule cast to another dtype failed after its all_reduce. Each now says what
+    changed and what to do."""
+    model, opt = make()
+    s = HDETScheduler(opt, 0.1, total_steps=10, sync_every=5, auto_lr=True, model=model)
+    opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
+    opt.step()
+    with pytest.raises(ValueError, match="3 param groups HDETScheduler was built with, but it has 4 now"):
+        s.step(1.0)
+    lazy = nn.Sequential(nn.LazyLinear(2))
+    with pytest.raises(ValueError, match=r"2 are lazy \(nn.LazyLinear...\): run one forward pass"):
+        HDETScheduler(torch.optim.SGD(lazy.parameters(), lr=0.1), 0.1, total_steps=10, auto_lr=True, model=lazy)
+    model, opt = make()
+    s = HDETScheduler(opt, 0.1, total_steps=10, sync_every=2, auto_lr=True, model=model)
+    for _ in range(2):  # to the first sync
+        opt.step()
+        s.step(1.0)
+    model[3].double()
+    opt.step()
+    s.step(1.0)
+    opt.step()
+    with pytest.raises(ValueError, match="keep their shapes and dtypes while HDETScheduler runs"):
+        s.step(1.0)
+
+
+def test_a_checkpoint_carries_the_jobs_id_to_its_next_attempt():
+    """The id a run-less spill is known by (an attempt the backend never saw): the same in the job
+    resumed from a checkpoint, a new one in a fresh job."""
+    model, opt = make()
+    first = HDETScheduler(opt, 0.1, total_steps=10, sync_every=5)
+    opt.step()
+    first.step(1.0)
+    state = first.state_dict()
+    model, opt = make()
+    resumed = HDETScheduler(opt, 0.1, total_steps=10, sync_every=5)
+    fresh_id = resumed.run_info(gather=False).job
+    resumed.load_state_dict(state)
+    assert resumed.run_info(gather=False).job == first.run_info(gather=False).job != fresh_id
+    assert len(fresh_id) == 32

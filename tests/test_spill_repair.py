@@ -351,6 +351,47 @@ def test_a_job_resuming_the_run_of_a_spill_takes_it_in_up_to_its_checkpoint_and_
     assert len(client.search_runs([client.get_experiment_by_name("out").experiment_id])) == 1
 
 
+def test_a_job_resumed_after_an_attempt_the_backend_never_saw_takes_that_attempts_spill_in(tmp_path, outage):
+    """An audit's finding: attempt 1 ran with the backend down from its start (no run, so its
+    checkpoint at step 4 named none) and was killed at step 6; attempt 2, with the backend back,
+    started a run of its own, and attempt 1's spill was replayed as a second run holding steps 1-6.
+    The checkpoint now carries the job's id, and the spill is known by it: attempt 2 takes steps
+    1-4 in, and the job is one run with each step once."""
+    from hdet_track.tracking.hub import TrackingHub
+
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    job = dataclasses.replace(_start(), job="job-1")
+    outage.reset(down=True)
+    first = _Sink(outage(tracking_uri=uri, experiment="out"), None, retry_seconds=1e9)
+    for step in range(1, 7):
+        first.deliver(Batch(points=[Point("val_loss", float(step), step, 0)], events=[job] if step == 1 else []))
+    assert json.loads(first.spill_path.open().readline())["run_id"] is None
+    _orphaned(first.spill_path, _dead_identity())
+    outage.reset()  # the backend is back for attempt 2, which resumes from the checkpoint at step 4
+    hub = TrackingHub([outage(tracking_uri=uri, experiment="out")], shutdown_timeout=5, heartbeat_seconds=None)
+    hub.start(dataclasses.replace(job, start_step=4, total_steps=8))
+    for step in range(5, 9):
+        hub.metrics({"val_loss": 100.0 + step}, step)
+        hub.note_step(step)
+    hub.close("FINISHED", step=8)
+    assert not list(first.spill_path.parent.glob("spill-*"))  # taken in, not left for a replay apart
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("out").experiment_id])
+    history = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "val_loss"))
+    assert history == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 105.0), (6, 106.0), (7, 107.0), (8, 108.0)]
+    assert run.info.status == "FINISHED"
+    # another job's run-less spill is not taken in: only the same job's
+    outage.reset(down=True)
+    other = _Sink(outage(tracking_uri=uri, experiment="out"), None, retry_seconds=1e9)
+    other.deliver(Batch(points=[Point("val_loss", 1.0, 1, 0)], events=[dataclasses.replace(job, job="job-2")]))
+    _orphaned(other.spill_path, _dead_identity())
+    outage.reset()
+    hub = TrackingHub([outage(tracking_uri=uri, experiment="out")], shutdown_timeout=5, heartbeat_seconds=None)
+    hub.start(dataclasses.replace(job, start_step=4, total_steps=8))
+    hub.close("FINISHED", step=4)
+    assert len(client.search_runs([client.get_experiment_by_name("out").experiment_id])) == 3  # job-2's apart
+
+
 def test_a_replay_never_goes_to_the_run_its_process_environment_names(tmp_path, outage, monkeypatch):
     """`recover` (or the next job's start) in a shell or job with $MLFLOW_RUN_ID set (`mlflow run`)
     delivered the orphaned spill into that run and ended it FAILED; the spill's own experiment was

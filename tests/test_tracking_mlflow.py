@@ -965,3 +965,84 @@ def test_log_every_takes_a_sweeps_numpy_or_tensor_integer(sqlite_uri):
         sched.close()
         logged.append(sorted(history(MlflowClient(sqlite_uri), tracker.run_id, "hdet/replica_00/loss")))
     assert logged[0] == logged[1] == logged[2] and logged[0] != list(range(1, 11))
+
+
+def test_a_spill_folder_that_cannot_be_made_does_not_lose_a_run_the_store_takes(sqlite_uri):
+    """An audit's finding: where the spill folder could not be created (a read-only home, a file in
+    its place) the run's start failed though the store worked: the run was left RUNNING with no
+    points. Its archive chunks now wait in a temporary folder, and the run is whole."""
+    from pathlib import Path
+
+    from hdet_track.tracking.spill import DIRNAME
+
+    db = Path(sqlite_uri[len("sqlite:///") :])
+    (db.parent / DIRNAME).write_text("a file where the spill folder would go")
+    tracker = MLflowTracker(tracking_uri=sqlite_uri)
+    _, seen = train(tracker, steps=20)
+    run = MlflowClient(sqlite_uri).get_run(tracker.run_id)
+    assert run.info.status == "FINISHED"
+    assert sorted(history(MlflowClient(sqlite_uri), tracker.run_id, "hdet/replica_00/loss")) == list(range(1, 21))
+    read = MLflowReader(sqlite_uri).read(tracker.run_id)
+    assert read.replica_series("loss", 0)[0].tolist() == list(range(1, 21))
+    assert not any("archive" in w for w in read.warnings), read.warnings  # its event archive reached the store
+
+
+def test_a_disk_that_fills_at_the_runs_end_still_ends_the_run(sqlite_uri, monkeypatch):
+    """An audit's finding: the event archive's last write failing on a full disk made the store
+    count as down at the run's end, and the end was lost: a finished job's run stayed RUNNING
+    (read KILLED). The run now ends FINISHED with every step's metrics, and the error is logged."""
+    from hdet_track.tracking import archive
+
+    real = archive.EventArchive.write
+    full = {"now": False}
+
+    def write(self):  # the fault: this host's disk fills
+        if full["now"]:
+            raise OSError(28, "No space left on device")
+        return real(self)
+
+    monkeypatch.setattr(archive.EventArchive, "write", write)
+    tracker = MLflowTracker(tracking_uri=sqlite_uri)
+    tracker.isolate = False  # in this process, where the fault is injected
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = HDETScheduler(opt, 0.1, total_steps=20, sync_every=5, track=tracker)
+    for k in range(1, 21):
+        opt.step()
+        sched.step(1.0 / k)
+    full["now"] = True
+    sched.close()
+    client = MlflowClient(sqlite_uri)
+    assert client.get_run(tracker.run_id).info.status == "FINISHED"
+    assert sorted(history(client, tracker.run_id, "hdet/replica_00/loss")) == list(range(1, 21))
+
+
+def test_a_retry_while_the_backend_is_down_tries_one_batch_and_leaves_the_spill_alone(tmp_path, monkeypatch):
+    """An audit measured each retry during a long outage parse and rewrite the whole spill in the
+    training process (1.3 s a retry after 30 minutes, every 2 s). A retry now sends the first batch
+    alone; while that fails the spill file is not rewritten, and the retries space out (up to 4x).
+    When the backend is back, every batch goes, once, in order."""
+    from hdet_track.tracking.base import Point
+    from hdet_track.tracking.hub import _Sink
+    from hdet_track.tracking.spill import SpillFile
+
+    flaky = FlakyTracker(failures=10**9)
+    sink = _Sink(flaky, tmp_path, retry_seconds=1.0)
+    for step in range(1, 51):
+        sink.deliver(Batch(points=[Point("loss", float(step), step, 0)]))
+    before = (sink.spill_path.stat().st_ino, sink.spill_path.read_bytes())
+    parsed = []  # the whole file parsed: what a retry must not cost while the backend is down
+    whole = SpillFile.batches
+    monkeypatch.setattr(SpillFile, "batches", lambda self: parsed.append(1) or whole(self))
+    waits = []
+    for _ in range(4):
+        calls = flaky.calls
+        start = time.monotonic()
+        assert not sink._replay()
+        waits.append(sink.next_retry - start)
+        assert flaky.calls == calls + 1  # the first batch alone
+    assert (sink.spill_path.stat().st_ino, sink.spill_path.read_bytes()) == before and parsed == []
+    assert [round(w) for w in waits] == [2, 4, 4, 4]
+    flaky.failures = 0
+    assert sink._replay() and not sink.spill_path.exists()
+    assert [p.step for p in flaky.points] == list(range(1, 51))

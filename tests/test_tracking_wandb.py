@@ -1089,6 +1089,6 @@ def test_a_secret_in_a_list_a_group_or_a_run_name_never_reaches_the_run_file(tmp
     (path,) = glob.glob(os.path.join(run_dir(str(tmp_path)), "run-*.wandb"))
     assert b"sekret-xyz" not in open(path, "rb").read()
     contents = read_finished(path)
-    assert contents.group == "g-***" and contents.config["param_groups"] == ["enc-***"]
+    assert contents.group == "g-***" and contents.config["param_groups"] == '["enc-***"]'
     events = glob.glob(os.path.join(run_dir(str(tmp_path)), "files", "hdet_events", "*.parquet"))
     assert events and not any(b"sekret-xyz" in open(p, "rb").read() for p in events)

@@ -13,6 +13,7 @@ rest of the run goes on. Nothing raises into the training loop.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -69,6 +70,7 @@ class _Sink:
         self.down_since: float | None = None
         self.broken = False  # its library cannot be used in this process: no waiting for it at shutdown
         self.next_retry = 0.0
+        self.failures = 0  # retries in a row that failed: the next waits longer (up to 4x retry_seconds)
         self.spilled = 0
         self.run_start: RunStart | None = None
 
@@ -137,8 +139,9 @@ class _Sink:
         and put the steps this job redoes in twice)."""
         run_id = self.tracker.run_id
         upto = self.run_start.start_step if self.run_start is not None else 0
+        job = self.run_start.job if self.run_start is not None else ""
         for path in orphans(self.spill.path.parent):
-            line = take_over(path, run_id, upto, self._log_taken_over) if run_id and upto > 0 else None
+            line = take_over(path, run_id, upto, self._log_taken_over, job) if run_id and upto > 0 else None
             logger.warning("hdet-track: %s", line or replay_file(path))
 
     def _log_taken_over(self, part: Batch) -> None:
@@ -155,7 +158,8 @@ class _Sink:
                 exc,
                 self.spill.path,
             )
-        self.next_retry = time.monotonic() + self.retry_seconds
+        self.failures += 1
+        self.next_retry = time.monotonic() + self.retry_seconds * min(2 ** (self.failures - 1), 4)
 
     def keep_alive(self) -> None:
         """This writer lives: its spill (while the backend is down) and the tracker's pending files
@@ -185,10 +189,24 @@ class _Sink:
     def _replay(self) -> bool:
         """Send the spilled batches in order; keep the unsent ones. True when all went through."""
         if not self.spill.path.exists():
-            self.down_since = None
+            self.down_since, self.failures = None, 0
             return True
+        sent = 0
+        probe = self.spill.first()  # the first batch alone: a backend still down costs one line, not the file
+        if probe is not None:
+            head, first = probe
+            try:
+                self._send(first)
+            except Exception as exc:  # noqa: BLE001
+                self._went_down(exc)
+                header = spill_header(self.tracker, self.run_start)
+                if json.dumps(header) != head:  # the run, if created since
+                    self.spill.header = header
+                    self.spill.keep_from(0)
+                return False
+            sent = 1
         batches = self.spill.batches()
-        for i, batch in enumerate(batches):
+        for i, batch in enumerate(batches[sent:], start=sent):
             try:
                 self._send(batch)
             except Exception as exc:  # noqa: BLE001
@@ -203,7 +221,7 @@ class _Sink:
             time.monotonic() - (self.down_since or time.monotonic()),
             len(batches),
         )
-        self.down_since = None
+        self.down_since, self.failures = None, 0
         return True
 
     def drain(self, deadline: float) -> None:

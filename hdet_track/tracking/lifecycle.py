@@ -221,6 +221,17 @@ def install(rank: int) -> None:
         real_exit(code)
 
     sys.exit = exit_with_code
+    import builtins
+
+    for name in ("exit", "quit"):  # site's exit()/quit() raise SystemExit without sys.exit
+        quitter = getattr(builtins, name, None)
+        if quitter is not None:
+
+            def leave(code: Any = None, _quitter: Any = quitter) -> None:
+                _STATE["exit_code"] = code
+                _quitter(code)
+
+            setattr(builtins, name, leave)
     if threading.current_thread() is threading.main_thread():
         for signum in (signal.SIGTERM, signal.SIGHUP):
             try:

@@ -232,9 +232,19 @@ class MLflowTracker(Tracker):
         next job on the store or ``hdet-track recover``; :func:`upload_pending`). An uploaded chunk
         is removed from it, and the folder when the run ends."""
         folder = self.spill_dir() / f"{PENDING_PREFIX}{run_id}-{os.getpid()}"
-        folder.mkdir(parents=True, exist_ok=True)
         head = {"backend": self.name, "run_id": run_id, "settings": self.spill_settings(), "owner": process_identity()}
-        (folder / PENDING_HEADER).write_text(json.dumps(head))
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / PENDING_HEADER).write_text(json.dumps(head))
+        except OSError as exc:  # a read-only home, no home: the store works, so the run must too
+            fallback = Path(tempfile.mkdtemp(prefix=f"{PENDING_PREFIX}{run_id}-"))
+            logger.warning(
+                "hdet-track: cannot write %s (%s: %s); this run's event-archive chunks wait in %s until uploaded "
+                "instead (a job killed before uploading them leaves them there, where no later job looks)",
+                folder, type(exc).__name__, exc, fallback,
+            )  # fmt: skip
+            folder = fallback
+            (folder / PENDING_HEADER).write_text(json.dumps(head))
         self._pending_folder = folder
         return folder
 
@@ -324,7 +334,13 @@ class MLflowTracker(Tracker):
         if self._run_id is None or not self._run_open:
             return
         if self._archive is not None:
-            self._pending += self._archive.write()
+            try:
+                self._pending += self._archive.write()
+            except OSError as exc:  # this host's disk, not the store: the run still ends, and says so
+                logger.error(
+                    "hdet-track: the event archive's last rows of run %s could not be written (%s: %s); the run "
+                    "ends without them (its metric histories hold every step)", self._run_id, type(exc).__name__, exc,
+                )  # fmt: skip
         self._upload(strict=True)
         if run_end.error:
             self._client.set_tag(self._run_id, "hdet.error", run_end.error[-4900:])

@@ -119,6 +119,7 @@ class Recorder(SchedulerCallback):
             controller=info.controller,
             total_steps=info.total_steps,
             start_step=info.start_step,
+            job=info.job,
         )
         self.hub.start(start)
         for metrics, step in self._early:  # behind the run's start: a backend gets nothing before it

@@ -138,6 +138,20 @@ class SpillFile:
                 text = "\n" + text
             f.write(text.encode())
 
+    def first(self) -> tuple[str, Batch] | None:
+        """The header line and the first batch, read without the rest (a retry while the backend is
+        down costs one line, however long the outage); None without a batch or when the first line
+        does not decode (:meth:`batches` deals with it)."""
+        with open(self.path, encoding="utf-8") as f:
+            head = f.readline().rstrip("\n")
+            for line in f:
+                if line.strip():
+                    try:
+                        return head, _decode(json.loads(line))
+                    except ValueError:
+                        return None
+        return None
+
     def batches(self) -> list[Batch]:
         """The batches, in order. A line that does not decode (cut short: its writer was killed, or
         its disk filled, while appending) is moved to ``torn-<name>`` beside the spill, with a
@@ -500,17 +514,19 @@ def _set_aside(spill: Path, head: dict[str, Any], refused: list[tuple[Batch, Bas
     return aside.path
 
 
-def take_over(path: Path, run_id: str, upto: int, send: Callable[[Batch], None]) -> str | None:
+def take_over(path: Path, run_id: str, upto: int, send: Callable[[Batch], None], job: str = "") -> str | None:
     """An orphaned spill of run ``run_id``, which this process has just resumed from a checkpoint at
     step ``upto`` (its earlier attempt, killed while the backend was down): its data up to that step
     sent through ``send`` (this process's own tracker of the run), neither its start nor its end
-    (the run goes on) nor the steps after the checkpoint (the job does them again). None, and the
+    (the run goes on) nor the steps after the checkpoint (the job does them again). An attempt that
+    never reached the backend has no run: its spill is known by the job's id ``job``. None, and the
     file left alone, when the spill is another run's: :func:`replay_file` delivers that."""
     try:
         head = json.loads(path.open().readline())
     except (OSError, ValueError):
         return None
-    if head.get("run_id") != run_id:
+    runless = not head.get("run_id") and bool(job) and (head.get("run_start") or {}).get("job") == job
+    if head.get("run_id") != run_id and not runless:
         return None
     claimed = _claim(path)
     if claimed is None:

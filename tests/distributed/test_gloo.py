@@ -419,3 +419,41 @@ def test_explored_values_end_on_the_shared_base_on_every_rank():
         (p_base,), (wd_base,) = res[r]["bases"]
         assert res[r]["after"] == (p_base, wd_base) == res[0]["after"], r
         assert res[r]["second"] == res[0]["second"] == ([p_base], [wd_base]), r
+
+
+def test_bool_small_integer_float16_and_minus_inf_tensors_average_as_numbers():
+    """An audit's findings: a bool mask buffer crashed the first sync (floor_divide on bool); uint8
+    200 and 200 averaged to 72, int8 overflowed, int16 was refused by gloo; two float16 values of
+    40,000 summed to inf, which then became the kept consensus; an additive -inf attention mask made
+    every replica 'non-finite' at every sync; an expanded buffer crashed the write-back."""
+    res = run_ranks(workers.unusual_buffers, 2)
+    for r in range(2):
+        assert res[r]["records"] == [([], []), ([], [])], res[r]["records"]  # nothing left out, no guard action
+        b = res[r]["buffers"]
+        assert b["u8"].tolist() == [200, 7] and b["i8"].tolist() == [100, -100] and b["i16"].tolist() == [20001]
+        assert b["mask"].tolist() == [True, r == 0]  # left as each rank holds it
+        assert b["causal"].tolist() == torch.full((3, 3), float("-inf")).triu(1).tolist()
+        assert b["expanded"].tolist() == [float(r)] * 3
+        assert torch.isfinite(res[r]["big"]).all() and abs(float(res[r]["big"][0]) - 40000) < 100
+
+
+def test_sync_now_leaves_a_sparse_momentum_alone_with_a_warning():
+    """SGD momentum on a sparse embedding keeps a sparse buffer: sync_now() (before every checkpoint
+    of the integrations) failed with 'reshape is not implemented for sparse tensors'."""
+    res = run_ranks(workers.sparse_momentum_sync_now, 2)
+    assert all(len(r["warned"]) == 1 and "sparse" in r["warned"][0] for r in res)
+
+
+def test_sync_now_makes_adams_step_one_after_a_guard_reset():
+    """The reset replica's Adam restarted its step count; sync_now() averaged the moments but left
+    'step' 6 on one rank and 2 on the other, so rank 0's checkpoint did not stand for rank 1."""
+    res = run_ranks(workers.adam_step_after_a_reset, 2)
+    assert res[0]["step"] == res[1]["step"] and torch.equal(res[0]["exp_avg"], res[1]["exp_avg"])
+
+
+def test_a_rollback_restores_weights_loaded_after_the_scheduler_was_built():
+    """The consensus was kept when the scheduler was built: a rollback before the first sync put
+    the initial weights back over pretrained ones loaded afterwards."""
+    res = run_ranks(workers.rollback_to_weights_loaded_after_build, 2)
+    for r in res:
+        assert r["guard"] == ["rollback"] and torch.equal(r["restored"], r["loaded"])

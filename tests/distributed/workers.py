@@ -799,3 +799,91 @@ def explored_after_the_end(rank: int, world: int) -> dict:
         "bases": (sched.base_values("dropout"), sched.base_values("weight_decay")),
         "second": (second.base_values("dropout"), second.base_values("weight_decay")),
     }
+
+
+class _Buffered(nn.Module):
+    """A model with the buffers an audit found the averager could not handle."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(DIM, 3)
+        self.big = nn.Parameter(torch.tensor([40000.0, 1.0], dtype=torch.float16))  # float16's max is 65504
+        self.register_buffer("mask", torch.tensor([True, rank == 0]))  # a bool mask: never averaged
+        self.register_buffer("u8", torch.tensor([200, 7], dtype=torch.uint8))
+        self.register_buffer("i8", torch.tensor([100, -100], dtype=torch.int8))
+        self.register_buffer("i16", torch.tensor([20000 + 2 * rank], dtype=torch.int16))
+        self.register_buffer("causal", torch.full((3, 3), float("-inf")).triu(1))  # an additive attention mask
+        self.register_buffer("expanded", torch.full((1,), float(rank)).expand(3), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + (self.big.float().sum() * 0.0)
+
+
+def unusual_buffers(rank: int, world: int) -> dict:
+    """Bool, small-integer, float16 and -inf tensors through syncs, the guard and sync_now()."""
+    model = _Buffered(rank)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = HDETScheduler(opt, max_lr=0.1, total_steps=8, spread=0.3, sync_every=4, auto_lr=True, model=model)
+    records = []
+    for step in range(8):
+        sched.step(sgd_step(model, opt, rank, step))
+        if sched.last_sync is not None and sched.last_sync.step == step + 1:
+            records.append((sched.last_sync.left_out, [g.kind for g in sched.last_sync.guard]))
+    return {
+        "records": records,
+        "big": model.big.detach().clone(),
+        "buffers": {k: v.clone() for k, v in model.named_buffers()},
+    }
+
+
+def sparse_momentum_sync_now(rank: int, world: int) -> dict:
+    """nn.Embedding(sparse=True) with SGD momentum: a sparse momentum buffer at sync_now()."""
+    import warnings
+
+    torch.manual_seed(0)
+    emb = nn.Embedding(10, 4, sparse=True)
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1, momentum=0.9)
+    sched = HDETScheduler(opt, max_lr=0.1, total_steps=10, spread=0.3, sync_every=5, model=emb)
+    for step in range(3):
+        loss = emb(torch.tensor([rank, step])).pow(2).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step(loss)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sched.sync_now()
+    return {"warned": [str(w.message) for w in caught if "could not average" in str(w.message)]}
+
+
+def adam_step_after_a_reset(rank: int, world: int) -> dict:
+    """Rank 1 blows up and is reset (its Adam state cleared); two steps later sync_now(): Adam's
+    step count must be one across ranks, as the moments are."""
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    sched = HDETScheduler(opt, max_lr=0.01, total_steps=20, spread=0.3, sync_every=4, model=model)
+    for step in range(6):
+        loss = sgd_step(model, opt, rank, step)
+        if rank == 1 and step == 3:
+            with torch.no_grad():
+                model[0].weight[0, 0] = math.nan  # left out and reset at the sync of step 4
+        sched.step(loss)
+    sched.sync_now()
+    state = opt.state[model[0].weight]
+    return {"step": float(state["step"]), "exp_avg": state["exp_avg"].clone()}
+
+
+def rollback_to_weights_loaded_after_build(rank: int, world: int) -> dict:
+    """Pretrained weights loaded into the model after the scheduler was built; every replica blows
+    up before the first sync: the rollback restores the loaded weights, not the initial ones."""
+    model = make_model(seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = HDETScheduler(opt, max_lr=0.1, total_steps=20, spread=0.3, sync_every=10, auto_lr=True, model=model)
+    pretrained = make_model(seed=5)
+    model.load_state_dict(pretrained.state_dict())
+    loaded = flat_params(model)
+    sched.step(sgd_step(model, opt, rank, 0))
+    loss = sgd_step(model, opt, rank, 1)
+    sched.step(loss * 1e6)  # the step guard rolls every replica back at once
+    return {"guard": [g.kind for g in sched.last_sync.guard], "restored": flat_params(model), "loaded": loaded}
