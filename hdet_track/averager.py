@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import warnings
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -49,24 +50,36 @@ class ReplicaAverager:
         self._buckets: list[collectives.Bucket] = []
         self._consensus: list[torch.Tensor] | None = None
         self._state_said = False  # average_optimizer_state() warned that it could not
+        self._layout: list[tuple[torch.Size, torch.dtype]] | None = None  # the buckets' (size, dtype), once known
+        self.layout_problem: str | None = None  # set by local_finite(): this rank's tensors changed
+        found = tensors()
+        lazy = [i for i, t in enumerate(found) if isinstance(t, torch.nn.parameter.UninitializedTensorMixin)]
+        # buffers that hold inf from the start (an additive -inf attention mask): inf is their value there
+        self._inf_ok = {i for i, t in enumerate(found) if i not in lazy and not _trained(t) and _has_inf(t)}
         if keep_consensus:
-            found = tensors()
-            lazy = [i for i, t in enumerate(found) if isinstance(t, torch.nn.parameter.UninitializedTensorMixin)]
             if lazy:
                 raise ValueError(
                     f"Expected initialised parameters to keep a consensus of, but {len(lazy)} are lazy "
                     "(nn.LazyLinear...): run one forward pass before building HDETScheduler"
                 )
-            self._consensus = [b.flat.clone() for b in collectives.make_buckets(found)]
-            inner = innermost_optimizer(optimizer)
-            self._first_step = inner.register_step_pre_hook(lambda *_: self._keep_start())
+            self._take_consensus(found)
+            me = weakref.ref(self)  # the optimizer's hook does not keep a replaced scheduler alive
+            self._first_step = innermost_optimizer(optimizer).register_step_pre_hook(
+                lambda *_: (a := me()) is not None and a._keep_start()
+            )
+
+    def _take_consensus(self, tensors: list[torch.Tensor]) -> None:
+        buckets = collectives.make_buckets(tensors)
+        self._consensus = [b.flat.clone() for b in buckets]
+        self._layout = [(b.flat.shape, b.flat.dtype) for b in buckets]
 
     def _keep_start(self) -> None:
         """Right before the optimizer's first step: the consensus is the weights training starts
-        from (loaded into the model after the scheduler was built, say), unless a checkpoint gave
-        one. (The hook is removed at the first sync: not from inside the optimizer's hook loop.)"""
+        from (loaded into the model after the scheduler was built, say), unless a checkpoint of a
+        job that had stepped gave one. (The hook is removed at the first sync: not from inside the
+        optimizer's hook loop.)"""
         if self._consensus is not None and not self._loaded and not self._stepped:
-            self._consensus = [b.flat.clone() for b in collectives.make_buckets(self.tensors())]
+            self._take_consensus(self.tensors())
         self._stepped = True
 
     def _forget_start(self) -> None:
@@ -80,20 +93,25 @@ class ReplicaAverager:
     _first_step: torch.utils.hooks.RemovableHandle | None = None
 
     def local_finite(self) -> bool:
-        """Flatten this replica's tensors for the sync; whether it is finite: every parameter value,
-        and no NaN in a buffer (an attention mask of -inf, an observer's inf are values of their own)."""
+        """Flatten this replica's tensors for the sync; whether it is finite: every value, except
+        the inf a buffer held from the start (an additive -inf attention mask), where NaN is still
+        not. Sets :attr:`layout_problem` when the tensors changed dtype or size since they were
+        first seen (the converge step raises it on every rank at once: raising here would leave
+        the other ranks waiting in the sync's gather)."""
         tensors = self.tensors()
         self._buckets = collectives.make_buckets(tensors)
-        if self._consensus is not None:
-            layout = [(b.flat.shape, b.flat.dtype) for b in self._buckets]
-            if layout != [(c.shape, c.dtype) for c in self._consensus]:
-                raise ValueError(
-                    "Expected the model's tensors to keep their shapes and dtypes while HDETScheduler runs, but "
-                    f"they changed since it was built ({[str(d) for _, d in layout]}, sizes "
-                    f"{[s.numel() for s, _ in layout]}, against {[str(c.dtype) for c in self._consensus]}, "
-                    f"{[c.numel() for c in self._consensus]}): build the scheduler after the model's final cast or change"
-                )
-        return collectives.buckets_finite(self._buckets) or all(_finite(t) for t in tensors)
+        layout = [(b.flat.shape, b.flat.dtype) for b in self._buckets]
+        if self._layout is None:
+            self._layout = layout
+        self.layout_problem = None
+        if layout != self._layout:
+            self.layout_problem = (
+                f"its tensors are now {[str(d) for _, d in layout]} of sizes {[s.numel() for s, _ in layout]}, "
+                f"where they were {[str(d) for _, d in self._layout]} of sizes {[s.numel() for s, _ in self._layout]}"
+            )
+        return collectives.buckets_finite(self._buckets) or all(
+            _finite(t, i in self._inf_ok) for i, t in enumerate(tensors)
+        )
 
     def average(self, healthy: list[bool], measure: bool = False) -> float:
         """Average the healthy replicas into every replica (one ``all_reduce`` per bucket).
@@ -116,7 +134,8 @@ class ReplicaAverager:
         if not healthy[self.rank]:
             self.optimizer.state.clear()
         if self._consensus is not None and (
-            collectives.buckets_finite(self._buckets) or all(_finite(t) for t in self.tensors())
+            collectives.buckets_finite(self._buckets)
+            or all(_finite(t, i in self._inf_ok) for i, t in enumerate(self.tensors()))
         ):  # (an average of finite replicas that is not, kept, would be restored by every rollback)
             for saved, b in zip(self._consensus, self._buckets):
                 saved.copy_(b.flat)
@@ -145,24 +164,28 @@ class ReplicaAverager:
     def average_optimizer_state(self) -> None:
         """Average the optimizer's state (momentum buffers, Adam's moments: every floating tensor of
         one or more dimensions) across the replicas, so that one replica's state stands for all (a
-        checkpoint written by rank 0 alone). Only where every replica holds state of the same layout
-        (one small gather tells) and none of it is quantized (8-bit moments: integer codes beside
-        float scales); otherwise nothing is averaged, and a warning says so once. A collective:
-        every rank calls it at the same point."""
+        checkpoint written by rank 0 alone); a 0-dim count (Adam's step, restarted on a replica the
+        guard reset) becomes the highest of the replicas'. Only where every replica holds state of
+        the same layout (one small gather tells, and brings the counts: a CPU step tensor never meets
+        an nccl all_reduce) and none of it is quantized or sparse (8-bit moments: integer codes
+        beside float scales); otherwise nothing is averaged, and a warning says so once. A
+        collective: every rank calls it at the same point."""
         if self.world_size == 1:
             return
-        tensors, layout, quantized = [], [], False
+        tensors, counts, layout, quantized = [], [], [], False
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 for key, value in sorted(self.optimizer.state.get(p, {}).items(), key=lambda kv: str(kv[0])):
                     if not isinstance(value, torch.Tensor) or value.dtype == torch.bool:
                         continue
-                    if value.dim() > 0:  # (sparse momentum, integer codes: not averaged as numbers)
-                        quantized = quantized or value.is_sparse or not value.is_floating_point()
-                    tensors.append(value)  # 0-dim too: Adam's step, different on a replica the guard reset
                     layout.append((str(key), tuple(value.shape), str(value.dtype)))
-        layouts = collectives.all_gather_objects((quantized, layout), self.group)
-        if quantized or any(other != (quantized, layout) for other in layouts):
+                    if value.dim() == 0:
+                        counts.append(value)
+                        continue
+                    quantized = quantized or value.is_sparse or not value.is_floating_point()
+                    tensors.append(value)
+        gathered = collectives.all_gather_objects((quantized, layout, [float(c) for c in counts]), self.group)
+        if quantized or any(other[:2] != (quantized, layout) for other in gathered):
             if not self._state_said:
                 self._state_said = True
                 warnings.warn(
@@ -176,27 +199,39 @@ class ReplicaAverager:
         if tensors:  # (SGD without momentum has none, on every replica)
             with torch.no_grad():
                 collectives.average_buckets(collectives.make_buckets(tensors), self.group)
+        for i, count in enumerate(counts):
+            count.fill_(max(other[2][i] for other in gathered))
 
     def state_dict(self) -> dict:
-        return {"consensus": None if self._consensus is None else [c.clone() for c in self._consensus]}
+        return {
+            "consensus": None if self._consensus is None else [c.clone() for c in self._consensus],
+            "stepped": self._stepped,  # before any step the consensus is the weights it was built with
+        }
 
     def load_state_dict(self, state: dict) -> None:
         saved = state.get("consensus")
         if saved is not None and self._consensus is not None:
-            self._loaded = True
+            self._loaded = bool(state.get("stepped", True))  # else the first step takes it, as in a fresh job
             if [s.shape for s in saved] != [c.shape for c in self._consensus]:
                 raise ValueError("Expected a kept consensus of this model's shape in the checkpoint, but it differs")
             for mine, theirs in zip(self._consensus, saved):
                 mine.copy_(theirs)
 
 
-def _finite(t: torch.Tensor) -> bool:
-    """A parameter (or a tensor the optimizer trains) finite everywhere; a buffer free of NaN."""
+def _trained(t: torch.Tensor) -> bool:
+    """A parameter, or a tensor the optimizer trains (not a buffer)."""
+    return isinstance(t, torch.nn.Parameter) or t.requires_grad
+
+
+def _has_inf(t: torch.Tensor) -> bool:
+    return (t.is_floating_point() or t.is_complex()) and t.numel() > 0 and bool(torch.isinf(t).any())
+
+
+def _finite(t: torch.Tensor, inf_ok: bool = False) -> bool:
+    """Finite everywhere; free of NaN where ``inf_ok`` (a buffer that held inf from the start)."""
     if not (t.is_floating_point() or t.is_complex()):
         return True
-    if isinstance(t, torch.nn.Parameter) or t.requires_grad:
-        return bool(torch.isfinite(t).all())
-    return not bool(torch.isnan(t).any())
+    return not bool(torch.isnan(t).any()) if inf_ok else bool(torch.isfinite(t).all())
 
 
 def innermost_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -235,8 +235,16 @@ class Converger:
         carried_step, carried = self._own
         short = now - self._window_start < self.carry_below_seconds  # rank 0's decides for all
         head = [1.0 if finite else 0.0, float(self.tripped), float(short), float(carried_step), carried]
-        head.append(self._fan_out_checksum(perms))
+        head += [self._fan_out_checksum(perms), 0.0 if self.averager.layout_problem is None else 1.0]
         rows = collectives.all_gather_rows([*head, *row], self.averager.group)
+        changed = [r for r, got in enumerate(rows) if got[6] == 1.0]
+        if changed:  # every rank sees the same rows: every rank raises
+            raise ValueError(
+                "Expected the model's tensors to keep their shapes and dtypes while HDETScheduler runs, but on "
+                f"rank(s) {changed} they changed"
+                + (f" (here {self.averager.layout_problem})" if self.averager.layout_problem else "")
+                + ": build the scheduler after the model's final cast or change"
+            )
         differ = [r for r, got in enumerate(rows) if got[5] != rows[0][5]]
         if differ:  # every rank sees the same rows: every rank raises
             raise ValueError(
@@ -248,9 +256,9 @@ class Converger:
         self._complete_carried([int(r[3]) for r in rows], [r[4] for r in rows])
         stats = WindowStats(
             step=step,
-            losses=np.array([r[8:] for r in rows], dtype=np.float64).reshape(n, len(self.losses)),
-            counts=[int(r[7]) for r in rows],
-            sums=[r[6] for r in rows],
+            losses=np.array([r[9:] for r in rows], dtype=np.float64).reshape(n, len(self.losses)),
+            counts=[int(r[8]) for r in rows],
+            sums=[r[7] for r in rows],
             finite=[r[0] == 1.0 for r in rows],
             tripped=[r[1] == 1.0 for r in rows],
             perms={k: list(v) for k, v in perms.items()},

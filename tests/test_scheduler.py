@@ -949,3 +949,64 @@ def test_a_checkpoint_carries_the_jobs_id_to_its_next_attempt():
     resumed.load_state_dict(state)
     assert resumed.run_info(gather=False).job == first.run_info(gather=False).job != fresh_id
     assert len(fresh_id) == 32
+
+
+def test_a_buffer_that_blows_up_to_inf_is_a_blow_up_and_a_mask_of_inf_is_not():
+    """A buffer may hold inf where it held inf from the start (an additive -inf attention mask);
+    a running variance that overflows to inf is a blow-up, rolled back, and never kept as the
+    consensus (the rule let any inf buffer through for a while)."""
+
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.bn = nn.BatchNorm1d(4)
+            self.register_buffer("causal", torch.full((4, 4), float("-inf")).triu(1))
+
+    model = Masked()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    s = HDETScheduler(opt, 0.1, total_steps=20, sync_every=2, auto_lr=True, model=model)
+    for _ in range(2):
+        opt.step()
+        s.step(1.0)
+    assert s.last_sync.guard == [] and s.last_sync.left_out == []  # the mask alone: nothing to do
+    kept = model.bn.running_var.clone()
+    with torch.no_grad():
+        model.bn.running_var.fill_(float("inf"))
+    opt.step()
+    s.step(1.0)
+    opt.step()
+    s.step(1.0)
+    assert [g.kind for g in s.last_sync.guard] == ["rollback"]
+    assert torch.equal(model.bn.running_var, kept)
+    assert torch.equal(model.causal, torch.full((4, 4), float("-inf")).triu(1))
+
+
+def test_the_first_step_hook_keeps_no_scheduler_alive_and_a_checkpoint_before_it_keeps_the_loaded_weights():
+    """The optimizer's first-step hook (which takes the consensus training starts from) held its
+    scheduler: one replaced before its first sync stayed alive with a model-sized copy. And a
+    checkpoint saved before any step restored the weights the scheduler was built with over ones
+    loaded after it."""
+    import gc
+    import weakref
+
+    model, opt = make()
+    gone = weakref.ref(HDETScheduler(opt, 0.1, total_steps=10, sync_every=5, auto_lr=True, model=model))
+    gc.collect()
+    assert gone() is None
+    model, opt = make()
+    first = HDETScheduler(opt, 0.1, total_steps=10, sync_every=5, auto_lr=True, model=model)
+    state = first.state_dict()  # before any step (a save at start)
+    model, opt = make()
+    resumed = HDETScheduler(opt, 0.1, total_steps=10, sync_every=5, auto_lr=True, model=model)
+    resumed.load_state_dict(state)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(0.5)  # pretrained weights loaded after the scheduler was built
+    loaded = [p.clone() for p in model.parameters()]
+    opt.step()
+    resumed.step(1.0)
+    opt.step()
+    resumed.step(1e6)  # the step guard rolls back
+    assert [g.kind for g in resumed.last_sync.guard] == ["rollback"]
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), loaded))

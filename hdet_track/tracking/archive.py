@@ -178,6 +178,11 @@ class EventArchive:
         self._last_write = time.monotonic()
         return written
 
+    def written(self) -> list[Path]:
+        """The chunks a :meth:`write` that then failed had written (handed over once)."""
+        out, self._unreported = self._unreported, []
+        return out
+
     def write_or_keep(self) -> list[Path]:
         """:meth:`write` while a run is live: a write the disk refuses (full for a moment) is warned
         about and kept for the next one, and the batch that filled the buffer counts as delivered

@@ -18,6 +18,7 @@ here raises into the training loop.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import logging
 import os
@@ -226,12 +227,7 @@ def install(rank: int) -> None:
     for name in ("exit", "quit"):  # site's exit()/quit() raise SystemExit without sys.exit
         quitter = getattr(builtins, name, None)
         if quitter is not None:
-
-            def leave(code: Any = None, _quitter: Any = quitter) -> None:
-                _STATE["exit_code"] = code
-                _quitter(code)
-
-            setattr(builtins, name, leave)
+            setattr(builtins, name, _Leave(quitter, exit_with_code))
     if threading.current_thread() is threading.main_thread():
         for signum in (signal.SIGTERM, signal.SIGHUP):
             try:
@@ -244,6 +240,21 @@ def install(rank: int) -> None:
                 signal.signal(signal.SIGINT, _on_interrupt)
         except (ValueError, OSError):  # pragma: no cover - not the main interpreter
             pass
+
+
+class _Leave:
+    """site's ``exit``/``quit`` that tells the run its code as ``sys.exit`` does (shown as site's own)."""
+
+    def __init__(self, quitter: Any, exit_with_code: Any) -> None:
+        self._quitter, self._exit = quitter, exit_with_code
+
+    def __repr__(self) -> str:
+        return repr(self._quitter)
+
+    def __call__(self, code: Any = None) -> None:
+        with contextlib.suppress(Exception):  # site's closes stdin first, as an interactive exit does
+            sys.stdin.close()
+        self._exit(code)
 
 
 def end_runs_first_at_exit() -> None:

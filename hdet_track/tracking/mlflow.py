@@ -337,6 +337,7 @@ class MLflowTracker(Tracker):
             try:
                 self._pending += self._archive.write()
             except OSError as exc:  # this host's disk, not the store: the run still ends, and says so
+                self._pending += self._archive.written()  # the chunks it did write still go
                 logger.error(
                     "hdet-track: the event archive's last rows of run %s could not be written (%s: %s); the run "
                     "ends without them (its metric histories hold every step)", self._run_id, type(exc).__name__, exc,

@@ -448,7 +448,8 @@ def test_sync_now_makes_adams_step_one_after_a_guard_reset():
     """The reset replica's Adam restarted its step count; sync_now() averaged the moments but left
     'step' 6 on one rank and 2 on the other, so rank 0's checkpoint did not stand for rank 1."""
     res = run_ranks(workers.adam_step_after_a_reset, 2)
-    assert res[0]["step"] == res[1]["step"] and torch.equal(res[0]["exp_avg"], res[1]["exp_avg"])
+    assert res[0]["step"] == res[1]["step"] == 6.0  # the longer history's count, not a fraction
+    assert torch.equal(res[0]["exp_avg"], res[1]["exp_avg"])
 
 
 def test_a_rollback_restores_weights_loaded_after_the_scheduler_was_built():
@@ -457,3 +458,11 @@ def test_a_rollback_restores_weights_loaded_after_the_scheduler_was_built():
     res = run_ranks(workers.rollback_to_weights_loaded_after_build, 2)
     for r in res:
         assert r["guard"] == ["rollback"] and torch.equal(r["restored"], r["loaded"])
+
+
+def test_a_tensor_that_changes_dtype_on_one_rank_stops_every_rank_at_the_next_sync():
+    """The check raised on the rank whose tensors changed, before the sync's gather: the others
+    waited in that gather until the process group's timeout. It now travels in the gathered row."""
+    res = run_ranks(workers.layout_changed_on_one_rank, 2, timeout=120)
+    for r in res:
+        assert r["error_step"] == 8 and "on rank(s) [1] they changed" in r["message"], r

@@ -887,3 +887,23 @@ def rollback_to_weights_loaded_after_build(rank: int, world: int) -> dict:
     loss = sgd_step(model, opt, rank, 1)
     sched.step(loss * 1e6)  # the step guard rolls every replica back at once
     return {"guard": [g.kind for g in sched.last_sync.guard], "restored": flat_params(model), "loaded": loaded}
+
+
+def layout_changed_on_one_rank(rank: int, world: int) -> dict:
+    """Rank 1 casts its head to float64 after the first sync: every rank raises at the next one."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = HDETScheduler(opt, max_lr=0.1, total_steps=12, spread=0.3, sync_every=4, model=model)
+    for step in range(12):
+        if rank == 1 and step == 5:
+            model[-1].double()
+        x, y = batch(rank, step)
+        loss = F.cross_entropy(model[-1](model[:-1](x).to(next(model[-1].parameters()).dtype)).float(), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        try:
+            sched.step(loss)
+        except ValueError as exc:
+            return {"error_step": step + 1, "message": str(exc)}
+    return {"error_step": None}
