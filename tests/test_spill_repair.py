@@ -392,6 +392,35 @@ def test_a_job_resumed_after_an_attempt_the_backend_never_saw_takes_that_attempt
     assert len(client.search_runs([client.get_experiment_by_name("out").experiment_id])) == 3  # job-2's apart
 
 
+def test_of_several_killed_attempts_each_counts_up_to_where_the_next_resumed(tmp_path, outage):
+    """Attempt 1 (from step 0, killed at 6) and attempt 2 (resumed at 4, killed at 8) both ran
+    with the backend down; attempt 3 resumes at 7 with it back. Both spills were cut at 7, so
+    steps 5-6 came in twice (attempt 1's and attempt 2's); each attempt now counts up to where the
+    next one resumed."""
+    from hdet_track.tracking.hub import TrackingHub
+
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    job = dataclasses.replace(_start(), job="job-1")
+    outage.reset(down=True)
+    for first, last, start, offset in ((1, 6, 0, 0.0), (5, 8, 4, 50.0)):
+        sink = _Sink(outage(tracking_uri=uri, experiment="out"), None, retry_seconds=1e9)
+        started = dataclasses.replace(job, start_step=start)
+        for step in range(first, last + 1):
+            point = Point("val_loss", offset + step, step, 0)
+            sink.deliver(Batch(points=[point], events=[started] if step == first else []))
+        _orphaned(sink.spill_path, _dead_identity())
+    outage.reset()
+    hub = TrackingHub([outage(tracking_uri=uri, experiment="out")], shutdown_timeout=5, heartbeat_seconds=None)
+    hub.start(dataclasses.replace(job, start_step=7, total_steps=8))
+    hub.metrics({"val_loss": 108.0}, 8)
+    hub.note_step(8)
+    hub.close("FINISHED", step=8)
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("out").experiment_id])
+    history = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "val_loss"))
+    assert history == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 55.0), (6, 56.0), (7, 57.0), (8, 108.0)]
+
+
 def test_a_replay_never_goes_to_the_run_its_process_environment_names(tmp_path, outage, monkeypatch):
     """`recover` (or the next job's start) in a shell or job with $MLFLOW_RUN_ID set (`mlflow run`)
     delivered the orphaned spill into that run and ended it FAILED; the spill's own experiment was

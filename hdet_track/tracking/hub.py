@@ -36,6 +36,7 @@ from .isolated import maybe_isolated
 from .spill import (
     KEEP_ALIVE_SECONDS,
     SpillFile,
+    attempt_starts,
     describe_part,
     log_or_set_aside,
     orphans,
@@ -140,8 +141,12 @@ class _Sink:
         run_id = self.tracker.run_id
         upto = self.run_start.start_step if self.run_start is not None else 0
         job = self.run_start.job if self.run_start is not None else ""
-        for path in orphans(self.spill.path.parent):
-            line = take_over(path, run_id, upto, self._log_taken_over, job) if run_id and upto > 0 else None
+        paths = list(orphans(self.spill.path.parent))
+        starts = attempt_starts(paths, run_id, job) if run_id and upto > 0 else {}
+        later = sorted(set(starts.values())) + [upto]
+        for path in paths:  # each earlier attempt's steps up to where the next attempt resumed
+            cut = min((s for s in later if s > starts[path]), default=upto) if path in starts else upto
+            line = take_over(path, run_id, min(cut, upto), self._log_taken_over, job) if run_id and upto > 0 else None
             logger.warning("hdet-track: %s", line or replay_file(path))
 
     def _log_taken_over(self, part: Batch) -> None:

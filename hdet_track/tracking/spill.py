@@ -514,6 +514,21 @@ def _set_aside(spill: Path, head: dict[str, Any], refused: list[tuple[Batch, Bas
     return aside.path
 
 
+def attempt_starts(paths: list[Path], run_id: str, job: str) -> dict[Path, int]:
+    """The step each spill of ``paths`` that belongs to this run (or, run-less, to this job) began
+    at: of several killed attempts, each one's steps count up to where the next one resumed."""
+    out = {}
+    for path in paths:
+        try:
+            head = json.loads(path.open().readline())
+        except (OSError, ValueError):
+            continue
+        start = head.get("run_start") or {}
+        if head.get("run_id") == run_id or (not head.get("run_id") and job and start.get("job") == job):
+            out[path] = int(start.get("start_step") or 0)
+    return out
+
+
 def take_over(path: Path, run_id: str, upto: int, send: Callable[[Batch], None], job: str = "") -> str | None:
     """An orphaned spill of run ``run_id``, which this process has just resumed from a checkpoint at
     step ``upto`` (its earlier attempt, killed while the backend was down): its data up to that step
