@@ -13,18 +13,8 @@ import numpy as np
 def real(value: Any) -> float | None:
     """``value`` as a float when it is a real number: a Python or NumPy scalar, or a one-element
     tensor or array, as a sweep's config gives them (not a bool); else None."""
-    if isinstance(value, bool) or type(value).__name__ == "bool_":
-        return None
-    if isinstance(value, numbers.Real):
-        return float(value)
-    if _one_element(value):
-        if getattr(getattr(value, "dtype", None), "is_complex", False) or "bool" in str(getattr(value, "dtype", "")):
-            return None
-        try:
-            return float(value.item())
-        except (TypeError, ValueError, AttributeError):
-            return None
-    return None
+    number = _scalar(value, integral=False)
+    return None if number is None else float(number)
 
 
 def check_number(name: str, value: Any, low: float, high: float, *, low_open: bool, high_open: bool) -> float:
@@ -51,14 +41,23 @@ def _one_element(value: Any) -> bool:
 def integer(value: Any) -> int | None:
     """``value`` as an int when it is an integer: a Python or NumPy one, or a one-element integer
     tensor or array, as a sweep's config gives them (not a bool); else None."""
+    number = _scalar(value, integral=True)
+    return None if number is None else int(number)
+
+
+def _scalar(value: Any, integral: bool) -> Any:
+    """The Python number ``value`` holds (see :func:`real` and :func:`integer`), or None."""
     if isinstance(value, bool) or type(value).__name__ == "bool_":
         return None
-    if isinstance(value, numbers.Integral):
-        return int(value)
-    dtype = str(getattr(value, "dtype", ""))  # torch.int64, int32, uint8 (not bool, not float)
-    if _one_element(value) and "int" in dtype:
-        return int(value.item())
-    return None
+    if isinstance(value, numbers.Integral if integral else numbers.Real):
+        return value
+    dtype = str(getattr(value, "dtype", ""))  # torch.int64, float32, uint8...: never bool or complex
+    if not _one_element(value) or "bool" in dtype or "complex" in dtype or (integral and "int" not in dtype):
+        return None
+    try:
+        return value.item()
+    except (TypeError, ValueError, AttributeError):
+        return None
 
 
 def check_int(name: str, value: Any, low: int) -> int:
