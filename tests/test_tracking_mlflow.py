@@ -1052,3 +1052,51 @@ def test_a_retry_while_the_backend_is_down_tries_one_batch_and_leaves_the_spill_
     flaky.failures = 0
     assert sink._replay() and not sink.spill_path.exists()
     assert [p.step for p in flaky.points] == list(range(1, 51))
+
+
+def _gone(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # dead, not yet reaped by its parent
+    except FileNotFoundError:
+        return True
+
+
+def test_a_tracker_process_that_dies_mid_run_is_replaced_and_the_run_loses_nothing(sqlite_uri, tmp_path, caplog):
+    """The MLflow child process killed (the out-of-memory killer's pick, a crash in a library) while
+    its archive rows were only in its memory: the next retry starts another child that uploads what
+    the dead one left, reopens the run and is given again what was lost with it. Before, every later
+    batch went to the spill, the run stayed RUNNING and the dashboard saw nothing more of it."""
+    tracker = MLflowTracker(tracking_uri=sqlite_uri, experiment="restart", chunk_seconds=3600.0)
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = HDETScheduler(opt, 0.1, total_steps=40, spread=0.3, sync_every=5, track=tracker)
+    sched._callbacks.recorder.hub._sinks[0].retry_seconds = 0.05
+    client = MlflowClient(sqlite_uri)
+    for k in range(1, 41):
+        opt.step()
+        sched.step(1.0 / k)
+        if k in (12, 27):  # twice: each death gets its own replacement
+            deadline = time.monotonic() + 120  # a new child imports MLflow: seconds on a loaded machine
+            while max(history(client, tracker.run_id, "hdet/replica_00/loss"), default=0) < k - 2:
+                assert time.monotonic() < deadline, "the writer never logged"
+                time.sleep(0.05)
+            # those steps' archive rows are in the child's memory (no chunk is due for an hour)
+            assert not any(f.path.endswith(".parquet") for f in client.list_artifacts(tracker.run_id, "hdet_events"))
+            tags = client.get_run(tracker.run_id).data.tags
+            writer = json.loads(tags["hdet.owner"])["writer"]["pid"]
+            os.kill(writer, signal.SIGKILL)
+            while not _gone(writer):
+                time.sleep(0.01)
+    with caplog.at_level("WARNING", logger="hdet_track"):
+        sched.close()
+    (run,) = client.search_runs([client.get_experiment_by_name("restart").experiment_id])
+    assert run.info.run_id == tracker.run_id and run.info.status == "FINISHED"
+    rows = read_steps_artifact(client, run.info.run_id, tmp_path)
+    assert sorted(r["step"] for r in rows) == list(range(1, 41))  # every step once, those the dead held too
+    assert sorted(history(client, run.info.run_id, "hdet/replica_00/loss")) == list(range(1, 41))
+    hdet_run = MLflowReader(sqlite_uri).read(run.info.run_id)
+    assert [c.step for c in hdet_run.converge] == list(range(5, 41, 5))
+    assert caplog.text.count("tracker process died; starting another") == 2
+    assert not list((tmp_path / ".hdet-spill").glob("*")), "a spill or a pending folder was left behind"

@@ -160,6 +160,10 @@ class EventArchive:
             self._blocks.append(block)
             self._rows += len(block)
 
+    def holds(self) -> bool:
+        """Whether rows or events added are only in this object's memory (not written to a chunk)."""
+        return bool(self._blocks or self._other or self._unreported)
+
     def due(self) -> bool:
         pending = self._rows + len(self._other)
         return pending > 0 and (

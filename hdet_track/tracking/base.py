@@ -177,6 +177,19 @@ class Tracker:
 
         Called before :meth:`start`. A tracker that was given a run explicitly ignores it."""
 
+    def carry_on(self, run_id: str) -> None:
+        """Continue run ``run_id``, which this tracker's earlier process (a tracker process that
+        died: :class:`~hdet_track.tracking.isolated.IsolatedTracker`) was logging: the next
+        :meth:`start` reopens it as it is and later batches write only what it lacks. Called before
+        :meth:`start`; the default is :meth:`resume`."""
+        self.resume(run_id)
+
+    def holds(self) -> bool:
+        """Whether data given to :meth:`log` is held only in this object's memory, neither in the
+        store nor in a file beside it (a process that died now would lose it). Optional: the
+        default, False, is right for a tracker that writes every batch before :meth:`log` returns."""
+        return False
+
     @property
     def pending_run_id(self) -> str | None:
         """Before :meth:`start`, the run it will log into: the one :meth:`resume` asked for, or the

@@ -6,8 +6,13 @@ re-import the user's training script, which rarely has a ``__main__`` guard); it
 pipes with pickled messages between our own processes.
 
 A failing call raises here, so the hub treats the backend as down (spill, replay) exactly as for
-an in-process tracker. If the child itself dies, later calls raise and the data stays in the
-spill file.
+an in-process tracker. If the child itself dies (killed, out of memory, a crash in a library), the
+call raises too, and the hub's next retry starts another child (up to :data:`RESTARTS` times a run)
+that carries on the same run: it uploads the archive chunks the dead one had not, reopens the run
+as it is in the store, and is given again what the dead one held only in memory (the batches since
+it last had nothing unwritten); the spilled batches follow, and nothing is written twice. After
+that many deaths the batches stay in the spill file for the next job on the store or
+``hdet-track recover``.
 
 The child outlives the training process: it runs in its own session and ignores SIGTERM, SIGINT
 and SIGHUP (torchrun signals a worker's whole process group, and the training process decides
@@ -17,12 +22,14 @@ of memory, ``os._exit``) it ends the run KILLED itself, after writing what it ha
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
 import sys
 import time
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 from ..events import RunEnd, RunStart
@@ -31,6 +38,9 @@ from .base import BackendBroken, Batch, BatchRefused, Tracker, broken_backend
 from .expand import materialize
 
 __all__ = ["IsolatedTracker", "maybe_isolated"]
+
+logger = logging.getLogger(__name__)
+RESTARTS = 3  # a tracker process that died is replaced this many times in a run, then left dead
 
 
 def maybe_isolated(tracker: Tracker) -> Tracker:
@@ -55,9 +65,12 @@ def _serve(conn_in: Connection, conn_out: Connection) -> None:
             _vanished(inner, started, last_step)
             return
         if method == "detach":  # the caller gives up on this run for now and leaves it as it is
-            conn_out.send((True, None))
+            conn_out.send((True, None, False))
             return
         try:
+            if method == "upload_orphans":  # a child that died left chunks: they go before the run reopens
+                conn_out.send((True, _upload_orphans(inner), False))
+                continue
             if method == "log":
                 args = (materialize(args[0]),)
                 last_step = max([last_step] + [p.step for p in args[0].points])
@@ -67,6 +80,10 @@ def _serve(conn_in: Connection, conn_out: Connection) -> None:
         except Exception as exc:  # noqa: BLE001 - sent back and raised in the parent
             text = f"{type(exc).__name__}: {exc}"
             reply = (False, (text, method == "log" and inner.refuses(exc), broken_backend(exc)))
+        try:
+            reply += (inner.holds(),)
+        except Exception:  # noqa: BLE001 - cannot tell: it may hold data
+            reply += (True,)
         try:
             conn_out.send(reply)
         except OSError:  # the training process died while this call ran
@@ -81,6 +98,16 @@ def _serve(conn_in: Connection, conn_out: Connection) -> None:
 # call): that long the one writer thread, and every other tracker of the job, would wait. Unless the
 # user chose them, the child's client gives up sooner.
 CHILD_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
+
+
+def _upload_orphans(inner: Tracker) -> list[str]:
+    """Upload the archive chunks that gone processes left beside ``inner``'s store; what happened."""
+    from .spill import pending_orphans, upload_pending_folder
+
+    try:
+        return [upload_pending_folder(folder) for folder in pending_orphans(Path(inner.spill_dir()))]
+    except Exception as exc:  # noqa: BLE001 - nothing to upload where there is no store
+        return [f"pending archive chunks not uploaded ({type(exc).__name__}: {exc})"]
 
 
 def _child_environment() -> dict[str, str]:
@@ -111,7 +138,11 @@ class IsolatedTracker(Tracker):
         self._recv: Connection | None = None
         self._proc: subprocess.Popen | None = None
         self._run_id: str | None = None
-        self._dead = False
+        self._dead = False  # no child to talk to: it ended the run, was let go or died
+        self._died = False  # ... died: the next call starts another (up to RESTARTS times)
+        self._restarts = 0
+        self._run_start: RunStart | None = None
+        self._unsettled: list[Batch] = []  # batches the child may hold only in its memory
 
     @property
     def run_id(self) -> str | None:
@@ -119,33 +150,74 @@ class IsolatedTracker(Tracker):
 
     def _call(self, method: str, *args: Any) -> Any:
         if self._dead:
-            raise ConnectionError(f"the {self.name} tracker process has exited")
+            if not (self._died and self._restarts < RESTARTS):
+                raise ConnectionError(f"the {self.name} tracker process has exited")
+            self._restart()
         if self._proc is None:
-            to_child_r, to_child_w = os.pipe()
-            from_child_r, from_child_w = os.pipe()
-            self._proc = subprocess.Popen(
-                [sys.executable, "-c", _CHILD, str(to_child_r), str(from_child_w)],
-                pass_fds=(to_child_r, from_child_w),
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-                env=_child_environment(),
-            )
-            os.close(to_child_r)
-            os.close(from_child_w)
-            self._send = Connection(to_child_w, readable=False)
-            self._recv = Connection(from_child_r, writable=False)
-            self._send.send(self.inner)
+            self._spawn()
+        return self._ask(method, *args)
+
+    def _spawn(self) -> None:
+        to_child_r, to_child_w = os.pipe()
+        from_child_r, from_child_w = os.pipe()
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", _CHILD, str(to_child_r), str(from_child_w)],
+            pass_fds=(to_child_r, from_child_w),
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env=_child_environment(),
+        )
+        os.close(to_child_r)
+        os.close(from_child_w)
+        self._send = Connection(to_child_w, readable=False)
+        self._recv = Connection(from_child_r, writable=False)
+        self._send.send(self.inner)
+
+    def _ask(self, method: str, *args: Any) -> Any:
         assert self._send is not None and self._recv is not None
         try:
             self._send.send((method, args))
-            ok, value = self._recv.recv()
+            ok, value, holds = self._recv.recv()
         except (EOFError, OSError) as exc:
-            self._dead = True
+            self._dead = self._died = True
             raise ConnectionError(f"the {self.name} tracker process died: {exc}") from None
         if not ok:
             text, refused, broken = value
             raise (BatchRefused if refused else BackendBroken if broken else RuntimeError)(text)
+        if not holds:
+            self._unsettled.clear()
+        elif method == "log":
+            self._unsettled.append(args[0])
         return value
+
+    def _restart(self) -> None:
+        """The child died: reap it and start another that carries on its run (see the module's doc)."""
+        self._restarts += 1
+        held, self._unsettled = self._unsettled, []  # (each answer below says the new child holds nothing)
+        self._close_child()
+        self._proc, self._dead, self._died = None, False, False
+        logger.warning(
+            "hdet-track: the %s tracker process died; starting another (%d of at most %d in this run)%s",
+            self.name, self._restarts, RESTARTS, f" to carry on run {self._run_id}" if self._run_id else "",
+        )  # fmt: skip
+        if self._run_id is None:  # it died before the run started: the caller's retry starts it
+            return
+        self.inner.carry_on(self._run_id)
+        self._spawn()
+        for line in self._ask("upload_orphans"):
+            logger.warning("hdet-track: %s", line)
+        assert self._run_start is not None
+        again = self._ask("start", self._run_start)
+        if again != self._run_id:  # never expected: the run it reopened is another
+            raise RuntimeError(f"the {self.name} tracker process started again in run {again}, not {self._run_id}")
+        self._adopt(again)
+        for batch in held:  # what the dead child had only in memory; the reopened run skips what it holds
+            self._ask("log", batch)
+
+    def _adopt(self, run_id: str) -> None:
+        adopt = getattr(self.inner, "_adopt_run_id", None)
+        if adopt is not None:
+            adopt(run_id)  # so that the caller's tracker object knows its run
 
     def resume(self, run_id: str) -> None:
         self.inner.resume(run_id)
@@ -168,10 +240,9 @@ class IsolatedTracker(Tracker):
         # object as settings only (MLflowTracker.__getstate__), so a tracker object that logged an
         # earlier run starts a new one here, whatever run_id the caller's object still names.
         if self._run_id is None:
+            self._run_start = run_start
             self._run_id = self._call("start", run_start)
-            adopt = getattr(self.inner, "_adopt_run_id", None)
-            if adopt is not None:
-                adopt(self._run_id)  # so that the caller's tracker object knows its run
+            self._adopt(self._run_id)
 
     def log(self, batch: Batch) -> None:
         self._call("log", batch)
@@ -199,7 +270,7 @@ class IsolatedTracker(Tracker):
 
     def finish(self, run_end: RunEnd) -> None:
         self._call("finish", run_end)
-        self._dead = True
+        self._dead, self._unsettled = True, []
         ended = getattr(self.inner, "_adopt_run_end", None)
         if ended is not None:
             ended()  # the caller's tracker object is free for a later scheduler's run
@@ -211,6 +282,7 @@ class IsolatedTracker(Tracker):
                 self._proc.wait(30)
             except subprocess.TimeoutExpired:
                 self._proc.kill()
+                self._proc.wait()
             for conn in (self._send, self._recv):
                 if conn is not None:
                     conn.close()

@@ -115,6 +115,7 @@ class MLflowTracker(Tracker):
         self._attached = False
         self._given = False  # a run someone else opened: the means go under MEANS_IN_GIVEN_RUN
         self._resume_id: str | None = None
+        self._carry_on = False  # start() continues the run a tracker process that died was logging
         self._from_environment = True  # $MLFLOW_RUN_ID attaches (not in a replay: see replaying())
         self._skip_until = -1  # HDET's metric points up to this step are in the store already
         self._archived = (-1, -1)  # a resumed run: the archive's step rows, and its events, up to these steps
@@ -133,9 +134,9 @@ class MLflowTracker(Tracker):
 
     def _adopt_run_id(self, run_id: str) -> None:
         """This object ran in a child process (IsolatedTracker), which created run ``run_id``: so
-        that ``run_id`` names it here too. A resume request was for that run: used up."""
+        that ``run_id`` names it here too. A resume (or carry-on) request was for that run: used up."""
         self._run_id = run_id
-        self._resume_id = None
+        self._resume_id, self._carry_on = None, False
 
     def _adopt_run_end(self) -> None:
         """The run the child process logged has ended: a later scheduler gets its own name."""
@@ -179,6 +180,14 @@ class MLflowTracker(Tracker):
         if not self._attach_id:
             self._resume_id = run_id
 
+    def carry_on(self, run_id: str) -> None:
+        self._carry_on = True
+        if not self._attach_id:
+            self._resume_id = run_id
+
+    def holds(self) -> bool:
+        return self._archive is not None and self._archive.holds()
+
     @property
     def pending_run_id(self) -> str | None:
         attach = self._attach_id or (os.environ.get("MLFLOW_RUN_ID") if self._from_environment else None)
@@ -209,7 +218,7 @@ class MLflowTracker(Tracker):
         # one given in code (Hugging Face's, Lightning's run), not $MLFLOW_RUN_ID (`mlflow run`'s, this job's own)
         self._given = bool(self._attach_id)
         if attach or self._resume_id:
-            opened = _reopen(client, attach or self._resume_id, run_start, resumed=not attach)
+            opened = _reopen(client, attach or self._resume_id, run_start, resumed=not attach, carry_on=self._carry_on)
         else:
             experiment = self.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT
             opened = _create(client, experiment, run_start, mask_secrets(self.run_name), tags)
@@ -219,7 +228,7 @@ class MLflowTracker(Tracker):
         self._skip_until, self._archived, self._user_steps = opened.skip_until, opened.archived, opened.user_steps
         self._client = client
         self._run_id = opened.run_id
-        self._resume_id = None  # used up: a later run of this object is a new one unless resumed again
+        self._resume_id, self._carry_on = None, False  # used up: a later run of this object is a new one
         self._archive = EventArchive(
             self._pending_chunks(opened.run_id) / ARTIFACT_DIR,
             chunk_seconds=self.chunk_seconds,
@@ -409,11 +418,12 @@ def _create(client: Any, experiment: str, run_start: RunStart, run_name: str | N
     return _Opened(client.create_run(exp_id, start_time=start_ms, run_name=run_name, tags=tags).info.run_id)
 
 
-def _reopen(client: Any, run_id: str, run_start: RunStart, resumed: bool) -> _Opened:
+def _reopen(client: Any, run_id: str, run_start: RunStart, resumed: bool, carry_on: bool = False) -> _Opened:
     """An existing run: one of ours resumed from a checkpoint (``resumed``), or a given one. Either
     is RUNNING again and ended by us when it has ended (its earlier attempt ended it FAILED) and the
     job resumes; a given run ended by its owner before a fresh job (Lightning between two fits)
-    stays the owner's. A resumed job writes nothing the run holds already."""
+    stays the owner's. A resumed job writes nothing the run holds already, and neither does a
+    tracker process that takes over from one that died (``carry_on``)."""
     run = client.get_run(run_id)
     reopen = resumed or (run_start.start_step > 0 and run.info.status != "RUNNING")
     chunks = [f.path for f in client.list_artifacts(run_id, ARTIFACT_DIR)]
@@ -425,9 +435,9 @@ def _reopen(client: Any, run_id: str, run_start: RunStart, resumed: bool) -> _Op
         means_given=any(key in run.data.metrics for key in names.MEANS_IN_GIVEN_RUN.values()),
     )
     earlier = run.data.tags.get(LOGGED_THROUGH_TAG)
-    if not resumed and run_start.start_step == 0 and earlier is not None:
+    if not resumed and not carry_on and run_start.start_step == 0 and earlier is not None:
         warn_second_training("MLflow", run_id, earlier)
-    if run_start.start_step > 0:
+    if run_start.start_step > 0 or carry_on:
         opened.skip_until = _logged_through(client, run)
         opened.archived = _archived_through(client, run_id, chunks)
         opened.user_steps = {}
