@@ -1011,10 +1011,11 @@ class DriftController(Controller):
             z = self.window_evidence(name, x, ok, stats, se)
             read = self.evidence.add(name, z, stats.step, self.ctx.sync_every, keep)
             evidence, fractions = read.evidence, read.fractions
-            step = self._full_step(name) * (0.5 ** min(self.guard_events, 3) if name == "lr" else 1.0)
             if name == "lr" and self.one_sided:
                 # a window's loss favours the smaller step (short-horizon bias): only blow-ups lower the LR
                 fractions = [max(f, 0.0) for f in fractions]
+            upward = name == "lr" and sum(fractions) > 0  # each backoff or rollback halves the LR's later upward steps
+            step = self._full_step(name) * (0.5 ** min(self.guard_events, 3) if upward else 1.0)
             refs = stats.references[name]
             # revert_unconfirmed: where skip_windows alone would stand (no move in the provisional windows)
             now = self.drifts.values[name]
@@ -1022,7 +1023,7 @@ class DriftController(Controller):
             start = unmoved if read.revert else None  # taken back: this sync moves from there
             undone = [d - u for d, u in zip(now, unmoved)] if read.revert else [0.0] * len(unmoved)
             change = [step * sum(fractions)] * len(unmoved)
-            blown = [r for r in left if health.reasons[r].startswith("blown")]
+            blown = [r for r in left if health.reasons[r].startswith("blown") or health.reasons[r] == "non-finite"]
             backed_off = False
             if name == "lr" and blown and ok:
                 cut, blown, why = self.backoffs.at_sync(x, ok, blown, stats)

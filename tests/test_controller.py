@@ -411,7 +411,8 @@ def test_continuity_base_is_the_reference_until_the_drift_moves():
 @pytest.mark.parametrize(("top", "blown"), [(1.9, False), (2.1, True), (math.inf, True), (math.nan, True)])
 def test_guard_threshold_and_backoff(top, blown):
     """Replica 3 (the highest LR) ends the window at ``top`` x the others' level (1.0). The cut is
-    the notch rule (edge_backoff="off"); the default's edge cut is tested below."""
+    the notch rule (edge_backoff="off"); the default's edge cut is tested below. A non-finite window
+    is a blow-up too, and cuts as a finite one does (it used to be left out with no backoff)."""
     c = controller(guard=2.0, edge_backoff="off")
     losses = windows([1.0, 1.0, 1.0, 1.0], noise=0.001, start=1.0)
     losses[3, 1:] = top
@@ -423,13 +424,40 @@ def test_guard_threshold_and_backoff(top, blown):
     if blown:
         assert "blown up" in health.reasons[3] or "non-finite" in health.reasons[3]
         assert d.weights[3] == 0.0
-    if blown and math.isfinite(top):
+    if blown:
         (backoff,) = d.guard
         assert backoff.kind == "backoff" and backoff.replicas == [3]
         # one notch: from the highest multiplier down to the highest healthy one
         assert c.drift["lr"][0] == pytest.approx(-(math.log(RHO[3]) - math.log(RHO[2])))
     if not blown:
         assert d.guard == []
+
+
+def test_non_finite_parameters_of_the_top_replica_with_finite_losses_back_off():
+    """Its last step overflowed: the losses of the window were finite, its parameters are not."""
+    c = controller(guard=2.0, edge_backoff="off")
+    st = stats(windows([1.0, 1.0, 1.0, 1.0], noise=0.001, start=1.0), finite=[True, True, True, False])
+    health = c.health(st)
+    assert health.healthy == [True, True, True, False] and health.reasons[3] == "non-finite"
+    d = c.update(st, health)
+    assert [(g.kind, g.replicas) for g in d.guard] == [("backoff", [3])] and c.guard_events == 1
+    assert c.drift["lr"][0] == pytest.approx(-(math.log(RHO[3]) - math.log(RHO[2])))
+
+
+def test_guard_events_halve_upward_lr_steps_only():
+    """A backoff halves the LR's later upward steps; with ``one_sided=False`` the evidence that the
+    LR should go down still moves it a full step (it used to be halved as well)."""
+    full = (math.log(RHO[3]) - math.log(RHO[0])) / 2
+    for events in (0, 1, 3):
+        down = controller(skip_windows=0, one_sided=False)
+        up = controller(skip_windows=0, one_sided=False)
+        down.guard_events = up.guard_events = events
+        st = stats(windows([0.94, 0.96, 0.98, 1.0], seed=1), step=100, c=down)
+        down.update(st, down.health(st))
+        st = stats(windows([1.0, 0.98, 0.96, 0.94], seed=1), step=100, c=up)
+        up.update(st, up.health(st))
+        assert down.drift["lr"][0] == pytest.approx(-full), events
+        assert up.drift["lr"][0] == pytest.approx(full * 0.5**events), events
 
 
 def test_guard_uses_the_window_start_and_is_off_for_non_positive_losses():
