@@ -70,7 +70,7 @@ class _Scan:
 
     def __init__(self) -> None:
         self.pos = _HEADER_LEN
-        self.pending: list[bytes] = []
+        self.pending: list[bytes] | None = None  # None: not inside a record split over blocks
 
     def payloads(self, data: bytes, base: int) -> Iterator[bytes]:
         """The complete payloads in ``data`` (the file's bytes from offset ``base`` <= ``pos``)."""
@@ -83,6 +83,14 @@ class _Scan:
             crc, length, rtype = struct.unpack_from("<IHB", data, pos - base)
             start = pos + _REC_HEADER
             end = start + length
+            block_end = pos + left_in_block
+            if end > block_end:  # no record crosses a block: a damaged header (LevelDB drops the block's rest)
+                logger.warning(
+                    "hdet-track: skipping the rest of a .wandb block after a damaged record header at byte %d", pos
+                )
+                pos = self.pos = block_end
+                self.pending = None
+                continue
             if end > end_of_data:
                 break  # truncated: still being written
             payload = data[start - base : end - base]
@@ -96,18 +104,21 @@ class _Scan:
                     break  # the last bytes there are: maybe still being written, read again later
                 logger.warning("hdet-track: skipping a .wandb record with a bad checksum at byte %d", start)
                 pos = self.pos = end
-                self.pending = []
+                self.pending = None
                 continue
             pos = self.pos = end
             if rtype == _FULL:
+                self.pending = None  # a record begun before it and never ended is not one
                 yield payload
             elif rtype == _FIRST:
                 self.pending = [payload]
+            elif self.pending is None:  # the rest of a record whose start was skipped: not a record
+                continue
             elif rtype == _MIDDLE:
                 self.pending.append(payload)
             elif rtype == _LAST:
                 whole = b"".join([*self.pending, payload])
-                self.pending = []
+                self.pending = None
                 yield whole
 
 

@@ -168,6 +168,43 @@ def test_record_parser_rejects_other_files_and_stops_at_truncation(tmp_path):
     assert 0 < len(cut) < len(full) and cut == full[: len(cut)]
 
 
+def test_a_damaged_record_header_costs_the_rest_of_its_block_not_the_rest_of_the_file(tmp_path, monkeypatch):
+    """A bit flip in a record's length (LevelDB's format, as W&B writes it): the scan went on by the
+    damaged length into misaligned bytes, took a garbage length past the end for a file still being
+    written and stopped there: no history after it, no exit record, a finished run read RUNNING.
+    A record never crosses a 32 KiB block, so a header that says it does is skipped with its block."""
+    import struct
+
+    from hdet_track.readers.wandb_records import read_wandb_file
+
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = HDETScheduler(opt, 0.1, total_steps=200, sync_every=5, track="wandb")
+    for k in range(1, 201):
+        opt.step()
+        sched.step(1.0 / k)
+    sched.close()
+    (path,) = glob.glob(os.path.join(run_dir(str(tmp_path)), "run-*.wandb"))
+    data = open(path, "rb").read()
+    assert len(data) > 3 * 32768, len(data)
+    full = list(iter_payloads(data))
+    pos, heads = 7, []
+    while len(heads) < 12:  # the first records' headers (7 bytes: crc, length, type), all in block 0
+        heads.append(pos)
+        pos += 7 + struct.unpack_from("<H", data, pos + 4)[0]
+    length = struct.unpack_from("<H", data, heads[10] + 4)[0]
+    for damaged in (length + 1, length ^ 0x0100, 0xFFFF):
+        bad = bytearray(data)
+        struct.pack_into("<H", bad, heads[10] + 4, damaged)
+        got = list(iter_payloads(bytes(bad)))
+        assert got[:10] == full[:10], damaged  # what came before it
+        later = [p for p in full if p in got[10:]]
+        assert later == got[10:] and len(got) > len(full) / 2, (damaged, len(got), len(full))  # the next blocks'
+        (tmp_path / "bad.wandb").write_bytes(bytes(bad))
+        assert read_wandb_file(tmp_path / "bad.wandb").exit_code == 0, damaged  # the run's end is read
+
+
 def test_a_run_file_read_again_as_it_grows_is_parsed_once_and_reads_as_parsed_whole(tmp_path):
     """The readers' cache of W&B run files (the dashboard reads every run at each refresh): a file
     that W&B appends to, read after every chunk (cut anywhere: inside a record, a record's header,
@@ -1092,3 +1129,93 @@ def test_a_secret_in_a_list_a_group_or_a_run_name_never_reaches_the_run_file(tmp
     assert contents.group == "g-***" and contents.config["param_groups"] == '["enc-***"]'
     events = glob.glob(os.path.join(run_dir(str(tmp_path)), "files", "hdet_events", "*.parquet"))
     assert events and not any(b"sekret-xyz" in open(p, "rb").read() for p in events)
+
+
+def _run_record(path):
+    from hdet_track.wandb_file import iter_records
+
+    return next(rec.run for rec in iter_records(path) if rec.WhichOneof("record_type") == "run")
+
+
+def test_the_users_tags_notes_and_wandb_tags_reach_the_run_beside_hdets(tmp_path, monkeypatch):
+    """``wandb.init(tags=)`` with HDET's tags dropped ``WANDB_TAGS``, and WandbTracker took neither
+    tags nor notes: a W&B user could not tag the runs hdet-track starts."""
+    from hdet_track.readers.wandb import WandbReader
+    from hdet_track.tracking.wandb import WandbTracker
+
+    for bad in ("one-tag", ["ok", 3], ["x" * 65], [""]):
+        with pytest.raises(ValueError, match=r"Expected tags to be a list of strings of 1 to 64 characters"):
+            WandbTracker(dir=tmp_path, tags=bad)
+    with pytest.raises(ValueError, match="notes to be a non-empty str or None, but got 5"):
+        WandbTracker(dir=tmp_path, notes=5)
+    monkeypatch.setenv("WANDB_TAGS", "exp42, baseline,mine")
+    monkeypatch.setenv("MY_API_KEY", "sekret-xyz")
+    tracker = WandbTracker(dir=tmp_path, tags=["mine", "ablation"], notes="lr sweep, key sekret-xyz")
+    opt = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)
+    with HDETScheduler(opt, 0.1, total_steps=10, sync_every=5, track=tracker) as sched:
+        for k in range(1, 11):
+            opt.step()
+            sched.step(1.0 / k)
+    (path,) = glob.glob(os.path.join(run_dir(str(tmp_path)), "run-*.wandb"))
+    record = _run_record(path)
+    tags = list(record.tags)
+    assert tags[:4] == ["mine", "ablation", "exp42", "baseline"]
+    assert "hdet.schema_version=2" in tags[4:]
+    assert record.notes == "lr sweep, key ***" and b"sekret-xyz" not in open(path, "rb").read()
+    assert tracker.spill_settings()["tags"] == ["mine", "ablation", "exp42", "baseline"]  # a replay tags it alike
+    assert WandbReader(str(tmp_path)).read(tracker.run_id).status == "FINISHED"
+
+
+def test_an_error_that_quotes_a_secret_is_kept_without_it(tmp_path, monkeypatch):
+    """The run's name was masked, the failing exception's text (a URL with its token) was not."""
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("HF_TOKEN", "hf_SuperSecretValue123")
+    opt = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)
+    with pytest.raises(PermissionError):
+        with HDETScheduler(opt, 0.1, total_steps=10, sync_every=5, track="wandb") as sched:
+            for k in range(1, 6):
+                opt.step()
+                sched.step(1.0 / k)
+            raise PermissionError("401 Unauthorized for url https://hub.example/api?token=hf_SuperSecretValue123")
+    (path,) = glob.glob(os.path.join(run_dir(str(tmp_path)), "run-*.wandb"))
+    assert b"hf_SuperSecretValue123" not in open(path, "rb").read()
+    contents = read_finished(path)
+    assert contents.summary["hdet/status"] == "FAILED"
+    assert "401 Unauthorized for url https://hub.example/api?token=***" in contents.summary["hdet/error"]
+
+
+def test_runs_w_and_b_wrote_into_a_dot_wandb_folder_are_found(tmp_path, monkeypatch):
+    """W&B writes into ``<dir>/.wandb`` where that folder exists; the readers looked in ``wandb``."""
+    from hdet_track.readers.wandb import WandbReader, find_run_dirs
+
+    (tmp_path / ".wandb").mkdir()
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    ten_step_job()
+    (found,) = find_run_dirs(tmp_path)
+    assert found.parent.name == ".wandb"
+    (summary,) = WandbReader(str(tmp_path)).list_runs()
+    assert summary.status == "FINISHED" and WandbReader(str(tmp_path)).read(summary.run_id).converge
+
+
+def test_a_given_run_whose_owner_failed_after_hdet_closed_it_reads_failed(tmp_path, monkeypatch):
+    """``with wandb.init() as run:``: training and ``close()`` went well, then the owner's evaluation
+    raised (W&B's exit code 1). ``hdet/status`` FINISHED took precedence: the run read FINISHED,
+    where MLflow's reader gives the owner's FAILED."""
+    import wandb
+
+    from hdet_track.readers.wandb import WandbReader
+    from hdet_track.tracking.wandb import WandbTracker
+
+    run = wandb.init(project="given", dir=str(tmp_path), mode="offline", reinit="create_new")
+    opt = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)
+    with HDETScheduler(opt, 0.1, total_steps=10, sync_every=5, track=WandbTracker(run=run)) as sched:
+        for k in range(1, 11):
+            opt.step()
+            sched.step(1.0 / k)
+    run.finish(exit_code=1)  # what the context manager does when the owner's code raises
+    reader = WandbReader(str(tmp_path))
+    (path,) = glob.glob(os.path.join(run_dir(str(tmp_path)), "run-*.wandb"))
+    read_finished(path, timeout=60)
+    hdet_run = reader.read(run.id)
+    assert hdet_run.status == "FAILED" and "exit code 1" in hdet_run.tags["hdet.error"]
+    assert [c.step for c in hdet_run.converge] == [5, 10]

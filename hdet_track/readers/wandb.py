@@ -52,11 +52,13 @@ RUN_FILES = WandbFileCache()
 
 
 def find_run_dirs(root: str | Path) -> list[Path]:
-    """Run directories under ``root`` (a ``wandb`` folder, its parent, or one run directory)."""
+    """Run directories under ``root`` (a ``wandb`` folder, its parent, or one run directory). W&B
+    writes into ``.wandb`` instead of ``wandb`` where that folder exists: both are looked in."""
     root = Path(root)
     if list(root.glob("run-*.wandb")):
         return [root]
-    dirs = [p for pattern in ("wandb/*run-*", "*run-*") for p in root.glob(pattern) if p.is_dir()]
+    patterns = ("wandb/*run-*", ".wandb/*run-*", "*run-*")
+    dirs = [p for pattern in patterns for p in root.glob(pattern) if p.is_dir()]
     return sorted({d for d in dirs if list(d.glob("run-*.wandb"))}, key=lambda p: p.name, reverse=True)
 
 
@@ -167,6 +169,12 @@ class WandbReader:
             ended = closed if closed in _ENDED else ""
             if contents.exit_code is None:
                 run.status = "RUNNING"  # no exit record (yet): live, or a process that died
+            elif ended == "FINISHED" and contents.exit_code != 0:  # a given run whose owner failed after the close
+                run.status = "FAILED"
+                run.tags.setdefault(
+                    "hdet.error",
+                    f"hdet-track ended its training FINISHED; the run's owner then ended it with exit code {contents.exit_code}",
+                )
             else:
                 run.status = ended or ("FINISHED" if contents.exit_code == 0 else "FAILED")
         gone = self._owner_gone(dirs[run_id][-1]) if run.status == "RUNNING" else None

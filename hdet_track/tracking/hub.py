@@ -30,7 +30,7 @@ from .. import owner
 from ..events import RunEnd, RunStart
 from ..record import SyncRecord
 from . import lifecycle
-from .base import Batch, Tracker, broken_backend
+from .base import Batch, Tracker, broken_backend, mask_secrets
 from .expand import PointBudget, RecordItem, materialize, metric_points
 from .isolated import maybe_isolated
 from .spill import (
@@ -389,6 +389,8 @@ class TrackingHub:
         ``shutdown_timeout``); otherwise return at once (the process's exit, :meth:`flush` or a later
         ``close()`` waits)."""
         if not self._ended:
+            # an exception's text can quote a secret (a URL with its token): kept, but never with the secret
+            error = mask_secrets(error)
             end = RunEnd(status=status, step=self._last_step if step is None else step, error=error, time=time.time())
             self._put("end", end)
             self._ended = True

@@ -260,8 +260,10 @@ def _import_wandb():
 
 
 class WandbTracker(Tracker):
-    """Log an HDET run to W&B. ``WANDB_PROJECT``, ``WANDB_ENTITY``, ``WANDB_MODE`` and
-    ``WANDB_RUN_GROUP`` are honoured; the compare group becomes the run group.
+    """Log an HDET run to W&B. ``WANDB_PROJECT``, ``WANDB_ENTITY``, ``WANDB_MODE``,
+    ``WANDB_RUN_GROUP``, ``WANDB_NAME``, ``WANDB_NOTES`` and ``WANDB_TAGS`` are honoured; the compare
+    group becomes the run group. ``tags`` (W&B's limit: 64 characters each) and ``notes`` go to the
+    run as ``wandb.init``'s do; the run also gets HDET's own tags after the user's.
 
     Offline by default: unless ``mode`` is given or ``WANDB_MODE`` is set, the run is written to a
     local ``wandb/offline-run-*`` directory (no network, no login; ``wandb sync`` uploads it later,
@@ -287,10 +289,21 @@ class WandbTracker(Tracker):
         dir: str | os.PathLike | None = None,  # noqa: A002 - wandb's own argument name
         chunk_seconds: float = 3.0,
         run: Any = None,
+        tags: list[str] | tuple[str, ...] | None = None,
+        notes: str | None = None,
     ) -> None:
         _import_wandb()
         for name, value in [("project", project), ("entity", entity), ("group", group), ("run_name", run_name)]:
             check_str(name, value)
+        check_str("notes", notes)
+        if tags is not None and (
+            isinstance(tags, str)
+            or not isinstance(tags, (list, tuple))
+            or not all(isinstance(t, str) and 0 < len(t) <= 64 for t in tags)
+        ):
+            raise ValueError(
+                f"Expected tags to be a list of strings of 1 to 64 characters (W&B's limit) or None, but got {tags!r}"
+            )
         if mode is not None and mode not in _MODES:
             raise ValueError(f"Expected mode in {_MODES} or None (WANDB_MODE, else offline), but got {mode!r}")
         if run is None and mode is None and os.environ.get("WANDB_MODE", _MODES[0]) not in _MODES:
@@ -308,6 +321,8 @@ class WandbTracker(Tracker):
         self._given_run_name = run_name  # run_name may be filled in per run (the scheduler's run_name=)
         self.dir = dir
         self.chunk_seconds = chunk_seconds
+        self.tags = list(tags) if tags is not None else None
+        self.notes = notes
         self._run: Any = None
         self._archive: EventArchive | None = None
         self._resume_id: str | None = None
@@ -353,7 +368,18 @@ class WandbTracker(Tracker):
             "mode": self.mode,
             "group": getattr(run, "group", None) or self.group or os.environ.get("WANDB_RUN_GROUP") or None,
         }
-        return settings | {"run_name": self.run_name, "dir": self._root()}
+        return settings | {
+            "run_name": self.run_name,
+            "dir": self._root(),
+            "tags": self._user_tags() or None,
+            "notes": self.notes,
+        }
+
+    def _user_tags(self) -> list[str]:
+        """The user's tags: ``tags`` and ``WANDB_TAGS`` (comma-separated, as W&B reads it), in that
+        order, each once (``wandb.init(tags=)``, which HDET's tags need, would drop the variable's)."""
+        given = list(self.tags or []) + [t.strip() for t in os.environ.get("WANDB_TAGS", "").split(",")]
+        return list(dict.fromkeys(mask_secrets(t) for t in given if t.strip()))
 
     def _call(self, calls: Callable[[], None]) -> None:
         """W&B calls on the run (see :meth:`_GivenRun.call` for a given one)."""
@@ -415,7 +441,8 @@ class WandbTracker(Tracker):
             dir=str(self.dir) if self.dir is not None else os.environ.get("WANDB_DIR") or None,
             config=run_params(run_start),
             # W&B's tags are at most 64 characters: longer ones stay in the summary only
-            tags=[tag for k, v in tags.items() if len(tag := f"{k}={v}") <= 64][:20],
+            tags=self._user_tags() + [tag for k, v in tags.items() if len(tag := f"{k}={v}") <= 64][:20],
+            notes=mask_secrets(self.notes),  # None: W&B's own ($WANDB_NOTES)
             reinit="create_new",
             # a replay names its run: W&B would take $WANDB_RUN_ID (the replaying process's job's run)
             id=self._resume_id or (_new_run_id() if self._replaying else None),
