@@ -95,14 +95,20 @@ def step_range(run: HDETRun) -> tuple[int, int] | None:
         return None
     first, last = int(run.aggregates.first_step.min()), run.last_step
     per_step = max(1, run.world_size)
+    # The slider's identity includes its bounds: a live run's growing last step makes a new one,
+    # which came back at the whole run. The choice is kept apart (None: the whole run, to its end).
+    chosen = st.session_state.get(f"range_choice_{run.run_id}")
+    value = (first, last) if chosen is None else tuple(min(max(int(x), first), last) for x in chosen)
     lo, hi = st.slider(
         f"Step range (every step once it spans at most {full_rows_limit() // per_step:,} steps)",
         first,
         last,
-        (first, last),
+        value,
         key=f"range_{run.run_id}",
     )
-    return None if (lo, hi) == (first, last) else (int(lo), int(hi))
+    whole = (lo, hi) == (first, last)
+    st.session_state[f"range_choice_{run.run_id}"] = None if whole else (int(lo), int(hi))
+    return None if whole else (int(lo), int(hi))
 
 
 def resolution_caption(run: HDETRun) -> None:
@@ -145,7 +151,7 @@ def sidebar() -> None:
         return
     experiment = None
     if experiments:
-        default = "hdet" if "hdet" in experiments else experiments[0]
+        default = _default_experiment(st.session_state["source"], experiments)
         experiment = st.sidebar.selectbox(
             "Experiment", ["(all)"] + experiments, index=experiments.index(default) + 1, key="experiment"
         )  # keyed: a new experiment in the list does not reset the choice
@@ -156,11 +162,37 @@ def sidebar() -> None:
         st.sidebar.error(str(exc))
         runs = []
     st.session_state["runs"] = runs
+    st.session_state["experiment_shown"] = experiment
     if runs:
         labels = {r.run_id: label(r) for r in runs}
         chosen = st.sidebar.selectbox("Run", list(labels), format_func=labels.get, key="run_id")
         st.session_state["selected"] = chosen
     st.sidebar.toggle("Live refresh of running runs", value=True, key="live")
+
+
+def _default_experiment(source: str, experiments: list[str]) -> str:
+    """The experiment the sidebar opens on: ``hdet`` (hdet-track's default), else the first one
+    listed (MLflow lists the newest first), unless it holds no run and another does (an empty
+    experiment made the dashboard say the whole source had none)."""
+    ordered = (["hdet"] if "hdet" in experiments else []) + [e for e in experiments if e != "hdet"]
+    for name in ordered:
+        try:
+            if list_runs(source, name):
+                return name
+        except ReaderError:
+            break
+    return ordered[0]
+
+
+def no_runs_note() -> str:
+    """What a page says when the sidebar's pick holds no run."""
+    experiment = st.session_state.get("experiment_shown")
+    where = f"in experiment `{experiment}` at `{current_source()}`" if experiment else f"at `{current_source()}`"
+    other = " pick another experiment in the sidebar," if experiment else ""
+    return (
+        f"No runs {where} yet.{other} Log one with `hdet-track demo` or `HDETScheduler(..., track=True)`, "
+        "or point the sidebar at another source."
+    )
 
 
 @st.fragment(run_every=LIVE_SECONDS)
@@ -189,10 +221,7 @@ def selected_run() -> HDETRun | None:
     """The run picked in the sidebar, or a note on the page when there is none."""
     runs: list[RunSummary] = st.session_state.get("runs", [])
     if not runs:
-        st.info(
-            f"No runs at `{current_source()}`. Log one with `hdet-track demo` or "
-            "`HDETScheduler(..., track=True)`, or point the sidebar at another source."
-        )
+        st.info(no_runs_note())
         return None
     run_id = st.session_state.get("selected") or runs[0].run_id
     try:

@@ -449,3 +449,60 @@ def test_a_run_without_a_schedule_tag_is_plain_on_every_page(monkeypatch, tmp_pa
     assert dict(zip(table["run"], table["schedule"])) == {"bare": "plain"}
     legend = [t["name"] for t in figures(at)[0]["data"]]
     assert legend == ["bare (plain)"], legend
+
+
+def test_a_zoom_into_a_live_huge_run_survives_the_run_growing(monkeypatch, tmp_path):
+    """The slider's identity includes its bounds (Streamlit 1.67): the live run's last step grew
+    between two full reruns, the next click on any widget made a new slider, and the zoom came back
+    as the whole run."""
+    uri = f"sqlite:///{tmp_path / 'live.db'}"
+    monkeypatch.setenv("HDET_FULL_ROWS", "100")  # this run stands for a huge one
+    opt = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sched = HDETScheduler(
+            opt, 0.1, total_steps=2000, sync_every=50, spread=0.3, track=MLflowTracker(tracking_uri=uri)
+        )
+    done = 0
+
+    def train(n):
+        nonlocal done
+        for _ in range(n):
+            done += 1
+            opt.step()
+            sched.step(1.0 / done)
+        assert sched.flush()
+
+    train(600)
+    at = app(monkeypatch, uri)
+    at.switch_page("app_pages/fanout.py").run()
+    assert at.slider[0].value == (1, 600)
+    at.slider[0].set_value((200, 260)).run()
+    assert "Every step of steps 200 to 260." in [c.value for c in at.caption]
+    train(200)
+    next(t for t in at.toggle if t.label == "log scale").set_value(True).run()  # a full rerun
+    assert not at.exception
+    assert at.slider[0].max == 800 and at.slider[0].value == (200, 260)
+    assert "Every step of steps 200 to 260." in [c.value for c in at.caption]
+    at.slider[0].set_value((1, 800)).run()  # back to the whole run: it follows the run's end again
+    train(100)
+    next(t for t in at.toggle if t.label == "log scale").set_value(False).run()
+    assert at.slider[0].value == (1, 900)
+    sched.close()
+
+
+def test_an_empty_newest_experiment_is_not_where_the_dashboard_opens_nor_called_the_whole_source(monkeypatch, tmp_path):
+    """MLflow lists the newest experiment first: an empty one there made every page say "No runs
+    at <source>", though the store held runs in another experiment."""
+    uri = f"sqlite:///{tmp_path / 'exps.db'}"
+    _tiny_run(uri, "study", "s1", "g")
+    MlflowClient(uri).create_experiment("empty")  # the newest
+    at = app(monkeypatch, uri)
+    box = next(s for s in at.sidebar.selectbox if s.label == "Experiment")
+    assert box.options[1] == "empty" and box.value == "study"
+    assert [r.name for r in at.session_state["runs"]] == ["s1"]
+    box.set_value("empty").run()
+    (note,) = [i.value for i in at.info]
+    assert "No runs in experiment `empty`" in note and "pick another experiment" in note
+    at.switch_page("app_pages/fanout.py").run()
+    assert any("No runs in experiment `empty`" in i.value for i in at.info)

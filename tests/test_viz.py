@@ -13,6 +13,8 @@ from hdet_track.readers.base import HDETRun, StepTable
 from hdet_track.record import ExploredSpec
 from hdet_track.schedule import multipliers
 from hdet_track.viz import (
+    controller_in_view,
+    guard_in_view,
     guard_rows,
     lambdalr_snippet,
     plot_compare,
@@ -192,6 +194,11 @@ def test_downsample_keeps_spikes_and_bounds_points():
     xs, ys = downsample(x, y, 1000)
     assert len(xs) <= 1000 + 10
     assert 54_321 in xs and np.nanmax(ys) == 1e6 and 77_777 in xs
+    rng = np.random.default_rng(0)  # noisy, with a gap in every bucket (a replica's resets): 3 points a bucket
+    noisy = rng.normal(size=100_000)
+    noisy[::40] = np.nan
+    xs, ys = downsample(x, noisy, 2000)
+    assert len(xs) <= 2000 and np.isnan(ys).any()
     big = make_run(n=8, steps=5000, T=100)
     fig = plot_fanout(big, max_points=500)
     assert all(len(t.x) <= 510 for t in fig.data)
@@ -282,6 +289,14 @@ def test_a_single_replica_run_draws_no_exploration_band():
     assert [t.name for t in plot_fanout(one).data] == ["replica 0", "base (mean)"]
 
 
+def test_a_run_name_with_a_line_break_leaves_the_export_snippet_valid_python():
+    """``run_name="sweep 3\\nlr=0.1 (retry)"`` (MLflow takes it): the name's second line became code."""
+    run = make_run(name="sweep 3\nlr=0.1 (retry)")
+    snippet = lambdalr_snippet(run)
+    compile(snippet, "<snippet>", "exec")
+    assert "(sweep 3 lr=0.1 (retry))" in snippet
+
+
 def test_the_export_snippet_credits_hdet_only_for_an_hdet_run():
     """A OneCycle baseline's (or another tool's) schedule was exported as "Discovered by HDET"."""
     assert "# Discovered by HDET in run run " in lambdalr_snippet(make_run())
@@ -313,6 +328,28 @@ def test_a_zoomed_step_range_zooms_the_divergence_and_the_heatmaps_too():
     assert list(next(t for t in plot_sync_loss(run).data if t.name.startswith("sync")).x) == [30, 40, 50, 60]
     run.view = (1, 20)
     assert [row["step"] for row in guard_rows(run)] == [50]  # the guard's table: the whole run
+
+
+def test_a_zoomed_step_range_zooms_the_controller_page_too():
+    """Zoomed on a huge run, the Controller page drew only the used LR in the range: its base,
+    OneCycle, drift, delta, velocity and guard lines (and the page's metrics) spanned the run."""
+    run = make_run(n=3)
+    run.guard = [
+        Guard(step=30, action="backoff", replicas=[2], reason="r"),
+        Guard(step=90, action="rollback", replicas=[0, 1, 2], reason="r"),
+    ]
+    run.view = (30, 60)
+    assert controller_in_view(run)["step"].tolist() == [30, 40, 50, 60]
+    assert controller_in_view(run)["base"].tolist() == run.controller_series()["base"][1:5].tolist()
+    assert [g.step for g in guard_in_view(run)] == [30]
+    fig = plot_controller(run)
+    for trace in fig.data:
+        if trace.name != "used (mean over replicas)":
+            assert min(trace.x) >= 30 and max(trace.x) <= 60, trace.name
+    assert [a.text for a in fig.layout.annotations if a.text in ("backoff", "rollback")] == ["backoff"]
+    run.view = None
+    assert controller_in_view(run)["step"].tolist() == list(range(20, 101, 10))
+    assert len(guard_in_view(run)) == 2
 
 
 def test_a_live_run_before_its_first_sync_says_its_steps_come_with_the_sync():

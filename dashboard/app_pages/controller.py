@@ -6,7 +6,7 @@ import numpy as np
 import streamlit as st
 from hdet_track.dashboard.state import live_every, load_run, resolution_caption, selected_run, step_range
 
-from hdet_track.viz import plot_controller, step_guard_note
+from hdet_track.viz import controller_in_view, guard_in_view, plot_controller, step_guard_note
 
 st.header("Controller drift")
 run = selected_run()
@@ -23,7 +23,7 @@ if run is not None:
     def charts() -> None:
         fresh = load_run(run.run_id, steps)
         resolution_caption(fresh)
-        series = fresh.controller_series(name, target)
+        series = controller_in_view(fresh, name, target)  # the syncs of the step range, as the chart
         if len(series["step"]):
             m1, m2, m3, m4 = st.columns(4)
             m1.metric("base", f"{series['base'][-1]:.4g}")
@@ -32,8 +32,8 @@ if run is not None:
             m3.metric("syncs with the controller", len(series["step"]))
             m4.metric(
                 "backoffs / rollbacks",
-                f"{sum(g.action == 'backoff' for g in fresh.guard)} / "
-                f"{sum(g.action == 'rollback' for g in fresh.guard)}",
+                f"{sum(g.action == 'backoff' for g in guard_in_view(fresh))} / "
+                f"{sum(g.action == 'rollback' for g in guard_in_view(fresh))}",
             )
         st.plotly_chart(plot_controller(fresh, name, target, log_y=log_y), key="controller")
         if step_guard_note(fresh):

@@ -5,14 +5,14 @@ from __future__ import annotations
 import datetime as dt
 
 import streamlit as st
-from hdet_track.dashboard.state import current_source
+from hdet_track.dashboard.state import current_source, no_runs_note
 
 from hdet_track.readers.base import schedule_label
 
 st.header("Runs")
 runs = st.session_state.get("runs", [])
 if not runs:
-    st.info(f"No runs at `{current_source()}` yet. Start one with `hdet-track demo`.")
+    st.info(no_runs_note())
 else:
     c1, c2 = st.columns(2)
     text = c1.text_input("Filter by name, id or compare group", "")

@@ -26,7 +26,8 @@ def downsample(x: np.ndarray, y: np.ndarray, max_points: int = MAX_POINTS) -> tu
     n = len(x)
     if n <= max_points:
         return x, y
-    buckets = max(1, max_points // 2)
+    # two points a bucket (its min and max), three where a gap (its first non-finite value) is kept too
+    buckets = max(1, max_points // (2 if np.isfinite(y).all() else 3))
     edges = np.linspace(0, n, buckets + 1).astype(int)
     keep: list[int] = []
     for lo, hi in zip(edges[:-1], edges[1:]):

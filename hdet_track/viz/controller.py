@@ -11,7 +11,7 @@ from plotly.subplots import make_subplots
 from ..readers.base import HDETRun
 from ._common import MAX_POINTS, downsample, empty_figure, titled
 
-__all__ = ["plot_controller", "taken_back_steps"]
+__all__ = ["controller_in_view", "guard_in_view", "plot_controller", "taken_back_steps"]
 
 TAKEN_BACK = (
     "The drift went down with no guard action: the first window's move, taken back because the next "
@@ -28,10 +28,28 @@ class ControllerInfo(NamedTuple):
     used: np.ndarray
 
 
+def _in_view(run: HDETRun, step: int) -> bool:
+    return run.view is None or run.view[0] <= step <= run.view[1]
+
+
+def controller_in_view(run: HDETRun, name: str = "lr", target: int = 0) -> dict[str, np.ndarray]:
+    """:meth:`HDETRun.controller_series` at the syncs in the run's step range (``run.view``; all without one)."""
+    series = run.controller_series(name, target)
+    if run.view is None:
+        return series
+    keep = (series["step"] >= run.view[0]) & (series["step"] <= run.view[1])
+    return {key: values[keep] for key, values in series.items()}
+
+
+def guard_in_view(run: HDETRun) -> list:
+    """The guard's backoffs and rollbacks in the run's step range."""
+    return [g for g in run.guard if _in_view(run, g.step)]
+
+
 def _get_controller_info(
     run: HDETRun, name: str = "lr", target: int = 0, max_points: int = MAX_POINTS
 ) -> ControllerInfo:
-    series = run.controller_series(name, target)
+    series = controller_in_view(run, name, target)
     keys = run.series_keys(name)
     key = keys[target] if target < len(keys) else name
     steps, used = run.mean_series(key)
@@ -47,7 +65,7 @@ def taken_back_steps(run: HDETRun, target: int = 0) -> list[int]:
         d.step
         for d in run.controller
         if d.name == "lr" and d.controller == "drift" and target < len(d.delta) and d.delta[target] < 0
-        if d.step not in guarded
+        if d.step not in guarded and _in_view(run, d.step)
     ]
 
 
@@ -113,7 +131,7 @@ def plot_controller(run: HDETRun, name: str = "lr", target: int = 0, log_y: bool
         )
         fig.add_hline(y=1.0, line={"dash": "dot", "color": "#888"}, row=2, col=1)
     if name == "lr":
-        for g in run.guard:
+        for g in guard_in_view(run):
             color = "#d62728" if g.action == "rollback" else "#ff7f0e"
             fig.add_vline(x=g.step, line={"color": color, "dash": "dot"}, row=2, col=1)
             fig.add_annotation(x=g.step, y=1.0, text=g.action, hovertext=g.reason, showarrow=False, row=2, col=1)

@@ -41,10 +41,11 @@ def lambdalr_snippet(run: HDETRun, key: str = "lr", max_points: int = 500) -> st
     knots = ", ".join(str(int(s)) for s in steps)
     lrs = ", ".join(f"{v / peak:.8g}" for v in values)
     origin = "Discovered by HDET in" if run.schedule == "hdet" else f"The {schedule_label(run.schedule)} schedule of"
+    named = " ".join(f"{run.run_id} ({run.name})".split())  # a name with a line break must not end the comment
     return f'''import bisect
 import torch
 
-# {origin} run {run.run_id} ({run.name}); peak LR {peak:.6g}.
+# {origin} run {named}; peak LR {peak:.6g}.
 BASE_LR = {peak!r}  # build the optimizer with lr=BASE_LR
 KNOTS = [{knots}]
 FACTORS = [{lrs}]
