@@ -184,6 +184,12 @@ class Tracker:
         :meth:`start`; the default is :meth:`resume`."""
         self.resume(run_id)
 
+    def upload_left_behind(self) -> list[str]:
+        """Deliver what gone processes of this tracker's store left beside it (MLflow: archive chunks
+        they had not uploaded); a line for each thing, saying what happened. Optional: the default
+        delivers nothing."""
+        return []
+
     def holds(self) -> bool:
         """Whether data given to :meth:`log` is held only in this object's memory, neither in the
         store nor in a file beside it (a process that died now would lose it). Optional: the

@@ -29,7 +29,6 @@ import subprocess
 import sys
 import time
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
 from ..events import RunEnd, RunStart
@@ -69,7 +68,13 @@ def _serve(conn_in: Connection, conn_out: Connection) -> None:
             return
         try:
             if method == "upload_orphans":  # a child that died left chunks: they go before the run reopens
-                conn_out.send((True, _upload_orphans(inner), False))
+                try:
+                    lines = inner.upload_left_behind()
+                except Exception as exc:  # noqa: BLE001 - what is left stays for the next job on the store
+                    lines = [
+                        f"what gone processes left beside the store was not delivered ({type(exc).__name__}: {exc})"
+                    ]
+                conn_out.send((True, lines, False))
                 continue
             if method == "log":
                 args = (materialize(args[0]),)
@@ -98,16 +103,6 @@ def _serve(conn_in: Connection, conn_out: Connection) -> None:
 # call): that long the one writer thread, and every other tracker of the job, would wait. Unless the
 # user chose them, the child's client gives up sooner.
 CHILD_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
-
-
-def _upload_orphans(inner: Tracker) -> list[str]:
-    """Upload the archive chunks that gone processes left beside ``inner``'s store; what happened."""
-    from .spill import pending_orphans, upload_pending_folder
-
-    try:
-        return [upload_pending_folder(folder) for folder in pending_orphans(Path(inner.spill_dir()))]
-    except Exception as exc:  # noqa: BLE001 - nothing to upload where there is no store
-        return [f"pending archive chunks not uploaded ({type(exc).__name__}: {exc})"]
 
 
 def _child_environment() -> dict[str, str]:

@@ -26,7 +26,7 @@ from ..summaries import SUMMARY_DIR
 from ._common import run_params, run_tags, warn_second_training
 from .archive import ARTIFACT_DIR, EventArchive, artifact_dir, chunk_index
 from .base import Batch, Point, Tracker, mask_secrets
-from .spill import PENDING_HEADER, PENDING_PREFIX, store_spill_dir, uri_scheme
+from .spill import PENDING_HEADER, PENDING_PREFIX, pending_orphans, store_spill_dir, upload_pending_folder, uri_scheme
 
 __all__ = ["MLflowTracker", "DEFAULT_EXPERIMENT"]
 
@@ -187,6 +187,9 @@ class MLflowTracker(Tracker):
 
     def holds(self) -> bool:
         return self._archive is not None and self._archive.holds()
+
+    def upload_left_behind(self) -> list[str]:
+        return [upload_pending_folder(folder) for folder in pending_orphans(self.spill_dir())]
 
     @property
     def pending_run_id(self) -> str | None:
