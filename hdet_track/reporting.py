@@ -4,24 +4,32 @@ callback needs are in), the run's start, extra metrics, flushing and the end of 
 :class:`Reporting` is the half of :class:`~hdet_track.scheduler.HDETScheduler` that faces tracking;
 the other half (the schedule, the fan-out, the sync, checkpoints) never calls a tracker. It expects
 the scheduler's ``_callbacks`` (a :class:`~hdet_track.callbacks.CallbackList`), ``_converger``,
-``last_sync``, ``last_epoch``, ``_rank``, ``_world_size``, ``_config``, ``_started``, :meth:`run_info`
-and :meth:`_window_record`.
+``last_sync``, ``last_epoch``, ``_rank``, ``_world_size``, ``_config``, ``_started`` and
+:meth:`_window_record`, and, for :meth:`run_info` (what callbacks receive at the start), ``optimizer``,
+``total_steps``, ``auto_lr``, ``_fanout``, ``_controller``, ``_lr_bounds``, ``_group``,
+``_resumed_runs`` and ``_job``.
 """
 
 from __future__ import annotations
 
 import logging
 import numbers
+import socket
 import traceback
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from . import names
+from . import collectives, names
+from .controller import PaperController
 from .record import RunInfo, SchedulerCallback, SyncRecord
 
 if TYPE_CHECKING:
+    import torch
+
     from .callbacks import CallbackList
+    from .controller import Controller
     from .converge import Converger
+    from .fanout import FanOut
 
 _R = TypeVar("_R", bound="Reporting")
 
@@ -41,8 +49,38 @@ class Reporting:
     _started: bool
     last_sync: SyncRecord | None
     last_epoch: int
-    run_info: Callable[..., RunInfo]  # the scheduler's: configuration, replicas, explored hyperparameters
+    total_steps: int
+    auto_lr: bool
+    optimizer: torch.optim.Optimizer
+    _fanout: FanOut
+    _controller: Controller | None
+    _lr_bounds: list[tuple[float, float]]
+    _group: Any
+    _resumed_runs: dict[str, str]
+    _job: str
     _window_record: Callable[[], SyncRecord]  # the scheduler's: the steps since the last sync, as rows
+
+    def run_info(self, gather: bool = True) -> RunInfo:
+        """What callbacks receive at the start: configuration, replicas, explored hyperparameters
+        (``gather=False``: without the collective that gathers every rank's host name)."""
+        config = dict(self._config, total_steps=self.total_steps, optimizer=type(self.optimizer).__name__)
+        if isinstance(self._controller, PaperController):
+            config["gamma"] = self._controller.gamma["lr"]
+        host = socket.gethostname()
+        return RunInfo(
+            config=config,
+            world_size=self._world_size,
+            rank=self._rank,
+            schedule="hdet" if self._fanout.spreading or self.auto_lr else "onecycle",
+            controller=self._controller.name if self._controller is not None else "",
+            param_groups=[str(g.get("name", f"pg{i}")) for i, g in enumerate(self.optimizer.param_groups)],
+            explored=self._fanout.specs(self._lr_bounds),
+            total_steps=self.total_steps,
+            start_step=max(self.last_epoch, 0),
+            hostnames=[str(h) for h in collectives.all_gather_objects(host, self._group)] if gather else [host],
+            resumed_runs=dict(self._resumed_runs),
+            job=self._job,
+        )
 
     def add_callback(self, callback: SchedulerCallback) -> None:
         """Receive :meth:`~hdet_track.record.SchedulerCallback.on_sync` etc. (add on every rank,

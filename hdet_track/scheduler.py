@@ -12,6 +12,8 @@ The scheduler owns OneCycle's schedule and wires the parts:
 - its callbacks (:mod:`hdet_track.callbacks`), which receive one :class:`~hdet_track.record.SyncRecord`
   per sync (tracking is one: :class:`hdet_track.tracking.recorder.Recorder`, built when ``track`` is set);
   what they receive and when is the :class:`~hdet_track.reporting.Reporting` half of the class,
+- what it shows of itself (the replicas, each explored hyperparameter's base and replica values now,
+  plain OneCycle's LRs): :class:`~hdet_track.views.Views`,
 - its checkpoints (:mod:`hdet_track.checkpoint`: the format, and the
   :class:`~hdet_track.checkpoint.Checkpointing` half of the class: ``state_dict``, ``load_state_dict``),
 - what it accepts (:mod:`hdet_track.arguments`: every argument checked before anything is built, the
@@ -20,7 +22,6 @@ The scheduler owns OneCycle's schedule and wires the parts:
 
 from __future__ import annotations
 
-import socket
 import uuid
 import warnings
 import weakref
@@ -49,20 +50,21 @@ from .arguments import (
 from .averager import ReplicaAverager, innermost_optimizer
 from .callbacks import CallbackList, resolve_track
 from .checkpoint import Checkpointing
-from .controller import Controller, ControllerContext, PaperController, make_controller
+from .controller import Controller, ControllerContext, make_controller
 from .converge import Converger
 from .explore import Hyperparam, resolve_explore
 from .fanout import FanOut
-from .record import RunInfo, SchedulerCallback, SyncRecord
+from .record import SchedulerCallback, SyncRecord
 from .reporting import Reporting
 from .syncing import Syncing
+from .views import Views
 
 __all__ = ["HDETScheduler", "SyncReport"]
 
 SyncReport = SyncRecord  # the name of hdet-track 0.1
 
 
-class HDETScheduler(Syncing, Reporting, Checkpointing, OneCycleLR):
+class HDETScheduler(Views, Syncing, Reporting, Checkpointing, OneCycleLR):
     r"""OneCycleLR for data-parallel replicas that explore their hyperparameters.
 
     The N ranks of the process group train with learning rates spread around one shared
@@ -274,63 +276,6 @@ class HDETScheduler(Syncing, Reporting, Checkpointing, OneCycleLR):
         self._bind_controller()
         self._refresh()
 
-    # ------------------------------------------------------------------ public views
-    @property
-    def rank(self) -> int:
-        """This replica's rank in the process group."""
-        return self._rank
-
-    @property
-    def world_size(self) -> int:
-        """N, the number of replicas."""
-        return self._world_size
-
-    @property
-    def explored_names(self) -> list[str]:
-        """``"lr"`` followed by the names of the other explored hyperparameters."""
-        return list(self._fanout.names)
-
-    @property
-    def controller(self) -> Controller | None:
-        """The auto-LR controller (None with ``auto_lr=False``)."""
-        return self._controller
-
-    @property
-    def gamma(self) -> float:
-        """The paper controller's per-sync decay rate of the base LR (0 for other controllers)."""
-        return self._controller.gamma["lr"] if isinstance(self._controller, PaperController) else 0.0
-
-    @property
-    def lr_bounds(self) -> list[tuple[float, float]]:
-        """The bounds the paper controller keeps each param group's base LR in."""
-        return list(self._lr_bounds)
-
-    def multiplier(self, name: str = "lr") -> float:
-        """This rank's current multiplier of hyperparameter ``name``."""
-        return self._fanout.multiplier(self._explored(name), self._rank)
-
-    def base_values(self, name: str = "lr") -> list[float]:
-        """The shared base of ``name`` per target at the current step."""
-        name = self._explored(name)
-        refs = self._onecycle if name == "lr" else self._fanout.references[name]
-        if self._controller is None:
-            return list(refs)
-        return [self._controller.base(name, t, ref) for t, ref in enumerate(refs)]
-
-    def replica_values(self, name: str = "lr") -> list[list[float]]:
-        """``values[r][t]``: the value of ``name`` replica r uses on target t right now."""
-        bases = self.base_values(name)
-        return [self._fanout.values(name, bases, r) for r in range(self._world_size)]
-
-    def _explored(self, name: str) -> str:
-        if name not in self._fanout.names:
-            raise ValueError(f"Expected name to be one of explored_names {self._fanout.names}, but got {name!r}")
-        return name
-
-    def onecycle_lrs(self) -> list[float]:
-        """What plain OneCycleLR gives each param group at the current step."""
-        return list(self._onecycle)
-
     # ------------------------------------------------------------------ scheduling
     def get_lr(self) -> list[float | torch.Tensor]:
         onecycle = super().get_lr()
@@ -391,29 +336,6 @@ class HDETScheduler(Syncing, Reporting, Checkpointing, OneCycleLR):
     def _apply_explored(self) -> None:
         # after the last step every rank holds the shared base: what a later phase's scheduler reads
         self._fanout.write(self.base_values, None if self.last_epoch >= self.total_steps else self._rank)
-
-    # ------------------------------------------------------------------ what callbacks receive at the start (tracking: .reporting)
-    def run_info(self, gather: bool = True) -> RunInfo:
-        """What callbacks receive at the start: configuration, replicas, explored hyperparameters
-        (``gather=False``: without the collective that gathers every rank's host name)."""
-        config = dict(self._config, total_steps=self.total_steps, optimizer=type(self.optimizer).__name__)
-        if isinstance(self._controller, PaperController):
-            config["gamma"] = self.gamma
-        host = socket.gethostname()
-        return RunInfo(
-            config=config,
-            world_size=self._world_size,
-            rank=self._rank,
-            schedule="hdet" if self._fanout.spreading or self.auto_lr else "onecycle",
-            controller=self._controller.name if self._controller is not None else "",
-            param_groups=[str(g.get("name", f"pg{i}")) for i, g in enumerate(self.optimizer.param_groups)],
-            explored=self._fanout.specs(self._lr_bounds),
-            total_steps=self.total_steps,
-            start_step=max(self.last_epoch, 0),
-            hostnames=[str(h) for h in collectives.all_gather_objects(host, self._group)] if gather else [host],
-            resumed_runs=dict(self._resumed_runs),
-            job=self._job,
-        )
 
     def _bind_controller(self) -> None:
         if self._controller is None:
