@@ -17,7 +17,8 @@ the number of divergences, then the worst ratio of seed means. ``--round 1`` re-
 Runs are untracked (only final validation losses enter the rule) and appended to ``--out`` as JSON
 lines, so an interrupted grid continues where it stopped.
 
-Run: .venv/bin/python bench/controller_dev.py --out docs/controller_dev.jsonl   (about 30 min per round on 2 cores)
+Run: .venv/bin/python bench/controller_dev.py --round N --out docs/controller_dev_roundN.jsonl   (about 30 min per
+     round on 2 cores; round 1's records are docs/controller_dev.jsonl, some rounds have a ``_digits`` file too)
      .venv/bin/python bench/controller_dev.py --dataset digits --steps 100 --replicas 2 \
          --modes independent --lrs 0.1 --candidates design --out /tmp/dev.jsonl   (a smoke run)
 """
@@ -582,7 +583,8 @@ def main() -> int:
             flush=True,
         )
     outcome = select(done, args.dataset, args.steps, args.replicas, args.round, args.modes)
-    print(json.dumps({"bench": "controller_dev.selection", **outcome}))
+    # the rule's outcome, for the record (not a result line: those follow); JSON has no Infinity
+    print(json.dumps({"selection": _json_safe(outcome)}))
     # one result line per candidate: #11's bar (the worst ratio of seed means to the best OneCycle
     # over the round's modes and max_lr, a diverged seed counting as infinite; no divergence)
     for name, score in outcome.get("score", {}).items():
@@ -595,7 +597,28 @@ def main() -> int:
             "pass": bool(score["diverged"] == 0 and worst <= LR_SENSITIVITY_TARGET),
         }
         print(json.dumps(line))
+    if not outcome.get("score"):  # the rule scores the round's whole grid: a narrowed one has no result
+        line = {
+            "bench": f"controller_dev.r{args.round}.worst_ratio",
+            "value": None,
+            "unit": "x best OneCycle (seed means)",
+            "target": LR_SENSITIVITY_TARGET,
+            "pass": False,
+            "note": "no candidate has every run of the round's grid (--seeds/--lrs/--candidates/--modes narrowed it)",
+        }
+        print(json.dumps(line))
     return 0
+
+
+def _json_safe(value):  # noqa: ANN001, ANN202
+    """``value`` with every non-finite float as None (JSON has no Infinity or NaN)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
 
 
 if __name__ == "__main__":

@@ -146,7 +146,9 @@ def main() -> int:
             cells = [counts(r["syncs"], signal) for r in recs]
             summary[f"{mode}.{signal}"] = cells
             print(f"| {mode} | {signal} | " + " | ".join(cells) + " |")
-    print(json.dumps({"bench": "probe_signal", "seed": args.seed, "larger_lr_better_syncs": summary}))
+    print(
+        json.dumps({"summary": "probe_signal", "seed": args.seed, "larger_lr_better_syncs": summary})
+    )  # the record; the result lines follow
     # result lines: at the lowest max_lr given (default 0.02, 10x below the sweep's best on this task,
     # where a larger LR is the right move), the share of syncs whose slope says so; a signal that
     # could steer the LR up from there points that way more often than not

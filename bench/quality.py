@@ -523,19 +523,34 @@ def vs_one_run(results: list[Result], mode: str) -> dict:
     return {"hdet_worst_lr": at, "hdet": hdet, **others, "value": value, "onecycle_best": bar, "sweep_best": sweep_best}
 
 
-def json_lines(results: list[Result], modes: list[str], tasks: list[str], text_modes: list[str]) -> list[dict]:
+def json_lines(
+    results: list[Result],
+    modes: list[str],
+    tasks: list[str],
+    text_modes: list[str],
+    planned: list[Planned] | None = None,
+) -> list[dict]:
+    """The result lines. ``quality.divergences`` passes only with every planned HDET-drift run read
+    (``planned``; without it, at least one): 0 of none, or of a study cut short, is no evidence."""
     out = []
     for mode in modes if "image" in tasks else []:
         mine = _pick(results, mode=mode, task="image")
         worst, at, _ = lr_sensitivity(mine)
-        div = sum(r.row.diverged for r in _pick(mine, arm="hdet-drift"))
+        drift = _pick(mine, arm="hdet-drift")
+        div = sum(r.row.diverged for r in drift)
+        expected = (
+            len({p.key for p in planned if p.task == "image" and p.mode == mode and p.arm == "hdet-drift"})
+            if planned is not None
+            else max(len(drift), 1)
+        )
+        missing = max(expected - len(drift), 0)
         vs = vs_one_run(results, mode)
         out += [
             {"bench": "quality.lr_sensitivity", "mode": mode, "value": _json_number(worst), "unit": "ratio",
              "target": TARGET_RATIO, "pass": math.isfinite(worst) and worst <= TARGET_RATIO,
              "se": _json_number(sensitivity_se(mine, at))},
             {"bench": "quality.divergences", "mode": mode, "value": div, "unit": "runs", "target": 0,
-             "pass": div == 0},
+             "pass": div == 0 and missing == 0 and len(drift) > 0, "runs": len(drift), "missing": missing},
             {"bench": "quality.vs_one_run_methods", "mode": mode, "value": _json_number(vs["value"]),
              "unit": "ratio", "target": 1.0, "pass": math.isfinite(vs["value"]) and vs["value"] <= 1.0},
         ]  # fmt: skip
@@ -652,7 +667,7 @@ def write_report(args, results: list[Result], planned: list[Planned], wall: floa
     if missing:
         lines.append(f"- **{missing} planned run(s) are not in the store yet**: re-run the command to continue.")
     lines += ["", "## Result lines", "", "```"]
-    lines += [json.dumps(x) for x in json_lines(results, args.modes, args.tasks, args.text_modes)]
+    lines += [json.dumps(x) for x in json_lines(results, args.modes, args.tasks, args.text_modes, planned)]
     lines += ["```", ""]
     if "image" in args.tasks:
         lines += ["## LR sensitivity (image task)", ""]
@@ -751,7 +766,12 @@ def main(argv: list[str] | None = None) -> int:
     from hdet_track.readers.mlflow import MLflowReader
 
     if not args.report_only:
-        MlflowClient(store).search_experiments(max_results=1)  # the study writes there: a new store is created
+        client = MlflowClient(store)  # the study writes there: a new store is created
+        if store.startswith("sqlite:///") and client.get_experiment_by_name(EXPERIMENT) is None:
+            # its artifacts beside the database, not in ./mlruns of the working directory (the repository)
+            client.create_experiment(
+                EXPERIMENT, artifact_location=str(Path(store[len("sqlite:///") :]).resolve().parent / "artifacts")
+            )
     try:
         reader = MLflowReader(store)  # read-only: with --report-only a missing store is an error
     except ReaderError as exc:
@@ -776,7 +796,7 @@ def main(argv: list[str] | None = None) -> int:
     plot(results, out / "lr_sensitivity.png")
     report = write_report(args, results, planned, wall, out)
     print(f"wrote {report}; open the runs with: hdet-track dashboard {store}")
-    for line in json_lines(results, args.modes, args.tasks, args.text_modes):
+    for line in json_lines(results, args.modes, args.tasks, args.text_modes, planned):
         print(json.dumps(line))
     return 0
 

@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.quality import (  # noqa: E402
+    Planned,
     Result,
     aggressive_lr,
     best_onecycle,
@@ -116,6 +117,21 @@ def test_json_lines_judge_each_mode_by_its_own_targets():
     assert lines["quality.divergences", "independent"]["value"] == 0
     vs = lines["quality.vs_one_run_methods", "shared"]
     assert vs["value"] == pytest.approx(0.305 / 0.29) and vs["pass"] is False  # Prodigy is the better one
+
+
+def test_no_divergence_of_no_runs_or_of_a_study_cut_short_does_not_pass():
+    """``quality.divergences`` read 0 and passed with no HDET-drift run in the store (every one had
+    failed to run), while the report said the planned runs were missing."""
+    sweep = [_result(0.1, 0.30, False)]
+    (div,) = [x for x in json_lines(sweep, ["shared"], ["image"], []) if x["bench"] == "quality.divergences"]
+    assert div["value"] == 0 and div["runs"] == 0 and div["pass"] is False
+    planned = [Planned("image", "fashion-mnist", "shared", seed, "hdet-drift", 0.1, 100, 4) for seed in (0, 1)]
+    done = sweep + [_result(0.1, 0.31, False, arm="hdet-drift")]
+    (div,) = [x for x in json_lines(done, ["shared"], ["image"], [], planned) if x["bench"] == "quality.divergences"]
+    assert div["missing"] == 1 and div["pass"] is False
+    done.append(_result(0.1, 0.31, False, seed=1, arm="hdet-drift"))
+    (div,) = [x for x in json_lines(done, ["shared"], ["image"], [], planned) if x["bench"] == "quality.divergences"]
+    assert div["missing"] == 0 and div["pass"] is True
 
 
 def test_ratio_se_is_the_standard_error_of_a_ratio_paired_by_seed():
