@@ -75,7 +75,7 @@ def interleaved(jobs: dict, steps: int, x, y, on_block=None) -> dict[str, list[f
     return times
 
 
-def median_ratio(times: list[float], base: list[float]) -> float:
+def rounds_median(times: list[float], base: list[float]) -> float:
     """The median over the rounds of ``times / base`` (a round a neighbour disturbed does not decide it)."""
     return statistics.median(t / b for t, b in zip(times, base))
 
@@ -338,7 +338,7 @@ def main() -> None:
             t = res["times"]
             print(f"4 gloo processes, {args.steps} steps, interleaved blocks of 100, log_every=1")
             for name in ("mlflow_sqlite", "mlflow_server", "wandb_offline"):
-                ratio = median_ratio(t[name], t["off"])
+                ratio = rounds_median(t[name], t["off"])
                 print(
                     f"  {name:15s} {sum(t[name]):7.2f} s vs untracked {sum(t['off']):7.2f} s -> median ratio of "
                     f"{len(t['off'])} rounds {ratio:.3f}"
