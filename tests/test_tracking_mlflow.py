@@ -12,6 +12,7 @@ import sys
 import textwrap
 import time
 import warnings
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -1084,11 +1085,7 @@ def test_a_tracker_process_that_dies_mid_run_is_replaced_and_the_run_loses_nothi
                 time.sleep(0.05)
             # those steps' archive rows are in the child's memory (no chunk is due for an hour)
             assert not any(f.path.endswith(".parquet") for f in client.list_artifacts(tracker.run_id, "hdet_events"))
-            tags = client.get_run(tracker.run_id).data.tags
-            writer = json.loads(tags["hdet.owner"])["writer"]["pid"]
-            os.kill(writer, signal.SIGKILL)
-            while not _gone(writer):
-                time.sleep(0.01)
+            _kill_writer(client, tracker.run_id)
     with caplog.at_level("WARNING", logger="hdet_track"):
         sched.close()
     (run,) = client.search_runs([client.get_experiment_by_name("restart").experiment_id])
@@ -1100,3 +1097,73 @@ def test_a_tracker_process_that_dies_mid_run_is_replaced_and_the_run_loses_nothi
     assert [c.step for c in hdet_run.converge] == list(range(5, 41, 5))
     assert caplog.text.count("tracker process died; starting another") == 2
     assert not list((tmp_path / ".hdet-spill").glob("*")), "a spill or a pending folder was left behind"
+
+
+def _kill_writer(client, run_id):
+    """SIGKILL the run's tracking process (its pid is in the run's owner tag); wait until it is gone."""
+    writer = json.loads(client.get_run(run_id).data.tags["hdet.owner"])["writer"]["pid"]
+    os.kill(writer, signal.SIGKILL)
+    while not _gone(writer):
+        time.sleep(0.01)
+    return writer
+
+
+def test_a_replacement_whose_start_fails_keeps_what_the_dead_one_held_and_tries_again(
+    sqlite_uri, tmp_path, caplog, monkeypatch
+):
+    """The backend failed the replacement's start (a locked database, a server away for a moment):
+    the batches the dead child held were dropped, and the new child, never started, failed every
+    later call; the run stayed RUNNING with the rest in the spill. Now the next retry starts it again."""
+    from .jobs.refusing import CarryOnFailsOnce
+
+    root = str(Path(__file__).resolve().parents[1])
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    tracker = CarryOnFailsOnce(tracking_uri=sqlite_uri, experiment="restart", chunk_seconds=3600.0)
+    tracker.marker = str(tmp_path / "fail-the-next-carry-on")
+    opt = torch.optim.SGD(nn.Linear(3, 1).parameters(), lr=0.1)
+    sched = HDETScheduler(opt, 0.1, total_steps=30, sync_every=5, track=tracker)
+    sched._callbacks.recorder.hub._sinks[0].retry_seconds = 0.05
+    client = MlflowClient(sqlite_uri)
+    for k in range(1, 31):
+        opt.step()
+        sched.step(1.0 / k)
+        if k == 12:
+            deadline = time.monotonic() + 120
+            while max(history(client, tracker.run_id, "hdet/replica_00/loss"), default=0) < 10:
+                assert time.monotonic() < deadline, "the writer never logged"
+                time.sleep(0.05)
+            Path(tracker.marker).touch()
+            _kill_writer(client, tracker.run_id)
+    with caplog.at_level("WARNING", logger="hdet_track"):
+        sched.close()
+    assert not Path(tracker.marker).exists()  # the replacement's first start did fail
+    run = client.get_run(tracker.run_id)
+    assert run.info.status == "FINISHED"
+    assert sorted(r["step"] for r in read_steps_artifact(client, tracker.run_id, tmp_path)) == list(range(1, 31))
+    assert caplog.text.count("tracker process died; starting another") == 1
+
+
+def test_a_given_run_the_job_reopened_is_still_ended_by_it_after_its_tracker_process_died(sqlite_uri):
+    """``MLflowTracker(run_id=...)``: a run its first attempt ended FAILED is reopened by the resumed
+    job, which ends it. A replacement found it RUNNING, took it for its owner's and left it RUNNING
+    after the job finished."""
+    client = MlflowClient(sqlite_uri)
+    given = client.create_run(client.create_experiment("given")).info.run_id
+
+    from .attempts import attempt
+
+    def track():
+        return MLflowTracker(tracking_uri=sqlite_uri, run_id=given)
+
+    def kill_at_15(k, sched):
+        if k == 15:
+            assert sched.flush()
+            _kill_writer(client, given)
+            sched._callbacks.recorder.hub._sinks[0].retry_seconds = 0.05
+
+    first, second = {}, {}
+    with pytest.raises(RuntimeError, match="boom"):
+        attempt(track(), first, fail_at=13)
+    attempt(track(), second, state=first["state"], during=kill_at_15)
+    assert client.get_run(given).info.status == "FINISHED"
+    assert MLflowReader(sqlite_uri).read(given).replica_series("loss", 0)[0].tolist() == list(range(1, 21))

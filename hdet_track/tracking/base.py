@@ -177,12 +177,18 @@ class Tracker:
 
         Called before :meth:`start`. A tracker that was given a run explicitly ignores it."""
 
-    def carry_on(self, run_id: str) -> None:
+    def carry_on(self, run_id: str, continuation: dict[str, Any] | None = None) -> None:
         """Continue run ``run_id``, which this tracker's earlier process (a tracker process that
         died: :class:`~hdet_track.tracking.isolated.IsolatedTracker`) was logging: the next
-        :meth:`start` reopens it as it is and later batches write only what it lacks. Called before
+        :meth:`start` reopens it as that process had opened it (``continuation``: what its
+        :meth:`continuation` said) and later batches write only what it lacks. Called before
         :meth:`start`; the default is :meth:`resume`."""
         self.resume(run_id)
+
+    def continuation(self) -> dict[str, Any]:
+        """After :meth:`start`: what a later process needs to carry on this run as this object opened
+        it (see :meth:`carry_on`); picklable. Optional: the default is empty."""
+        return {}
 
     def upload_left_behind(self) -> list[str]:
         """Deliver what gone processes of this tracker's store left beside it (MLflow: archive chunks

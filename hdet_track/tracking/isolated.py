@@ -7,12 +7,13 @@ pipes with pickled messages between our own processes.
 
 A failing call raises here, so the hub treats the backend as down (spill, replay) exactly as for
 an in-process tracker. If the child itself dies (killed, out of memory, a crash in a library), the
-call raises too, and the hub's next retry starts another child (up to :data:`RESTARTS` times a run)
-that carries on the same run: it uploads the archive chunks the dead one had not, reopens the run
-as it is in the store, and is given again what the dead one held only in memory (the batches since
-it last had nothing unwritten); the spilled batches follow, and nothing is written twice. After
-that many deaths the batches stay in the spill file for the next job on the store or
-``hdet-track recover``.
+call raises too, and the hub's next retry starts another child that carries on the same run: it
+uploads the archive chunks the dead one had not, reopens the run as the first child had opened it
+(:meth:`~hdet_track.tracking.base.Tracker.carry_on`) and is given again what the dead one held only
+in memory (the batches since it last had nothing unwritten); the spilled batches follow, and
+nothing is written twice. A backend that fails meanwhile leaves the new child to try again at the
+next retry. Up to :data:`RESTARTS` deaths in a run are replaced; after the next one the batches
+stay in the spill file for the next job on the store or ``hdet-track recover``.
 
 The child outlives the training process: it runs in its own session and ignores SIGTERM, SIGINT
 and SIGHUP (torchrun signals a worker's whole process group, and the training process decides
@@ -39,7 +40,7 @@ from .expand import materialize
 __all__ = ["IsolatedTracker", "maybe_isolated"]
 
 logger = logging.getLogger(__name__)
-RESTARTS = 3  # a tracker process that died is replaced this many times in a run, then left dead
+RESTARTS = 3  # this many deaths of the tracker process are replaced in a run; after the next it stays dead
 
 
 def maybe_isolated(tracker: Tracker) -> Tracker:
@@ -81,7 +82,7 @@ def _serve(conn_in: Connection, conn_out: Connection) -> None:
                 last_step = max([last_step] + [p.step for p in args[0].points])
             started = started or method == "start"
             result = getattr(inner, method)(*args)
-            reply = (True, inner.run_id if method == "start" else result)
+            reply = (True, (inner.run_id, inner.continuation()) if method == "start" else result)
         except Exception as exc:  # noqa: BLE001 - sent back and raised in the parent
             text = f"{type(exc).__name__}: {exc}"
             reply = (False, (text, method == "log" and inner.refuses(exc), broken_backend(exc)))
@@ -134,10 +135,12 @@ class IsolatedTracker(Tracker):
         self._proc: subprocess.Popen | None = None
         self._run_id: str | None = None
         self._dead = False  # no child to talk to: it ended the run, was let go or died
-        self._died = False  # ... died: the next call starts another (up to RESTARTS times)
-        self._restarts = 0
+        self._died = False  # ... died: the next call starts another (RESTARTS deaths at most)
+        self._deaths = 0
         self._run_start: RunStart | None = None
+        self._continuation: dict[str, Any] = {}  # how the first child opened the run (Tracker.continuation)
         self._unsettled: list[Batch] = []  # batches the child may hold only in its memory
+        self._carrying: list[Batch] | None = None  # a replacement's carry-on not done yet: batches to give it
 
     @property
     def run_id(self) -> str | None:
@@ -145,11 +148,14 @@ class IsolatedTracker(Tracker):
 
     def _call(self, method: str, *args: Any) -> Any:
         if self._dead:
-            if not (self._died and self._restarts < RESTARTS):
+            if not (self._died and self._deaths <= RESTARTS):
+                self._close_child()  # reaped, once it is given up
                 raise ConnectionError(f"the {self.name} tracker process has exited")
-            self._restart()
+            self._replace()
         if self._proc is None:
             self._spawn()
+        if self._carrying is not None:
+            self._carry()
         return self._ask(method, *args)
 
     def _spawn(self) -> None:
@@ -175,6 +181,7 @@ class IsolatedTracker(Tracker):
             ok, value, holds = self._recv.recv()
         except (EOFError, OSError) as exc:
             self._dead = self._died = True
+            self._deaths += 1
             raise ConnectionError(f"the {self.name} tracker process died: {exc}") from None
         if not ok:
             text, refused, broken = value
@@ -185,29 +192,47 @@ class IsolatedTracker(Tracker):
             self._unsettled.append(args[0])
         return value
 
-    def _restart(self) -> None:
-        """The child died: reap it and start another that carries on its run (see the module's doc)."""
-        self._restarts += 1
-        held, self._unsettled = self._unsettled, []  # (each answer below says the new child holds nothing)
+    def _replace(self) -> None:
+        """The child died: reap it and start another, which :meth:`_carry` brings up to date."""
         self._close_child()
         self._proc, self._dead, self._died = None, False, False
         logger.warning(
-            "hdet-track: the %s tracker process died; starting another (%d of at most %d in this run)%s",
-            self.name, self._restarts, RESTARTS, f" to carry on run {self._run_id}" if self._run_id else "",
+            "hdet-track: the %s tracker process died; starting another (death %d of at most %d replaced in this run)%s",
+            self.name, self._deaths, RESTARTS, f" to carry on run {self._run_id}" if self._run_id else "",
         )  # fmt: skip
         if self._run_id is None:  # it died before the run started: the caller's retry starts it
             return
-        self.inner.carry_on(self._run_id)
-        self._spawn()
+        # what the dead child held only in memory (and what an unfinished carry-on had not given yet)
+        self._carrying, self._unsettled = self._unsettled + (self._carrying or []), []
+        self.inner.carry_on(self._run_id, self._continuation)
+        try:
+            self._spawn()  # the child gets the request with the tracker
+        finally:
+            self._adopt(self._run_id)  # the caller's tracker object: the request is used up
+
+    def _carry(self) -> None:
+        """Bring a replacement child up to date: the chunks the dead one left, the run reopened as
+        it was, then what the dead one held only in memory (the reopened run skips what it holds).
+        A call that fails leaves the rest for the next retry; a death, for the next replacement."""
         for line in self._ask("upload_orphans"):
             logger.warning("hdet-track: %s", line)
-        assert self._run_start is not None
-        again = self._ask("start", self._run_start)
-        if again != self._run_id:  # never expected: the run it reopened is another
+        assert self._run_start is not None and self._carrying is not None
+        again, _ = self._ask("start", self._run_start)
+        if again != self._run_id:  # never expected: rather the spill than another run
+            self._deaths = RESTARTS + 1
+            self._abandon()
             raise RuntimeError(f"the {self.name} tracker process started again in run {again}, not {self._run_id}")
-        self._adopt(again)
-        for batch in held:  # what the dead child had only in memory; the reopened run skips what it holds
-            self._ask("log", batch)
+        while self._carrying:
+            self._ask("log", self._carrying[0])
+            self._carrying.pop(0)
+        self._carrying = None
+
+    def _abandon(self) -> None:
+        """Let the child go (killed if it lives) and take the tracker for dead."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+        self._close_child()
+        self._proc, self._dead, self._died = None, True, True
 
     def _adopt(self, run_id: str) -> None:
         adopt = getattr(self.inner, "_adopt_run_id", None)
@@ -236,7 +261,7 @@ class IsolatedTracker(Tracker):
         # earlier run starts a new one here, whatever run_id the caller's object still names.
         if self._run_id is None:
             self._run_start = run_start
-            self._run_id = self._call("start", run_start)
+            self._run_id, self._continuation = self._call("start", run_start)
             self._adopt(self._run_id)
 
     def log(self, batch: Batch) -> None:
@@ -260,8 +285,8 @@ class IsolatedTracker(Tracker):
                 self._call("detach")
             except ConnectionError:
                 pass
-            self._dead = True
-            self._close_child()
+        self._dead, self._died = True, False  # let go: a child that died is not replaced, only reaped
+        self._close_child()
 
     def finish(self, run_end: RunEnd) -> None:
         self._call("finish", run_end)
@@ -281,6 +306,7 @@ class IsolatedTracker(Tracker):
             for conn in (self._send, self._recv):
                 if conn is not None:
                     conn.close()
+            self._send = self._recv = None
 
 
 def main(argv: list[str] | None = None) -> None:

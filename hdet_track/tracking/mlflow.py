@@ -115,7 +115,7 @@ class MLflowTracker(Tracker):
         self._attached = False
         self._given = False  # a run someone else opened: the means go under MEANS_IN_GIVEN_RUN
         self._resume_id: str | None = None
-        self._carry_on = False  # start() continues the run a tracker process that died was logging
+        self._carry_on: dict[str, Any] | None = None  # start() continues the run a process that died was logging
         self._from_environment = True  # $MLFLOW_RUN_ID attaches (not in a replay: see replaying())
         self._skip_until = -1  # HDET's metric points up to this step are in the store already
         self._archived = (-1, -1)  # a resumed run: the archive's step rows, and its events, up to these steps
@@ -136,7 +136,7 @@ class MLflowTracker(Tracker):
         """This object ran in a child process (IsolatedTracker), which created run ``run_id``: so
         that ``run_id`` names it here too. A resume (or carry-on) request was for that run: used up."""
         self._run_id = run_id
-        self._resume_id, self._carry_on = None, False
+        self._resume_id, self._carry_on = None, None
 
     def _adopt_run_end(self) -> None:
         """The run the child process logged has ended: a later scheduler gets its own name."""
@@ -180,10 +180,14 @@ class MLflowTracker(Tracker):
         if not self._attach_id:
             self._resume_id = run_id
 
-    def carry_on(self, run_id: str) -> None:
-        self._carry_on = True
+    def carry_on(self, run_id: str, continuation: dict[str, Any] | None = None) -> None:
+        self._carry_on = dict(continuation or {})
         if not self._attach_id:
             self._resume_id = run_id
+
+    def continuation(self) -> dict[str, Any]:
+        # a given run the job reopened is the job's to end, and is RUNNING when a later process looks
+        return {"attached": self._attached, "given": self._given}
 
     def holds(self) -> bool:
         return self._archive is not None and self._archive.holds()
@@ -221,17 +225,21 @@ class MLflowTracker(Tracker):
         # one given in code (Hugging Face's, Lightning's run), not $MLFLOW_RUN_ID (`mlflow run`'s, this job's own)
         self._given = bool(self._attach_id)
         if attach or self._resume_id:
-            opened = _reopen(client, attach or self._resume_id, run_start, resumed=not attach, carry_on=self._carry_on)
+            carry = self._carry_on is not None
+            opened = _reopen(client, attach or self._resume_id, run_start, resumed=not attach, carry_on=carry)
         else:
             experiment = self.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT
             opened = _create(client, experiment, run_start, mask_secrets(self.run_name), tags)
         _log_params_and_tags(client, opened, run_start, tags)
         self._attached = bool(attach) and not opened.reopen  # a given run we reopened is ours to end
         self._given = self._given or opened.means_given
+        if self._carry_on:  # as the process that died had opened it
+            self._attached = bool(self._carry_on.get("attached", self._attached))
+            self._given = bool(self._carry_on.get("given", self._given))
         self._skip_until, self._archived, self._user_steps = opened.skip_until, opened.archived, opened.user_steps
         self._client = client
         self._run_id = opened.run_id
-        self._resume_id, self._carry_on = None, False  # used up: a later run of this object is a new one
+        self._resume_id, self._carry_on = None, None  # used up: a later run of this object is a new one
         self._archive = EventArchive(
             self._pending_chunks(opened.run_id) / ARTIFACT_DIR,
             chunk_seconds=self.chunk_seconds,

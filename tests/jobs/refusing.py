@@ -45,3 +45,18 @@ def refusing_tracker(
     tracker = RefusingMLflowTracker(tracking_uri=uri, experiment=experiment)
     tracker.isolate, tracker.down, tracker.fail_once = isolate, down, fail_once
     return tracker
+
+
+class CarryOnFailsOnce(MLflowTracker):
+    """A real MLflow tracker whose first carry-on (the start of a process that replaces one that
+    died) fails as a backend outage does, while ``marker`` (a file) exists; it removes the file."""
+
+    marker = ""
+
+    def _start(self, run_start: Any) -> None:
+        import os
+
+        if self._carry_on is not None and self.marker and os.path.exists(self.marker):
+            os.remove(self.marker)
+            raise ConnectionError("the backend is down for the replacement's start (injected)")
+        super()._start(run_start)
