@@ -1162,7 +1162,12 @@ def test_the_users_tags_notes_and_wandb_tags_reach_the_run_beside_hdets(tmp_path
     assert tags[:4] == ["mine", "ablation", "exp42", "baseline"]
     assert "hdet.schema_version=2" in tags[4:]
     assert record.notes == "lr sweep, key ***" and b"sekret-xyz" not in open(path, "rb").read()
-    assert tracker.spill_settings()["tags"] == ["mine", "ablation", "exp42", "baseline"]  # a replay tags it alike
+    settings = tracker.spill_settings()  # a replay tags it alike, whatever the replaying job's variables
+    assert settings["tags"] == ["mine", "ablation", "exp42", "baseline"] and settings["notes"] == "lr sweep, key ***"
+    monkeypatch.setenv("WANDB_TAGS", "another-job")
+    replay = WandbTracker(**settings)
+    replay.replaying()
+    assert replay._user_tags() == ["mine", "ablation", "exp42", "baseline"]
     assert WandbReader(str(tmp_path)).read(tracker.run_id).status == "FINISHED"
 
 
@@ -1219,3 +1224,29 @@ def test_a_given_run_whose_owner_failed_after_hdet_closed_it_reads_failed(tmp_pa
     hdet_run = reader.read(run.id)
     assert hdet_run.status == "FAILED" and "exit code 1" in hdet_run.tags["hdet.error"]
     assert [c.step for c in hdet_run.converge] == [5, 10]
+
+
+def test_a_run_id_w_and_b_kept_from_an_earlier_environment_is_not_every_new_runs(tmp_path, monkeypatch):
+    """W&B's process-wide settings keep $WANDB_RUN_ID as it was when W&B was first set up (here by a
+    spill replayed while a job's variable was set): every later run hdet-track started took that
+    id, and two schedulers in turn logged into one run (seen as a test-order failure)."""
+    import wandb
+
+    from hdet_track.tracking.wandb import WandbTracker
+
+    wandb.teardown()
+    monkeypatch.setenv("WANDB_RUN_ID", "stalejob01")
+    wandb.setup()
+    monkeypatch.delenv("WANDB_RUN_ID")
+    try:
+        ids = []
+        for _ in range(2):
+            opt = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)
+            with HDETScheduler(opt, 0.1, total_steps=4, sync_every=2, track=WandbTracker(dir=tmp_path)) as sched:
+                for k in range(1, 5):
+                    opt.step()
+                    sched.step(1.0 / k)
+            ids.append(sched.run_ids["wandb"])
+        assert len(set(ids)) == 2 and "stalejob01" not in ids
+    finally:
+        wandb.teardown()  # the next test sets W&B up from its own environment

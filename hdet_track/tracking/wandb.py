@@ -372,13 +372,15 @@ class WandbTracker(Tracker):
             "run_name": self.run_name,
             "dir": self._root(),
             "tags": self._user_tags() or None,
-            "notes": self.notes,
+            "notes": mask_secrets(self.notes or os.environ.get("WANDB_NOTES") or None),
         }
 
     def _user_tags(self) -> list[str]:
         """The user's tags: ``tags`` and ``WANDB_TAGS`` (comma-separated, as W&B reads it), in that
         order, each once (``wandb.init(tags=)``, which HDET's tags need, would drop the variable's)."""
-        given = list(self.tags or []) + [t.strip() for t in os.environ.get("WANDB_TAGS", "").split(",")]
+        # a replay's tags are the job's, resolved when it spilled: not the replaying process's variable
+        env = "" if self._replaying else os.environ.get("WANDB_TAGS", "")
+        given = list(self.tags or []) + [t.strip() for t in env.split(",")]
         return list(dict.fromkeys(mask_secrets(t) for t in given if t.strip()))
 
     def _call(self, calls: Callable[[], None]) -> None:
@@ -444,8 +446,10 @@ class WandbTracker(Tracker):
             tags=self._user_tags() + [tag for k, v in tags.items() if len(tag := f"{k}={v}") <= 64][:20],
             notes=mask_secrets(self.notes),  # None: W&B's own ($WANDB_NOTES)
             reinit="create_new",
-            # a replay names its run: W&B would take $WANDB_RUN_ID (the replaying process's job's run)
-            id=self._resume_id or (_new_run_id() if self._replaying else None),
+            # a replay names its run: W&B would take $WANDB_RUN_ID (the replaying process's job's run);
+            # so does a new run unless $WANDB_RUN_ID names one now: W&B's process-wide settings keep the
+            # variable as it was when W&B was first set up, and two schedulers went into one run
+            id=self._resume_id or (_new_run_id() if self._replaying or not os.environ.get("WANDB_RUN_ID") else None),
             resume="allow" if self._resume_id or self._replaying else None,
             settings=_run_settings(wandb),
         )
