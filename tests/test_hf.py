@@ -257,8 +257,8 @@ def _tiny_trainer(out, callbacks=(), examples=40, **kwargs):
         for _ in range(examples)
     ]
     args = TrainingArguments(
-        output_dir=str(out), max_steps=10, per_device_train_batch_size=4, learning_rate=1e-2,
-        use_cpu=True, disable_tqdm=True, **{"report_to": [], "logging_strategy": "no", **kwargs},
+        output_dir=str(out), per_device_train_batch_size=4, learning_rate=1e-2,
+        use_cpu=True, disable_tqdm=True, **{"max_steps": 10, "report_to": [], "logging_strategy": "no", **kwargs},
     )  # fmt: skip
     return Trainer(model=model, args=args, train_dataset=data, eval_dataset=data[:8], callbacks=list(callbacks))
 
@@ -936,3 +936,52 @@ def test_a_second_train_reporting_to_mlflow_logs_the_trainers_and_hdets_metrics_
     for run_id in (first, second):
         assert [m.step for m in client.get_metric_history(run_id, "hdet/replica_00/lr")] == list(range(1, 11))
         assert [m.step for m in client.get_metric_history(run_id, "loss")] == list(range(1, 11))  # Hugging Face's
+
+
+@pytest.mark.parametrize("form", ["wrap", "callback"])
+@pytest.mark.parametrize("kwargs", [{"warmup_steps": 1}, {"max_steps": 3}, {"warmup_steps": 0.1}])
+def test_a_one_step_warm_up_or_a_three_step_run_trains(tmp_path, form, kwargs):
+    """OneCycleLR's warm-up ends at step pct_start * total_steps - 1: a warm-up of one step (or
+    max_steps 2-3 with none) ended it at step 0 and divided by zero before the first step."""
+    import hdet_track
+    from hdet_track.integrations.transformers import HDETTrainerCallback
+
+    rec = _lr_recorder()
+    if form == "wrap":
+        trainer = hdet_track.wrap(_tiny_trainer(tmp_path, [rec], **kwargs), track=False)
+    else:
+        trainer = _tiny_trainer(tmp_path, [HDETTrainerCallback(track=False), rec], **kwargs)
+    trainer.train()
+    steps = kwargs.get("max_steps", 10)
+    assert sorted(rec.seen) == list(range(1, steps + 1))
+    lrs = [rec.seen[k] for k in sorted(rec.seen)]
+    # up to the peak, then annealed: the value after the last step trains nothing (OneCycleLR's own
+    # runs past its curve there, as this is bit for bit)
+    assert max(lrs) == pytest.approx(1e-2) and lrs[-2] < 1e-3, lrs
+
+
+@pytest.mark.parametrize("form", ["wrap", "callback"])
+def test_track_false_tracks_nothing_even_where_report_to_names_mlflow(tmp_path, monkeypatch, form):
+    """``report_to=["mlflow"]`` put HDET's series and tags into Hugging Face's run though the user
+    passed ``track=False`` (Lightning's integration honoured it)."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    import hdet_track
+    from hdet_track.integrations.transformers import HDETTrainerCallback
+
+    uri = f"sqlite:///{tmp_path / 'hf.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "untracked")  # not MLflow's experiment of an earlier test
+    if form == "wrap":
+        trainer = hdet_track.wrap(_tiny_trainer(tmp_path / "out", report_to=["mlflow"]), track=False)
+    else:
+        trainer = _tiny_trainer(tmp_path / "out", [HDETTrainerCallback(track=False)], report_to=["mlflow"])
+    trainer.train()
+    assert not trainer.lr_scheduler.tracking if form == "wrap" else True
+    if mlflow.active_run() is not None:
+        mlflow.end_run()
+    client = MlflowClient(uri)
+    (run,) = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
+    assert not [k for k in run.data.metrics if k.startswith("hdet")]
+    assert not [k for k in run.data.tags if k.startswith("hdet")]

@@ -411,3 +411,38 @@ def test_a_fit_whose_last_average_fails_ends_its_run_failed(tmp_path, monkeypatc
     (summary,) = reader.list_runs()
     run = reader.read(summary.run_id)
     assert run.status == "FAILED" and "RuntimeError: peer gone in the last average" in run.tags["hdet.error"]
+
+
+def test_a_fit_resumed_into_a_new_mlflow_loggers_run_says_the_run_is_split(tmp_path, caplog):
+    """``fit(ckpt_path=...)`` with a fresh ``MLFlowLogger()``: HDET follows the logger's new run, and
+    the steps before the checkpoint stay in the old one. Hugging Face's integration said so; this
+    one said nothing. With ``MLFlowLogger(run_id=...)`` the run goes on, without a warning."""
+    from lightning.pytorch.loggers import MLFlowLogger
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'pl.db'}"
+
+    def saves(name):
+        return ModelCheckpoint(tmp_path / name, filename="{step}", every_n_train_steps=4, save_top_k=-1)
+
+    first = HDETCallback(sync_every=4)
+    logger = MLFlowLogger(experiment_name="e", tracking_uri=uri)
+    _fit_lrs(tmp_path, [first, saves("ck")], _Module("onecycle", total=8), 4, logger=logger, enable_checkpointing=True)
+    first.scheduler.close()
+    earlier = logger.run_id
+    for again, split in ((MLFlowLogger(experiment_name="e", tracking_uri=uri), True),
+                         (MLFlowLogger(experiment_name="e", tracking_uri=uri, run_id=earlier), False)):  # fmt: skip
+        caplog.clear()
+        callback = HDETCallback(sync_every=4)
+        with caplog.at_level(logging.WARNING, logger="hdet_track"):
+            _fit_lrs(tmp_path, [callback], _Module("onecycle", total=8), 8, logger=again,
+                     ckpt_path=tmp_path / "ck" / "step=4.ckpt")  # fmt: skip
+        callback.scheduler.close()
+        said = [r.getMessage() for r in caplog.records if "resuming the training of mlflow run" in r.getMessage()]
+        if split:
+            (line,) = said
+            assert f"run {earlier} into run {again.run_id}" in line and f"MLFlowLogger(run_id='{earlier}')" in line
+        else:
+            assert said == [] and again.run_id == earlier
+    client = MlflowClient(uri)
+    assert len(client.search_runs([client.get_experiment_by_name("e").experiment_id])) == 2

@@ -23,6 +23,7 @@ from ..arguments import onecycle_arguments
 from ..errors import needs_extra
 from ..scheduler import HDETScheduler, check_hdet_kwargs
 from ..tracking import lifecycle
+from ..tracking._common import warn_resumed_elsewhere
 
 try:
     import lightning.pytorch as pl
@@ -66,6 +67,26 @@ def _tracker_for(trainer: Any, track: Any) -> Any:
     if not trackers:
         return track
     return trackers[0] if len(trackers) == 1 else trackers
+
+
+def _warn_if_split(trainer: Any, resumed: dict[str, str]) -> None:
+    """A fit resumed from a checkpoint whose runs (``resumed``) are not the ones its loggers opened:
+    the run is split in two (a fresh ``MLFlowLogger()`` opens a new run), as Hugging Face's warns."""
+    if trainer.global_rank != 0:
+        return
+    for logger_ in getattr(trainer, "loggers", []) or []:
+        kinds = {cls.__name__ for cls in type(logger_).__mro__}
+        if "MLFlowLogger" in kinds:
+            backend, run_id, how = "mlflow", logger_.run_id, "pass MLFlowLogger(run_id={!r})"
+        elif "WandbLogger" in kinds:
+            backend, run_id, how = "wandb", logger_.experiment.id, "pass WandbLogger(id={!r}, resume='allow')"
+        else:
+            continue
+        earlier = resumed.get(backend)
+        if earlier and run_id and earlier != run_id:
+            warn_resumed_elsewhere(
+                backend, earlier, run_id, f"Lightning's {type(logger_).__name__}", how.format(earlier)
+            )
 
 
 class _HDETInLightning:
@@ -221,6 +242,8 @@ class HDETCallback(pl.Callback):
         if self._restored is not None:  # resuming from a Lightning checkpoint (ckpt_path=...)
             sched.load_state_dict(self._restored)
             self._restored = None
+            if kwargs["track"] is not False:
+                _warn_if_split(trainer, sched._resumed_runs)
         self._last_global_step = trainer.global_step
         self._losses = []
         self._warned_no_loss = False

@@ -30,6 +30,7 @@ import torch
 from ..errors import needs_extra
 from ..scheduler import HDETScheduler, check_hdet_kwargs
 from ..tracking import lifecycle
+from ..tracking._common import warn_resumed_elsewhere
 
 try:
     from transformers import TrainerCallback
@@ -220,7 +221,10 @@ def _report_tracker(args: Any, track: Any, resumed: dict[str, str] | None = None
     """The runs Hugging Face's reporting callbacks opened (``report_to``: one tracker for each of
     MLflow and W&B reported to), else ``track`` as given. ``resumed``: the runs of the checkpoint
     being resumed (a warning when Hugging Face opened another one). ``again``: a later ``train()``
-    of a Trainer whose MLflow callback opened a run at an earlier one."""
+    of a Trainer whose MLflow callback opened a run at an earlier one. ``track=False`` (or None)
+    tracks nothing, whatever ``report_to`` names."""
+    if track is False or track is None:
+        return track
     trackers: list[Any] = []
     opened: dict[str, str] = {}
     if _reports_to(args, "mlflow"):
@@ -253,12 +257,13 @@ def _report_tracker(args: Any, track: Any, resumed: dict[str, str] | None = None
         earlier = (resumed or {}).get(backend)
         if earlier and earlier != run_id:
             variable = "MLFLOW_RUN_ID" if backend == "mlflow" else "WANDB_RUN_ID"
-            logger.warning(
-                "hdet-track: resuming the training of %s run %s into run %s, which Hugging Face opened for this "
-                "train() (it opens a new run unless $%s names one): the steps before the checkpoint stay in "
-                "run %s; set %s=%s before train() to continue that run",
-                backend, earlier, run_id, variable, earlier, variable, earlier,
-            )  # fmt: skip
+            warn_resumed_elsewhere(
+                backend,
+                earlier,
+                run_id,
+                f"Hugging Face (a new run at each train() unless ${variable} names one)",
+                f"set {variable}={earlier} before train()",
+            )
     if not trackers:
         return track
     return trackers[0] if len(trackers) == 1 else trackers
@@ -408,7 +413,9 @@ def _hdet_for(args: Any, optimizer: Any, model: Any, num_training_steps: int, hd
         optimizer,
         max_lr=_peak_lrs(optimizer),
         total_steps=num_training_steps,
-        pct_start=float(min(max(pct, 1.0 / num_training_steps), 0.99)),
+        # at least 2 steps: OneCycleLR's warm-up ends at step pct_start * total_steps - 1, and one that
+        # ends at step 0 divides by zero (a 1-step warm-up, or max_steps of 2 or 3 without one)
+        pct_start=float(min(max(pct, 2.0 / num_training_steps), 0.99)),
         cycle_momentum=False,
         close_at_end=False,
         **kwargs,

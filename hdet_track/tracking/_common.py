@@ -66,3 +66,14 @@ def warn_second_training(backend: str, run_id: str, through: str | None = None) 
         "own (a new logger, or W&B's reinit), or resume the earlier one from its checkpoint",
         backend, run_id, f" (through step {through})" if through is not None else "",
     )  # fmt: skip
+
+
+def warn_resumed_elsewhere(backend: str, earlier: str, run_id: str, opener: str, how: str) -> None:
+    """A job resumed from a checkpoint of run ``earlier`` logs into run ``run_id``, which the
+    trainer's own reporting (``opener``) opened for it: the run is split in two. ``how``: what
+    continues the earlier run instead."""
+    logging.getLogger("hdet_track.tracking").warning(
+        "hdet-track: resuming the training of %s run %s into run %s, which %s opened for it: the steps "
+        "before the checkpoint stay in run %s; %s to continue that run",
+        backend, earlier, run_id, opener, earlier, how,
+    )  # fmt: skip
