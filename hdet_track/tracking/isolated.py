@@ -75,7 +75,7 @@ def _serve(conn_in: Connection, conn_out: Connection) -> None:
                     lines = [
                         f"what gone processes left beside the store was not delivered ({type(exc).__name__}: {exc})"
                     ]
-                conn_out.send((True, lines, False))
+                conn_out.send((True, lines, _holds(inner)))  # a replacement asked again holds what it was given
                 continue
             if method == "log":
                 args = (materialize(args[0]),)
@@ -86,10 +86,7 @@ def _serve(conn_in: Connection, conn_out: Connection) -> None:
         except Exception as exc:  # noqa: BLE001 - sent back and raised in the parent
             text = f"{type(exc).__name__}: {exc}"
             reply = (False, (text, method == "log" and inner.refuses(exc), broken_backend(exc)))
-        try:
-            reply += (inner.holds(),)
-        except Exception:  # noqa: BLE001 - cannot tell: it may hold data
-            reply += (True,)
+        reply += (_holds(inner),)
         try:
             conn_out.send(reply)
         except OSError:  # the training process died while this call ran
@@ -104,6 +101,13 @@ def _serve(conn_in: Connection, conn_out: Connection) -> None:
 # call): that long the one writer thread, and every other tracker of the job, would wait. Unless the
 # user chose them, the child's client gives up sooner.
 CHILD_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
+
+
+def _holds(inner: Tracker) -> bool:
+    try:
+        return inner.holds()
+    except Exception:  # noqa: BLE001 - cannot tell: it may hold data
+        return True
 
 
 def _child_environment() -> dict[str, str]:
@@ -148,9 +152,13 @@ class IsolatedTracker(Tracker):
 
     def _call(self, method: str, *args: Any) -> Any:
         if self._dead:
-            if not (self._died and self._deaths <= RESTARTS):
-                self._close_child()  # reaped, once it is given up
+            if not self._died:  # it ended the run, or was let go
                 raise ConnectionError(f"the {self.name} tracker process has exited")
+            if self._deaths > RESTARTS:
+                self._close_child()  # reaped, once it is given up
+                raise BackendBroken(
+                    f"the {self.name} tracker process died {self._deaths} times in this run: not started again"
+                )  # broken: the hub's shutdown does not wait for it
             self._replace()
         if self._proc is None:
             self._spawn()
@@ -161,13 +169,18 @@ class IsolatedTracker(Tracker):
     def _spawn(self) -> None:
         to_child_r, to_child_w = os.pipe()
         from_child_r, from_child_w = os.pipe()
-        self._proc = subprocess.Popen(
-            [sys.executable, "-c", _CHILD, str(to_child_r), str(from_child_w)],
-            pass_fds=(to_child_r, from_child_w),
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            env=_child_environment(),
-        )
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-c", _CHILD, str(to_child_r), str(from_child_w)],
+                pass_fds=(to_child_r, from_child_w),
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                env=_child_environment(),
+            )
+        except BaseException:  # no process (out of memory, out of file descriptors): no pipe either
+            for fd in (to_child_r, to_child_w, from_child_r, from_child_w):
+                os.close(fd)
+            raise
         os.close(to_child_r)
         os.close(from_child_w)
         self._send = Connection(to_child_w, readable=False)
@@ -193,14 +206,16 @@ class IsolatedTracker(Tracker):
         return value
 
     def _replace(self) -> None:
-        """The child died: reap it and start another, which :meth:`_carry` brings up to date."""
+        """The child died: reap it and start another, which :meth:`_carry` brings up to date (a
+        start that fails leaves it dead: the next retry tries again, with the same request)."""
         self._close_child()
-        self._proc, self._dead, self._died = None, False, False
+        self._proc = None
         logger.warning(
             "hdet-track: the %s tracker process died; starting another (death %d of at most %d replaced in this run)%s",
             self.name, self._deaths, RESTARTS, f" to carry on run {self._run_id}" if self._run_id else "",
         )  # fmt: skip
         if self._run_id is None:  # it died before the run started: the caller's retry starts it
+            self._dead = self._died = False
             return
         # what the dead child held only in memory (and what an unfinished carry-on had not given yet)
         self._carrying, self._unsettled = self._unsettled + (self._carrying or []), []
@@ -208,7 +223,8 @@ class IsolatedTracker(Tracker):
         try:
             self._spawn()  # the child gets the request with the tracker
         finally:
-            self._adopt(self._run_id)  # the caller's tracker object: the request is used up
+            self._adopt(self._run_id)  # the caller's tracker object: the request is used up (made again next time)
+        self._dead = self._died = False
 
     def _carry(self) -> None:
         """Bring a replacement child up to date: the chunks the dead one left, the run reopened as
@@ -282,8 +298,8 @@ class IsolatedTracker(Tracker):
         the run for the next one); the run stays as it is."""
         if self._proc is not None and not self._dead:
             try:
-                self._call("detach")
-            except ConnectionError:
+                self._ask("detach")  # as it is: an unfinished carry-on is not run now
+            except Exception:  # noqa: BLE001 - it is let go all the same
                 pass
         self._dead, self._died = True, False  # let go: a child that died is not replaced, only reaped
         self._close_child()

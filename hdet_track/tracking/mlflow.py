@@ -239,12 +239,14 @@ class MLflowTracker(Tracker):
         self._skip_until, self._archived, self._user_steps = opened.skip_until, opened.archived, opened.user_steps
         self._client = client
         self._run_id = opened.run_id
-        self._resume_id, self._carry_on = None, None  # used up: a later run of this object is a new one
         self._archive = EventArchive(
             self._pending_chunks(opened.run_id) / ARTIFACT_DIR,
             chunk_seconds=self.chunk_seconds,
             start_index=opened.start_index,
         )
+        # used up, once the start went through (a retry after a full disk above reopens the same run):
+        # a later run of this object is a new one
+        self._resume_id, self._carry_on = None, None
 
     def _pending_chunks(self, run_id: str) -> Path:
         """Where this run's archive chunks wait until they are uploaded: a folder of the spill
