@@ -1248,5 +1248,12 @@ def test_a_run_id_w_and_b_kept_from_an_earlier_environment_is_not_every_new_runs
                     sched.step(1.0 / k)
             ids.append(sched.run_ids["wandb"])
         assert len(set(ids)) == 2 and "stalejob01" not in ids
+        monkeypatch.setenv("WANDB_RUN_ID", "nowjob01")  # set now (a sweep agent's): W&B's setup missed it
+        opt = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)
+        with HDETScheduler(opt, 0.1, total_steps=4, sync_every=2, track=WandbTracker(dir=tmp_path)) as sched:
+            for k in range(1, 5):
+                opt.step()
+                sched.step(1.0 / k)
+        assert sched.run_ids["wandb"] == "nowjob01"
     finally:
         wandb.teardown()  # the next test sets W&B up from its own environment

@@ -444,12 +444,14 @@ class WandbTracker(Tracker):
             config=run_params(run_start),
             # W&B's tags are at most 64 characters: longer ones stay in the summary only
             tags=self._user_tags() + [tag for k, v in tags.items() if len(tag := f"{k}={v}") <= 64][:20],
-            notes=mask_secrets(self.notes),  # None: W&B's own ($WANDB_NOTES)
+            # None: W&B's own ($WANDB_NOTES); a replay's are the job's, resolved when it spilled
+            notes=mask_secrets(self.notes) or ("" if self._replaying else None),
             reinit="create_new",
             # a replay names its run: W&B would take $WANDB_RUN_ID (the replaying process's job's run);
-            # so does a new run unless $WANDB_RUN_ID names one now: W&B's process-wide settings keep the
+            # so does a new run, $WANDB_RUN_ID as it is now: W&B's process-wide settings keep the
             # variable as it was when W&B was first set up, and two schedulers went into one run
-            id=self._resume_id or (_new_run_id() if self._replaying or not os.environ.get("WANDB_RUN_ID") else None),
+            id=self._resume_id
+            or (_new_run_id() if self._replaying else os.environ.get("WANDB_RUN_ID") or _new_run_id()),
             resume="allow" if self._resume_id or self._replaying else None,
             settings=_run_settings(wandb),
         )
