@@ -165,8 +165,13 @@ def _result_lines(script: str, records: Path, *args: str) -> list[dict]:
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    for line in lines[1:]:  # after the script's summary line, result lines of the bench format
+
+    def strict(constant: str) -> None:  # JSON has no Infinity or NaN (Python's json reads them)
+        raise AssertionError(f"{constant} in a JSON line of {script}")
+
+    lines = [json.loads(line, parse_constant=strict) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert "bench" not in lines[0]  # the script's summary, for the record: not a result line
+    for line in lines[1:]:  # after it, result lines of the bench format
         assert set(line) == {"bench", "value", "unit", "target", "pass"}, line
     return lines
 
@@ -185,7 +190,7 @@ def test_controller_dev_ends_with_a_result_line_per_candidate(tmp_path):
     assert (ROOT / "docs" / "controller_dev_round18.jsonl").read_bytes() == records.read_bytes()  # nothing run
     done = {(r := json.loads(line))["key"]: r for line in records.read_text().splitlines()}
     score = select(done, "fashion-mnist", 800, 4, 18)["score"]
-    assert summary["score"].keys() == score.keys() == {r["bench"].split(".")[2] for r in results}
+    assert summary["selection"]["score"].keys() == score.keys() == {r["bench"].split(".")[2] for r in results}
     for line in results:
         s = score[line["bench"].split(".")[2]]
         assert line["value"] == pytest.approx(max(s["ratios"]), abs=1e-4) and line["target"] == 1.03
