@@ -260,6 +260,7 @@ def main() -> None:
     parser.add_argument("--only-small", action="store_true", help="only the small-step case")
     parser.add_argument("--reps", type=int, default=9, help="rounds of the small-step case")
     args = parser.parse_args()
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # the outage check reads the archive
     if args.steps < 100 or args.outage_steps < 100 or args.reps < 1:
         parser.error(
             f"--steps and --outage-steps are timed in blocks of 100 steps (at least 100), --reps at least 1; "
