@@ -151,10 +151,12 @@ def sidebar() -> None:
         return
     experiment = None
     if experiments:
-        default = _default_experiment(st.session_state["source"], experiments)
+        options = ["(all)"] + experiments
+        default = _from_url("experiment", options) or _default_experiment(st.session_state["source"], experiments)
         experiment = st.sidebar.selectbox(
-            "Experiment", ["(all)"] + experiments, index=experiments.index(default) + 1, key="experiment"
+            "Experiment", options, index=options.index(default), key="experiment"
         )  # keyed: a new experiment in the list does not reset the choice
+        st.query_params["experiment"] = experiment  # the page's address names what it shows: a link to share
         experiment = None if experiment == "(all)" else experiment
     try:
         runs = list_runs(st.session_state["source"], experiment)
@@ -165,9 +167,20 @@ def sidebar() -> None:
     st.session_state["experiment_shown"] = experiment
     if runs:
         labels = {r.run_id: label(r) for r in runs}
-        chosen = st.sidebar.selectbox("Run", list(labels), format_func=labels.get, key="run_id")
+        options = list(labels)
+        shown = _from_url("run", options)
+        chosen = st.sidebar.selectbox(
+            "Run", options, index=options.index(shown) if shown else 0, format_func=labels.get, key="run_id"
+        )
         st.session_state["selected"] = chosen
+        st.query_params["run"] = chosen
     st.sidebar.toggle("Live refresh of running runs", value=True, key="live")
+
+
+def _from_url(name: str, options: list[str]) -> str | None:
+    """The page address's ``name`` parameter (a link someone shared) when it is one of ``options``."""
+    value = st.query_params.get(name)
+    return value if value in options else None
 
 
 def _default_experiment(source: str, experiments: list[str]) -> str:

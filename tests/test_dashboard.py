@@ -506,3 +506,29 @@ def test_an_empty_newest_experiment_is_not_where_the_dashboard_opens_nor_called_
     assert "No runs in experiment `empty`" in note and "pick another experiment" in note
     at.switch_page("app_pages/fanout.py").run()
     assert any("No runs in experiment `empty`" in i.value for i in at.info)
+
+
+def test_the_page_address_names_the_experiment_and_run_it_shows_and_a_shared_link_opens_them(monkeypatch, tmp_path):
+    """The dashboard kept no choice in its address: a link to a run opened the newest one."""
+    uri = f"sqlite:///{tmp_path / 'links.db'}"
+    _tiny_run(uri, "hdet", "h1", "g")
+    _tiny_run(uri, "study", "s1", "g")
+    _tiny_run(uri, "study", "s2", "g")
+    at = app(monkeypatch, uri)
+    assert at.query_params["experiment"] == "hdet"
+    box = next(s for s in at.sidebar.selectbox if s.label == "Experiment")
+    box.set_value("study").run()
+    s1 = next(r.run_id for r in at.session_state["runs"] if r.name == "s1")
+    next(s for s in at.sidebar.selectbox if s.label == "Run").set_value(s1).run()
+    assert at.query_params["experiment"] == "study" and at.query_params["run"] == s1
+    shared = AppTest.from_file(APP, default_timeout=60)  # someone opens the link
+    shared.query_params.update({"experiment": "study", "run": s1})
+    shared.run()
+    assert not shared.exception
+    assert next(s for s in shared.sidebar.selectbox if s.label == "Experiment").value == "study"
+    assert next(s for s in shared.sidebar.selectbox if s.label == "Run").value == s1
+    broken = AppTest.from_file(APP, default_timeout=60)  # a run no longer there: the usual defaults
+    broken.query_params.update({"experiment": "gone", "run": "nope"})
+    broken.run()
+    assert not broken.exception
+    assert next(s for s in broken.sidebar.selectbox if s.label == "Experiment").value == "hdet"
