@@ -56,6 +56,16 @@ def pytest_unconfigure(config):
         shutil.rmtree(folder, ignore_errors=True)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _session_working_directory(tmp_path_factory):
+    """Module-scoped fixtures run before each test's own directory (below) is set: the runs they
+    log put their artifacts in MLflow's default ``./mlruns``, which was the repository's."""
+    previous = os.getcwd()
+    os.chdir(tmp_path_factory.mktemp("cwd"))
+    yield
+    os.chdir(previous)
+
+
 @pytest.fixture(autouse=True)
 def _isolated_tracking_env(monkeypatch, tmp_path):
     """No test writes into the working directory or reads the developer's tracking settings."""
