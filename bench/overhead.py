@@ -120,10 +120,11 @@ def interleaved(loops: dict, x: torch.Tensor, y: torch.Tensor, steps: int, block
     return times
 
 
-def median_ratio(times: list[float], base: list[float]) -> float:
-    """The median over the rounds of ``times / base``, the first round (first-touch costs) left out."""
-    pairs = list(zip(times, base))[1:] or list(zip(times, base))
-    return statistics.median(t / b for t, b in pairs)
+def median_ratio(times: list[float], base: list[float], skip_first: bool = True) -> float:
+    """The median over the rounds of ``times / base`` (a round a neighbour disturbed does not decide
+    it); with ``skip_first``, the first round (first-touch costs) left out when there are others."""
+    pairs = list(zip(times, base))
+    return statistics.median(t / b for t, b in (pairs[1:] if skip_first and len(pairs) > 1 else pairs))
 
 
 def worker(rank: int, world: int, port: int, steps: int, out: str) -> None:

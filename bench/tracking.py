@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.overhead import WIDTH, make_model, run_block  # noqa: E402
+from bench.overhead import WIDTH, make_model, median_ratio, run_block  # noqa: E402
 from hdet_track import HDETScheduler  # noqa: E402
 from hdet_track.controller import DriftController  # noqa: E402
 from hdet_track.tracking.hub import TrackingHub  # noqa: E402
@@ -73,11 +73,6 @@ def interleaved(jobs: dict, steps: int, x, y, on_block=None) -> dict[str, list[f
         for name in order:
             times[name].append(block(jobs[name], x, y, 100))
     return times
-
-
-def rounds_median(times: list[float], base: list[float]) -> float:
-    """The median over the rounds of ``times / base`` (a round a neighbour disturbed does not decide it)."""
-    return statistics.median(t / b for t, b in zip(times, base))
 
 
 def worker(rank: int, world: int, port: int, args: dict, out: str) -> None:
@@ -276,9 +271,6 @@ def main() -> None:
         small = spawn(small_step_worker, 4, {"tmp": tmp, "reps": args.reps}, tmp, "small")
         st = small["times"]
 
-        def median_ratio(case: str) -> float:
-            return statistics.median(t / o for t, o in zip(st[case], st["off"]))
-
         def quartiles(case: str) -> str:
             ratios = [t / o for t, o in zip(st[case], st["off"])]
             if len(ratios) < 2:
@@ -286,7 +278,8 @@ def main() -> None:
             q = statistics.quantiles(ratios, n=4)
             return f"{q[0]:.3f}-{q[2]:.3f}"
 
-        ratio, short = median_ratio("tracked"), median_ratio("tracked_short")
+        # each run's first SMALL_SKIP steps are untimed: every round counts
+        ratio, short = (median_ratio(st[case], st["off"], skip_first=False) for case in ("tracked", "tracked_short"))
         print(
             f"small step (8 x Linear(64, 64), 4 gloo ranks, track=True defaults), {args.reps} rounds x "
             f"{SMALL_STEPS - SMALL_SKIP} steps timed: untracked {sum(st['off']):.2f} s; tracked, a {SMALL_LONG_RUN}-step "
@@ -339,7 +332,7 @@ def main() -> None:
             t = res["times"]
             print(f"4 gloo processes, {args.steps} steps, interleaved blocks of 100, log_every=1")
             for name in ("mlflow_sqlite", "mlflow_server", "wandb_offline"):
-                ratio = rounds_median(t[name], t["off"])
+                ratio = median_ratio(t[name], t["off"], skip_first=False)
                 print(
                     f"  {name:15s} {sum(t[name]):7.2f} s vs untracked {sum(t['off']):7.2f} s -> median ratio of "
                     f"{len(t['off'])} rounds {ratio:.3f}"

@@ -195,11 +195,14 @@ def test_env_defaults_tracking_uri_experiment_and_attach(tmp_path, monkeypatch):
     assert len(client.search_runs([exp.experiment_id])) == 2
 
 
-def test_a_given_run_ended_by_a_failed_attempt_is_reopened_by_the_resumed_job_and_ended_by_it(sqlite_uri):
+@pytest.mark.parametrize("writer_dies", [False, True])
+def test_a_given_run_ended_by_a_failed_attempt_is_reopened_by_the_resumed_job_and_ended_by_it(sqlite_uri, writer_dies):
     """MLflowTracker(run_id=...) given the same run in both attempts (MLFLOW_RUN_ID alike): the
     first fails at step 13 and ends it FAILED; the second resumes from the checkpoint at step 10.
     Before, the run stayed FAILED with the first attempt's error (only checkpoint-resumed runs were
-    reopened, and a given run finished was left for its owner to end); every step was there."""
+    reopened, and a given run finished was left for its owner to end); every step was there.
+    ``writer_dies``: the second attempt's tracking process is killed at step 15; its replacement
+    found the run RUNNING, took it for its owner's and left it RUNNING after the job finished."""
     client = MlflowClient(sqlite_uri)
     given = client.create_run(client.create_experiment("given")).info.run_id
 
@@ -212,6 +215,9 @@ def test_a_given_run_ended_by_a_failed_attempt_is_reopened_by_the_resumed_job_an
         if k == 15:
             sched.flush()
             second["status"] = client.get_run(given).info.status
+            if writer_dies:
+                _kill_writer(client, given)
+                sched._callbacks.recorder.hub._sinks[0].retry_seconds = 0.05
 
     first, second = {}, {}
     with pytest.raises(RuntimeError, match="boom"):
@@ -1079,10 +1085,7 @@ def test_a_tracker_process_that_dies_mid_run_is_replaced_and_the_run_loses_nothi
         opt.step()
         sched.step(1.0 / k)
         if k in (12, 27):  # twice: each death gets its own replacement
-            deadline = time.monotonic() + 120  # a new child imports MLflow: seconds on a loaded machine
-            while max(history(client, tracker.run_id, "hdet/replica_00/loss"), default=0) < k - 2:
-                assert time.monotonic() < deadline, "the writer never logged"
-                time.sleep(0.05)
+            _wait_logged(client, tracker, k - 2)
             # those steps' archive rows are in the child's memory (no chunk is due for an hour)
             assert not any(f.path.endswith(".parquet") for f in client.list_artifacts(tracker.run_id, "hdet_events"))
             _kill_writer(client, tracker.run_id)
@@ -1097,6 +1100,15 @@ def test_a_tracker_process_that_dies_mid_run_is_replaced_and_the_run_loses_nothi
     assert [c.step for c in hdet_run.converge] == list(range(5, 41, 5))
     assert caplog.text.count("tracker process died; starting another") == 2
     assert not list((tmp_path / ".hdet-spill").glob("*")), "a spill or a pending folder was left behind"
+
+
+def _wait_logged(client, tracker, step):
+    """Until ``tracker``'s process has started its run and logged ``step`` (a new child imports
+    MLflow: seconds on a loaded machine)."""
+    deadline = time.monotonic() + 120
+    while tracker.run_id is None or max(history(client, tracker.run_id, "hdet/replica_00/loss"), default=0) < step:
+        assert time.monotonic() < deadline, "the writer never logged"
+        time.sleep(0.05)
 
 
 def _kill_writer(client, run_id):
@@ -1128,10 +1140,7 @@ def test_a_replacement_whose_start_fails_keeps_what_the_dead_one_held_and_tries_
         opt.step()
         sched.step(1.0 / k)
         if k == 12:
-            deadline = time.monotonic() + 120
-            while max(history(client, tracker.run_id, "hdet/replica_00/loss"), default=0) < 10:
-                assert time.monotonic() < deadline, "the writer never logged"
-                time.sleep(0.05)
+            _wait_logged(client, tracker, 10)
             Path(tracker.marker).touch()
             _kill_writer(client, tracker.run_id)
     with caplog.at_level("WARNING", logger="hdet_track"):
@@ -1141,29 +1150,3 @@ def test_a_replacement_whose_start_fails_keeps_what_the_dead_one_held_and_tries_
     assert run.info.status == "FINISHED"
     assert sorted(r["step"] for r in read_steps_artifact(client, tracker.run_id, tmp_path)) == list(range(1, 31))
     assert caplog.text.count("tracker process died; starting another") == 1
-
-
-def test_a_given_run_the_job_reopened_is_still_ended_by_it_after_its_tracker_process_died(sqlite_uri):
-    """``MLflowTracker(run_id=...)``: a run its first attempt ended FAILED is reopened by the resumed
-    job, which ends it. A replacement found it RUNNING, took it for its owner's and left it RUNNING
-    after the job finished."""
-    client = MlflowClient(sqlite_uri)
-    given = client.create_run(client.create_experiment("given")).info.run_id
-
-    from .attempts import attempt
-
-    def track():
-        return MLflowTracker(tracking_uri=sqlite_uri, run_id=given)
-
-    def kill_at_15(k, sched):
-        if k == 15:
-            assert sched.flush()
-            _kill_writer(client, given)
-            sched._callbacks.recorder.hub._sinks[0].retry_seconds = 0.05
-
-    first, second = {}, {}
-    with pytest.raises(RuntimeError, match="boom"):
-        attempt(track(), first, fail_at=13)
-    attempt(track(), second, state=first["state"], during=kill_at_15)
-    assert client.get_run(given).info.status == "FINISHED"
-    assert MLflowReader(sqlite_uri).read(given).replica_series("loss", 0)[0].tolist() == list(range(1, 21))
