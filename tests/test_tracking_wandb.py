@@ -741,7 +741,7 @@ def test_flushes_through_a_run_read_its_file_about_once(tmp_path):
     exit record: each check parsed the whole file again (1.7 s for a 12 MB file, at every flush of a
     long run). Together they now read each byte about once, and still wait for the rows."""
     from hdet_track.readers.wandb import WandbReader
-    from hdet_track.tracking.wandb import WandbTracker
+    from hdet_track.tracking.wandb import WandbTracker, _run_file
 
     model = nn.Linear(8, 8)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -754,7 +754,7 @@ def test_flushes_through_a_run_read_its_file_about_once(tmp_path):
         if k % (600 // flushes) == 0:
             assert sched.flush() is True
             assert tracker._progress.last_step >= k - 1  # W&B's rows are on disk up to here
-    path = tracker._run_file()
+    path = _run_file(tracker.run)
     sched.close()
     size = os.path.getsize(path)
     assert tracker._progress.exit_code == 0

@@ -4,7 +4,6 @@ sync and controller series on a sync axis, Parquet event chunks in the run's fil
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
@@ -14,7 +13,6 @@ import string
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -23,13 +21,13 @@ from .. import names
 from .._checks import check_number, check_str
 from ..errors import needs_extra
 from ..events import RunEnd, RunStart
-from ..owner import process_identity
 from ..wandb_file import RunFileProgress, WandbFormatError
 from ..wandb_store import OWNER_FILE, SYNC_PREFIXES, USER_METRICS_FILE, StoredSteps
 from . import lifecycle
 from ._common import run_params, run_tags, warn_second_training
 from .archive import ARTIFACT_DIR, EventArchive, chunk_index
 from .base import Batch, Tracker, mask_secrets
+from .wandb_parts import LOGGED, FreshRows, GivenRun, Logged, OwnerFile
 
 __all__ = ["WandbTracker", "DEFAULT_PROJECT", "DEFAULT_MODE", "SYNC_STEP", "STEP", "wait_until_written"]
 
@@ -93,74 +91,6 @@ def _wait_for(progress: RunFileProgress, timeout: float, done: Callable[[RunFile
         pause = min(pause * 2, 0.2)
 
 
-@dataclass
-class _Logged:
-    """What this process's trackers logged into a run given to them (W&B accepted it): the last
-    step of HDET's rows and of each user metric."""
-
-    rows: int = -1
-    user: dict[str, int] = field(default_factory=dict)
-
-
-# Per run id, for runs given to hdet-track (WandbTracker(run=...)): such a run, handed to several
-# schedulers in turn (Hugging Face's or Lightning's across train()/fit() calls), holds an earlier
-# scheduler's rows in its run file only once W&B flushes that (every 15 s by default for such a run)
-_LOGGED: dict[str, _Logged] = {}
-
-
-class _GivenRun:
-    """A run given to hdet-track (``WandbTracker(run=...)``): its owner may finish it first, and
-    another scheduler of this process may log into it at the same time."""
-
-    _open: dict[str, set[int]] = {}  # per run id, the trackers logging into it right now
-
-    def __init__(self, run: Any) -> None:
-        self.run = run
-        self._said_ended = False
-
-    def ended(self) -> bool:
-        """Its owner finished it (``with wandb.init() as run:`` left before the scheduler closed):
-        W&B takes nothing more into it; the event archive and user metrics still do."""
-        if not getattr(self.run, "_is_finished", False):
-            return False
-        if not self._said_ended:
-            self._said_ended = True
-            logger.warning(
-                "hdet-track: W&B run %s was finished by its owner before HDET's last steps: they are in "
-                "hdet-track's event archive (%s), which hdet-track's readers read, not in W&B's rows",
-                self.run.id,
-                Path(self.run.dir) / ARTIFACT_DIR,
-            )
-        return True
-
-    def call(self, calls: Callable[[], None]) -> None:
-        """W&B calls on the run: none once its owner finished it (also meanwhile, in another
-        thread: W&B then refuses them, and that is not an outage)."""
-        if self.ended():
-            return
-        try:
-            calls()
-        except Exception:
-            if not self.ended():
-                raise
-
-    def join(self, tracker: object) -> None:
-        """``tracker`` starts logging into the run; two at once (a GAN's two schedulers in one
-        ``wandb.init()``) would write over each other's event archive: said in a warning."""
-        others = self._open.setdefault(self.run.id, set())
-        if others - {id(tracker)}:
-            logger.warning(
-                "hdet-track: another scheduler is logging into W&B run %s right now: two at once write over "
-                "each other's event archive and read back as one mixed run; give each scheduler its own run "
-                "(close one before the next starts, as Hugging Face's train() and Lightning's fit() do)",
-                self.run.id,
-            )
-        others.add(id(tracker))
-
-    def leave(self, tracker: object) -> None:
-        self._open.get(self.run.id, set()).discard(id(tracker))
-
-
 def _wait_for_rows(run: Any, path: str, progress: Callable[[str], RunFileProgress]) -> None:
     """Wait (bounded by W&B's own write interval) until its run file ``path`` holds every row ``run``
     logged so far; a warning when it gave up (the readers then take the rows from the archive)."""
@@ -192,29 +122,6 @@ def _define_metrics(run: Any, tags: dict[str, str], given: bool) -> None:
     for k, v in tags.items():
         run.summary[k] = v
     run.summary["hdet/status"] = "RUNNING"
-
-
-def _per_step(key: str) -> bool:
-    """One of HDET's per-step series (not a sync series, not the user's)."""
-    return names.is_hdet_series(key) and not key.startswith(SYNC_PREFIXES)
-
-
-def _unstored(batch: Batch, stored: StoredSteps | None, user_through: dict[str, int]) -> tuple[list[Any], Batch]:
-    """The points of ``batch`` for W&B's rows and what of it goes to the archive, without what
-    earlier sessions of a resumed run hold (``stored``; a job resumed from an older checkpoint redoes
-    steps) nor, in a given run, the user's steps this process logged into it already (``user_through``)."""
-    if stored is None:
-        return batch.points, batch
-    points = [
-        p
-        for p in batch.points
-        if (
-            p.step > stored.rows
-            if names.is_hdet_series(p.key)
-            else (p.key, p.step) not in stored.user and p.step > user_through.get(p.key, -1)
-        )
-    ]
-    return points, batch.after(stored.archive)
 
 
 def _stored_before(run: Any) -> StoredSteps | None:
@@ -259,6 +166,47 @@ def _import_wandb():
     return wandb
 
 
+def _run_file(run: Any) -> str | None:
+    """The run file W&B writes for ``run`` (``run-<id>.wandb``); None when it writes none (mode disabled)."""
+    settings = run.settings
+    if getattr(settings, "mode", "") == "disabled" or getattr(settings, "x_skip_transaction_log", False):
+        return None
+    return getattr(settings, "sync_file", None) or None
+
+
+def _check_arguments(
+    project: Any,
+    entity: Any,
+    mode: Any,
+    group: Any,
+    run_name: Any,
+    dir: Any,  # noqa: A002
+    chunk_seconds: Any,
+    run: Any,
+    tags: Any,
+    notes: Any,
+) -> None:
+    """``WandbTracker``'s arguments, or an error naming the one that is wrong."""
+    for name, value in [("project", project), ("entity", entity), ("group", group), ("run_name", run_name)]:
+        check_str(name, value)
+    check_str("notes", notes)
+    if tags is not None and (
+        isinstance(tags, str)
+        or not isinstance(tags, (list, tuple))
+        or not all(isinstance(t, str) and 0 < len(t) <= 64 for t in tags)
+    ):
+        raise ValueError(
+            f"Expected tags to be a list of strings of 1 to 64 characters (W&B's limit) or None, but got {tags!r}"
+        )
+    if mode is not None and mode not in _MODES:
+        raise ValueError(f"Expected mode in {_MODES} or None (WANDB_MODE, else offline), but got {mode!r}")
+    if run is None and mode is None and os.environ.get("WANDB_MODE", _MODES[0]) not in _MODES:
+        raise ValueError(f"Expected WANDB_MODE in {_MODES} or unset, but got {os.environ['WANDB_MODE']!r}")
+    if dir is not None and not isinstance(dir, (str, os.PathLike)):
+        raise TypeError(f"Expected dir to be a path or None, but got {type(dir).__name__}")
+    check_number("chunk_seconds", chunk_seconds, 0.0, math.inf, low_open=False, high_open=True)  # 0: every batch
+
+
 class WandbTracker(Tracker):
     """Log an HDET run to W&B. ``WANDB_PROJECT``, ``WANDB_ENTITY``, ``WANDB_MODE``,
     ``WANDB_RUN_GROUP``, ``WANDB_NAME``, ``WANDB_NOTES`` and ``WANDB_TAGS`` are honoured; the compare
@@ -293,26 +241,9 @@ class WandbTracker(Tracker):
         notes: str | None = None,
     ) -> None:
         _import_wandb()
-        for name, value in [("project", project), ("entity", entity), ("group", group), ("run_name", run_name)]:
-            check_str(name, value)
-        check_str("notes", notes)
-        if tags is not None and (
-            isinstance(tags, str)
-            or not isinstance(tags, (list, tuple))
-            or not all(isinstance(t, str) and 0 < len(t) <= 64 for t in tags)
-        ):
-            raise ValueError(
-                f"Expected tags to be a list of strings of 1 to 64 characters (W&B's limit) or None, but got {tags!r}"
-            )
-        if mode is not None and mode not in _MODES:
-            raise ValueError(f"Expected mode in {_MODES} or None (WANDB_MODE, else offline), but got {mode!r}")
-        if run is None and mode is None and os.environ.get("WANDB_MODE", _MODES[0]) not in _MODES:
-            raise ValueError(f"Expected WANDB_MODE in {_MODES} or unset, but got {os.environ['WANDB_MODE']!r}")
-        if dir is not None and not isinstance(dir, (str, os.PathLike)):
-            raise TypeError(f"Expected dir to be a path or None, but got {type(dir).__name__}")
-        check_number("chunk_seconds", chunk_seconds, 0.0, math.inf, low_open=False, high_open=True)  # 0: every batch
+        _check_arguments(project, entity, mode, group, run_name, dir, chunk_seconds, run, tags, notes)
         self._existing = run  # log into a run someone else started (e.g. Lightning's WandbLogger)
-        self._given = _GivenRun(run) if run is not None else None
+        self._given = GivenRun(run) if run is not None else None
         self.project = project
         self.entity = entity
         self.mode = mode
@@ -329,10 +260,8 @@ class WandbTracker(Tracker):
         self._replaying = False  # a spill's replay: never the run $WANDB_RUN_ID names
         self._defined: set[str] = set()
         self._user_points: list[dict[str, Any]] = []  # user metrics not yet in user_metrics.jsonl
-        self._stored: StoredSteps | None = None  # a resumed run: what its earlier sessions hold
-        self._session_through = (-1, -1)  # the last step of HDET's per-step rows this session logged, and archived
-        self._user_through: dict[str, int] = {}  # a given run resumed: each user metric's last step logged
-        self._owner: dict[str, Any] = {}  # the owner file's record (process_identity, heartbeat)
+        self._fresh = FreshRows()  # what of each batch the run does not hold yet
+        self._owner: OwnerFile | None = None
         self._progress: RunFileProgress | None = None  # how far W&B wrote this run's file, read on
 
     @property
@@ -384,18 +313,11 @@ class WandbTracker(Tracker):
         return list(dict.fromkeys(mask_secrets(t) for t in given if t.strip()))
 
     def _call(self, calls: Callable[[], None]) -> None:
-        """W&B calls on the run (see :meth:`_GivenRun.call` for a given one)."""
+        """W&B calls on the run (see :meth:`GivenRun.call` for a given one)."""
         if self._given is None:
             calls()
         else:
             self._given.call(calls)
-
-    def _run_file(self) -> str | None:
-        """The run file W&B writes (``run-<id>.wandb``); None when it writes none (mode disabled)."""
-        settings = self._run.settings
-        if getattr(settings, "mode", "") == "disabled" or getattr(settings, "x_skip_transaction_log", False):
-            return None
-        return getattr(settings, "sync_file", None) or None
 
     def _file_progress(self, path: str) -> RunFileProgress:
         """The reading of the run file ``path`` so far: each check parses only what W&B added."""
@@ -420,8 +342,7 @@ class WandbTracker(Tracker):
 
     def _start(self, run_start: RunStart) -> None:
         self._run, self._archive, self._defined, self._user_points = None, None, set(), []
-        self._stored, self._user_through = None, {}
-        self._session_through = (-1, -1)
+        self._fresh, self._owner = FreshRows(), None
         wandb = _import_wandb()
         tags = run_tags(run_start)
         if self._existing is not None:  # the owner's config stays: a key it holds otherwise goes as hdet/<key>
@@ -471,47 +392,29 @@ class WandbTracker(Tracker):
         folder = Path(run.dir) / ARTIFACT_DIR  # a given run may hold an earlier scheduler's chunks: none overwritten
         start = max((chunk_index(p.name) for p in folder.glob("*.parquet")), default=0)
         self._archive = EventArchive(folder, chunk_seconds=self.chunk_seconds, start_index=start)
-        # Who owns the run: a reader on this host tells a live run from one whose process was killed
-        # (SIGKILL, the OOM killer) before it could end the run; W&B's file says neither.
-        # and the step this session started from: where it took over from the run's earlier ones
-        self._owner = process_identity() | {"time": time.time(), "start_step": run_start.start_step}
+        self._owner = OwnerFile(folder, run_start.start_step)
         try:
-            self._write_owner()
+            self._owner.write()
         except OSError as exc:  # pragma: no cover - an unwritable run directory fails later anyway
             logger.warning("hdet-track: could not record the W&B run's owner: %s", exc)
         if run_start.start_step > 0:  # a resumed job: what earlier sessions stored is not written twice
             stored = _stored_before(run) or StoredSteps()
-            logged = _LOGGED.get(run.id, _Logged()) if self._existing is not None else _Logged()
+            logged = LOGGED.get(run.id, Logged()) if self._existing is not None else Logged()
             stored.rows = max(stored.rows, logged.rows)  # what its file may not hold yet
-            self._stored, self._user_through = stored, dict(logged.user)
+            self._fresh = FreshRows(stored, logged.user)
             if (
                 not (self._given and self._given.ended()) and "hdet/error" in run.summary.keys()
             ):  # the failed attempt's error goes aside
                 run.summary["hdet/resumed_after"] = run.summary["hdet/error"]
                 del run.summary["hdet/error"]
 
-    def _write_owner(self) -> None:
-        """The owner file, replaced whole (a reader never sees half of it)."""
-        folder = Path(self._run.dir) / ARTIFACT_DIR
-        folder.mkdir(parents=True, exist_ok=True)
-        temporary = folder / f".{OWNER_FILE}.tmp"
-        temporary.write_text(json.dumps(self._owner), encoding="utf-8")
-        os.replace(temporary, folder / OWNER_FILE)
-
     def heartbeat(self, beat: dict[str, float]) -> None:
-        if self._run is not None and self._run_open:
-            self._owner["alive"] = beat
-            self._write_owner()
+        if self._owner is not None and self._run_open:
+            self._owner.beat(beat)
 
     def log(self, batch: Batch) -> None:
         rows: dict[tuple[str, int], dict[str, float]] = defaultdict(dict)
-        points, batch = _unstored(batch, self._stored, self._user_through)
-        # a step's HDET rows come once per session: a spill taken over up to the checkpoint, then the
-        # resumed job's first window (its losses are in the checkpoint), would send some again
-        through = self._session_through
-        points = [p for p in points if not (_per_step(p.key) and p.step <= through[0])]
-        fresh = [b.select(b.step > through[1]) for b in batch.steps if (b.step > through[1]).any()]
-        batch = dataclasses.replace(batch, steps=fresh)
+        points, batch = self._fresh.take(batch)
         if self._existing is not None:  # the run's loss/lr are its owner's: HDET's means go beside them
             points = [p._replace(key=names.MEANS_IN_GIVEN_RUN.get(p.key, p.key)) for p in points]
         for p in points:
@@ -524,28 +427,21 @@ class WandbTracker(Tracker):
             if not names.is_hdet_series(p.key):
                 self._user_points.append({"key": p.key, "step": p.step, "value": p.value})
             rows[(axis, p.step)][p.key] = p.value
-        logged = _LOGGED.setdefault(self._run.id, _Logged()) if self._existing is not None else None
+        logged = LOGGED.setdefault(self._run.id, Logged()) if self._existing is not None else None
 
         def log_rows() -> None:
             for (axis, step), row in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][0])):
                 row[axis] = step
                 self._run.log(row)
                 if logged is not None:  # once W&B took it
-                    for key in row:
-                        if names.is_hdet_series(key):
-                            logged.rows = max(logged.rows, step)
-                        elif key not in (STEP, SYNC_STEP):
-                            logged.user[key] = max(logged.user.get(key, -1), step)
+                    logged.took(row, step, (STEP, SYNC_STEP))
 
         self._call(log_rows)
         assert self._archive is not None
         self._archive.add(batch.events)
         for block in batch.steps:
             self._archive.add_steps(block)
-        self._session_through = (
-            max([through[0], *(p.step for p in points if _per_step(p.key))]),
-            max([through[1], *(int(b.step.max()) for b in batch.steps)]),
-        )
+        self._fresh.sent(points, batch)
         if self._archive.due():
             self._write_archive()
 
@@ -568,7 +464,7 @@ class WandbTracker(Tracker):
         self._write_archive()
         if self._run is None or not self._run_open or self._existing is not None:
             return  # a given run's file is written at its owner's interval (15 s by default): not waited for
-        path = self._run_file()
+        path = _run_file(self._run)
         if path:  # else no run file to wait for
             _wait_for_rows(self._run, path, self._file_progress)
 
@@ -591,10 +487,10 @@ class WandbTracker(Tracker):
                 self._run.summary["hdet/error"] = run_end.error[-4000:]
 
         self._call(end)
-        if self._existing is not None and self._owner.pop("alive", None) is not None:
-            self._write_owner()  # left open for its owner, whose process this tracker's heartbeat does not speak for
+        if self._existing is not None and self._owner is not None:
+            self._owner.release()  # left open for its owner
         if self._existing is None:
-            path = self._run_file()
+            path = _run_file(self._run)
             self._run.finish(exit_code=0 if run_end.status == "FINISHED" else 1)
             # so that the run reads back whole as soon as close() returns (readers, `compare`)
             if path and not wait_until_written(path, FINISH_WAIT_SECONDS, self._file_progress(path)):
