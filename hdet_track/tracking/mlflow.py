@@ -121,8 +121,7 @@ class MLflowTracker(Tracker):
         self._archived = (-1, -1)  # a resumed run: the archive's step rows, and its events, up to these steps
         self._user_steps: dict[str, set[int]] | None = None  # a resumed run: user key -> steps in the store
         self._archive: EventArchive | None = None
-        self._pending: list[Path] = []
-        self._pending_folder: Path | None = None  # this run's archive chunks until they are uploaded
+        self._pending: _PendingChunks | None = None  # this run's archive chunks until they are uploaded
 
     @property
     def run_id(self) -> str | None:
@@ -146,9 +145,7 @@ class MLflowTracker(Tracker):
         # What IsolatedTracker sends its child: the settings (and a resume request), never the
         # state of a run this object logged before: each child, i.e. each scheduler, starts its run.
         state = self.__dict__.copy()
-        state.update(
-            _run_id=None, _client=None, _archive=None, _pending=[], _attached=False, _given=False, _pending_folder=None
-        )
+        state.update(_run_id=None, _client=None, _archive=None, _pending=None, _attached=False, _given=False)
         state.update(_skip_until=-1, _archived=(-1, -1), _user_steps=None)
         state.pop("_run_owner", None)
         return state
@@ -210,7 +207,7 @@ class MLflowTracker(Tracker):
     def _start(self, run_start: RunStart) -> None:
         self._client, self._run_id, self._attached, self._given = None, None, False, False
         self._skip_until, self._archived, self._user_steps = -1, (-1, -1), None
-        self._archive, self._pending = None, []
+        self._archive, self._pending = None, None
         mlflow, MlflowClient = _import_mlflow()
         uri = self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or mlflow.get_tracking_uri()
         client = MlflowClient(uri)
@@ -239,8 +236,10 @@ class MLflowTracker(Tracker):
         self._skip_until, self._archived, self._user_steps = opened.skip_until, opened.archived, opened.user_steps
         self._client = client
         self._run_id = opened.run_id
+        head = {"backend": self.name, "run_id": opened.run_id, "settings": self.spill_settings()}
+        self._pending = _PendingChunks(self.spill_dir(), head)
         self._archive = EventArchive(
-            self._pending_chunks(opened.run_id) / ARTIFACT_DIR,
+            self._pending.folder / ARTIFACT_DIR,
             chunk_seconds=self.chunk_seconds,
             start_index=opened.start_index,
         )
@@ -248,32 +247,9 @@ class MLflowTracker(Tracker):
         # a later run of this object is a new one
         self._resume_id, self._carry_on = None, None
 
-    def _pending_chunks(self, run_id: str) -> Path:
-        """Where this run's archive chunks wait until they are uploaded: a folder of the spill
-        directory, so that chunks an outage or a kill kept from the store are found again (by the
-        next job on the store or ``hdet-track recover``; :func:`upload_pending`). An uploaded chunk
-        is removed from it, and the folder when the run ends."""
-        folder = self.spill_dir() / f"{PENDING_PREFIX}{run_id}-{os.getpid()}"
-        head = {"backend": self.name, "run_id": run_id, "settings": self.spill_settings(), "owner": process_identity()}
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / PENDING_HEADER).write_text(json.dumps(head))
-        except OSError as exc:  # a read-only home, no home: the store works, so the run must too
-            fallback = Path(tempfile.mkdtemp(prefix=f"{PENDING_PREFIX}{run_id}-"))
-            logger.warning(
-                "hdet-track: cannot write %s (%s: %s); this run's event-archive chunks wait in %s until uploaded "
-                "instead (a job killed before uploading them leaves them there, where no later job looks)",
-                folder, type(exc).__name__, exc, fallback,
-            )  # fmt: skip
-            folder = fallback
-            (folder / PENDING_HEADER).write_text(json.dumps(head))
-        self._pending_folder = folder
-        return folder
-
     def keep_alive(self) -> None:
-        folder = getattr(self, "_pending_folder", None)
-        if folder is not None:
-            os.utime(folder / PENDING_HEADER)
+        if self._pending is not None:
+            self._pending.touch()
 
     def log(self, batch: Batch) -> None:
         # The store and the archive each get only the steps they lack (a resumed job repeats some).
@@ -296,8 +272,8 @@ class MLflowTracker(Tracker):
             steps_through = max(steps_through, int(block.step.max()))
         self._archived = (steps_through, events_through)
         if self._archive.due():
-            self._pending += self._archive.write_or_keep()
-        self._upload(strict=False)
+            self._pending.add(self._archive.write_or_keep())
+        self._pending.upload(self._client, strict=False)
 
     def _log_user(self, points: list[Point]) -> None:
         """The user's metrics; after a resume, only a (key, step) the store does not hold yet."""
@@ -335,36 +311,23 @@ class MLflowTracker(Tracker):
             self._client.set_tag(self._run_id, names.MLFLOW_ALIVE_TAG, json.dumps(beat))
 
     def flush(self) -> None:
-        if self._archive is not None:
-            self._pending += self._archive.write_or_keep()
-        self._upload(strict=False)
-
-    def _upload(self, strict: bool) -> None:
-        while self._pending:
-            path = self._pending[0]
-            try:
-                self._client.log_artifact(self._run_id, str(path), artifact_dir(path))
-            except Exception:
-                if strict:
-                    raise
-                logger.debug("hdet-track: artifact upload of %s deferred", path, exc_info=True)
-                return
-            self._pending.pop(0)
-            path.unlink(missing_ok=True)
+        if self._archive is not None and self._pending is not None:
+            self._pending.add(self._archive.write_or_keep())
+            self._pending.upload(self._client, strict=False)
 
     def finish(self, run_end: RunEnd) -> None:
         if self._run_id is None or not self._run_open:
             return
-        if self._archive is not None:
+        if self._archive is not None and self._pending is not None:
             try:
-                self._pending += self._archive.write()
+                self._pending.add(self._archive.write())
             except OSError as exc:  # this host's disk, not the store: the run still ends, and says so
-                self._pending += self._archive.written()  # the chunks it did write still go
+                self._pending.add(self._archive.written())  # the chunks it did write still go
                 logger.error(
                     "hdet-track: the event archive's last rows of run %s could not be written (%s: %s); the run "
                     "ends without them (its metric histories hold every step)", self._run_id, type(exc).__name__, exc,
                 )  # fmt: skip
-        self._upload(strict=True)
+            self._pending.upload(self._client, strict=True)
         if run_end.error:
             self._client.set_tag(self._run_id, "hdet.error", run_end.error[-4900:])
         if not (self._attached and run_end.status == "FINISHED"):  # else its owner (a Lightning logger...) ends it
@@ -375,15 +338,67 @@ class MLflowTracker(Tracker):
             self._client.delete_tag(self._run_id, names.MLFLOW_ALIVE_TAG)
         # Ended (run_id still names it): the next start(), a later scheduler's, makes a new run.
         self.run_name = self._given_run_name
-        if getattr(self, "_pending_folder", None) is not None:
-            shutil.rmtree(self._pending_folder, ignore_errors=True)  # every chunk is in the store
-            self._pending_folder = None
+        if self._pending is not None:
+            self._pending.remove()  # every chunk is in the store
+            self._pending = None
         self._end_run()
+
+
+class _PendingChunks:
+    """Where a run's archive chunks wait until they are uploaded: a folder of the spill directory
+    ``spill_dir``, so that chunks an outage or a kill kept from the store are found again (by the
+    next job on the store or ``hdet-track recover``; :func:`upload_pending`). An uploaded chunk is
+    removed from it, and the folder when the run ends. ``head`` says whose they are (backend, run
+    id, store settings); this process is added as their writer."""
+
+    def __init__(self, spill_dir: Path, head: dict[str, Any]) -> None:
+        run_id = head["run_id"]
+        self.run_id = run_id
+        self.paths: list[Path] = []  # written, not yet uploaded, oldest first
+        head = head | {"owner": process_identity()}
+        folder = spill_dir / f"{PENDING_PREFIX}{run_id}-{os.getpid()}"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / PENDING_HEADER).write_text(json.dumps(head))
+        except OSError as exc:  # a read-only home, no home: the store works, so the run must too
+            fallback = Path(tempfile.mkdtemp(prefix=f"{PENDING_PREFIX}{run_id}-"))
+            logger.warning(
+                "hdet-track: cannot write %s (%s: %s); this run's event-archive chunks wait in %s until uploaded "
+                "instead (a job killed before uploading them leaves them there, where no later job looks)",
+                folder, type(exc).__name__, exc, fallback,
+            )  # fmt: skip
+            folder = fallback
+            (folder / PENDING_HEADER).write_text(json.dumps(head))
+        self.folder = folder
+
+    def add(self, paths: list[Path]) -> None:
+        self.paths += paths
+
+    def upload(self, client: Any, strict: bool) -> None:
+        """Upload the waiting chunks, oldest first; one the store refuses stays (``strict``: raised)."""
+        while self.paths:
+            path = self.paths[0]
+            try:
+                client.log_artifact(self.run_id, str(path), artifact_dir(path))
+            except Exception:
+                if strict:
+                    raise
+                logger.debug("hdet-track: artifact upload of %s deferred", path, exc_info=True)
+                return
+            self.paths.pop(0)
+            path.unlink(missing_ok=True)
+
+    def touch(self) -> None:
+        """The writer is alive (a quiet run's chunks are not another job's to upload)."""
+        os.utime(self.folder / PENDING_HEADER)
+
+    def remove(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def upload_pending(folder: Path, settings: dict[str, Any]) -> str:
     """Upload the archive chunks a gone process left in ``folder`` (see
-    :meth:`MLflowTracker._pending_chunks`) to their run, oldest first; a chunk the run already
+    :class:`_PendingChunks`) to their run, oldest first; a chunk the run already
     holds (uploaded just before that process died) is not sent twice. The folder is removed once
     every chunk is in the store; returns a line saying what happened."""
     head = json.loads((folder / PENDING_HEADER).read_text())
