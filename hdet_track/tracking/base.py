@@ -358,11 +358,21 @@ def redact(config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# a URL's password (``http://user:PASSWORD@host``) and its query's credentials (``?token=...``)
+_URL_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^\s:@/]*:)[^\s@/]+@")
+_QUERY_SECRET = re.compile(
+    r"(?P<head>[?&](?:access_token|token|api_key|apikey|key|password|passwd|secret|sig|signature)=)[^&\s#]+",
+    re.IGNORECASE,
+)
+
+
 def mask_secrets(text: str | None) -> str | None:
-    """``text`` (a run's name, group, tag) with every secret environment variable's value replaced
-    by ``***``: kept, since runs are found by it, but never with the secret."""
+    """``text`` (a run's name, group, tag, an error message) with every secret environment
+    variable's value, a URL's password and a URL's credential parameters replaced by ``***``: kept,
+    since runs are found by it, but never with the secret."""
     if not text:
         return text
     for secret in sorted(_secrets(), key=len, reverse=True):
         text = text.replace(secret, "***")
-    return text
+    text = _URL_PASSWORD.sub(r"\g<head>***@", text)
+    return _QUERY_SECRET.sub(r"\g<head>***", text)

@@ -22,7 +22,8 @@ import time
 import traceback
 import uuid
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +84,7 @@ class _Sink:
         if not getattr(self.tracker, "expands_records", False):
             batch = materialize(batch)
         if self.down_since is not None:
-            if time.monotonic() < self.next_retry or not self._replay():
+            if time.monotonic() < self.next_retry or not self.retry():
                 self._spill(batch)
                 return
         try:
@@ -116,7 +117,7 @@ class _Sink:
                 "hdet-track: %s refused %s for its content (%s); set aside in %s (not retried), the rest of the run goes on%s",
                 self.label,
                 describe_part(part),
-                exc,
+                mask_secrets(str(exc)),
                 self.refused.path,
                 "; further refused parts go there without a warning" if self.set_aside == _REFUSALS_TOLD else "",
             )
@@ -160,7 +161,7 @@ class _Sink:
                 "hdet-track: %s is unavailable (%s: %s); buffering to %s and retrying",
                 self.label,
                 type(exc).__name__,
-                exc,
+                mask_secrets(str(exc)),  # a server's error may quote its URL, token and all
                 self.spill.path,
             )
         self.failures += 1
@@ -191,12 +192,21 @@ class _Sink:
             return
         self.spilled += 1
 
+    def retry(self) -> bool:
+        """Replay the spill (:meth:`_replay`); a failure of the spill file itself (unreadable, not
+        removable) is logged and counts as not replayed, so that the batch at hand is spilled, not lost."""
+        try:
+            return self._replay()
+        except Exception:  # noqa: BLE001 - the backend's own failures are handled inside
+            logger.error("hdet-track: the spill %s could not be replayed:\n%s", self.spill.path, traceback.format_exc())
+            return False
+
     def _replay(self) -> bool:
         """Send the spilled batches in order; keep the unsent ones. True when all went through."""
         if not self.spill.path.exists():
             self.down_since, self.failures = None, 0
             return True
-        sent = 0
+        sent = replayed = 0
         probe = self.spill.first()  # the first batch alone: a backend still down costs one line, not the file
         if probe is not None:
             head, first = probe
@@ -204,36 +214,57 @@ class _Sink:
                 self._send(first)
             except Exception as exc:  # noqa: BLE001
                 self._went_down(exc)
-                header = spill_header(self.tracker, self.run_start)
-                if json.dumps(header) != head:  # the run, if created since
-                    self.spill.header = header
-                    self.spill.keep_from(0)
+                if json.dumps(spill_header(self.tracker, self.run_start)) != head:  # the run, if created since
+                    self._keep_unsent(0)
                 return False
-            sent = 1
+            sent = replayed = 1
+            # the run this send created goes into the file's header at once: a process killed later
+            # in the replay leaves a spill that continues it (one that named no run made a second)
+            if json.dumps(spill_header(self.tracker, self.run_start)) != head and self._keep_unsent(1, keep_empty=True):
+                sent = 0
         batches = self.spill.batches()
         for i, batch in enumerate(batches[sent:], start=sent):
             try:
                 self._send(batch)
             except Exception as exc:  # noqa: BLE001
                 self._went_down(exc)
-                self.spill.header = spill_header(self.tracker, self.run_start)  # the run, if created since
-                self.spill.keep_from(i)
+                self._keep_unsent(i)
                 return False
-        self.spill.path.unlink()
+            replayed += 1
+        self.spill.path.unlink(missing_ok=True)
         logger.warning(
             "hdet-track: %s is back after %.1f s; replayed %d buffered batches",
             self.label,
             time.monotonic() - (self.down_since or time.monotonic()),
-            len(batches),
+            replayed,
         )
         self.down_since, self.failures = None, 0
+        return True
+
+    def _keep_unsent(self, index: int, keep_empty: bool = False) -> bool:
+        """The spill without its first ``index`` batches (sent), under the header naming the run as it
+        stands now. False when the file cannot be rewritten (a full disk): it stays as it is, and the
+        batches sent go again at the next replay (each step is written once: a resumed run's tracker
+        skips what its store holds), rather than the writer thread dying and the run's end with it."""
+        self.spill.header = spill_header(self.tracker, self.run_start)
+        try:
+            self.spill.keep_from(index, keep_empty=keep_empty)
+        except OSError as exc:
+            logger.error(
+                "hdet-track: the spill %s cannot be rewritten (%s); the %d batch(es) already sent to %s stay in it",
+                self.spill.path,
+                exc,
+                index,
+                self.label,
+            )
+            return False
         return True
 
     def drain(self, deadline: float) -> None:
         """At shutdown: retry the spill until it is empty or the deadline passes (a backend whose
         library cannot be imported is tried once: it cannot come back in this process)."""
         while self.down_since is not None and time.monotonic() < deadline:
-            if self._replay() or self.broken:
+            if self.retry() or self.broken:
                 return
             time.sleep(min(self.retry_seconds, max(0.0, deadline - time.monotonic())))
 
@@ -247,8 +278,10 @@ def default_shutdown_timeout() -> float:
         value = float(text)
     except ValueError:
         value = -1.0
-    if not value >= 0:
-        raise ValueError(f"Expected HDET_TRACK_SHUTDOWN_TIMEOUT to be a number of seconds >= 0, but got {text!r}")
+    if not 0 <= value < math.inf:
+        raise ValueError(
+            f"Expected HDET_TRACK_SHUTDOWN_TIMEOUT to be a finite number of seconds >= 0, but got {text!r}"
+        )
     return value
 
 
@@ -435,7 +468,7 @@ class TrackingHub:
                     finished = self._ended and not self._queue
                 next_drain = time.monotonic() + self.flush_seconds
             if not finished and self.heartbeat_seconds is not None and time.monotonic() >= self._next_beat:
-                self._beat()
+                self._guarded(self._beat)
             if not finished and time.monotonic() >= self._next_touch:
                 for sink in self._sinks:
                     sink.keep_alive()
@@ -444,7 +477,7 @@ class TrackingHub:
                 self.started.set()
                 deadline = time.monotonic() + self.shutdown_timeout
                 for sink in self._sinks:
-                    sink.drain(deadline)
+                    self._guarded(partial(sink.drain, deadline))
                     if sink.down_since is not None:
                         logger.warning(
                             "hdet-track: %s still unavailable at shutdown; its unsent data stays in %s",
@@ -452,6 +485,15 @@ class TrackingHub:
                             sink.spill_path,
                         )
                 return
+
+    @staticmethod
+    def _guarded(work: Callable[[], object]) -> None:
+        """``work`` in the writer thread: an error is a warning, never the thread's end (which would
+        leave every later batch, and the run's end, undelivered and unspilled)."""
+        try:
+            work()
+        except Exception:  # noqa: BLE001 - the writer must never take training down
+            logger.warning("hdet-track: the tracking writer failed:\n%s", traceback.format_exc())
 
     def _beat(self) -> None:
         """A heartbeat to each tracker whose run is open and whose backend answers. A backend that
@@ -462,7 +504,7 @@ class TrackingHub:
         if not self._ended:
             beat = owner.heartbeat(self.heartbeat_seconds, identity=self._identity)
             for sink in self._sinks:
-                if sink.down_since is not None and (time.monotonic() < sink.next_retry or not sink._replay()):
+                if sink.down_since is not None and (time.monotonic() < sink.next_retry or not sink.retry()):
                     continue
                 if sink.tracker.run_id is not None:
                     try:

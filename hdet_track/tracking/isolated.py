@@ -58,11 +58,14 @@ def _serve(conn_in: Connection, conn_out: Connection) -> None:
     # the run's owner is the training process; this one writes for it (a reader checks both)
     inner.owner = process_identity(os.getppid()) | {"writer": process_identity()}
     started, last_step = False, 0
+    # a spill's replay (`hdet-track recover`): its process gone is not the job's end, which the
+    # spill holds; the run stays as it is for the next replay (the claim on the spill is taken back)
+    replay = bool(getattr(inner, "_replaying_spill", False))  # see MLflowTracker.replaying
     while True:
         try:
             method, args = conn_in.recv()
         except (EOFError, OSError):
-            _vanished(inner, started, last_step)
+            _vanished(inner, started and not replay, last_step)
             return
         if method == "detach":  # the caller gives up on this run for now and leaves it as it is
             conn_out.send((True, None, False))
@@ -90,7 +93,7 @@ def _serve(conn_in: Connection, conn_out: Connection) -> None:
         try:
             conn_out.send(reply)
         except OSError:  # the training process died while this call ran
-            _vanished(inner, started and method != "finish", last_step)
+            _vanished(inner, started and method != "finish" and not replay, last_step)
             return
         if method == "finish":
             return

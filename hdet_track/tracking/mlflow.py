@@ -199,6 +199,9 @@ class MLflowTracker(Tracker):
 
     def replaying(self) -> None:
         self._from_environment = False
+        # its writer process, once the replaying process is gone (a recover killed half-way), leaves
+        # the run as it is for the next replay: the job's end is in the spill (isolated._serve)
+        self._replaying_spill = True
 
     def start(self, run_start: RunStart) -> None:
         # Once per run (a retry of start is a no-op); after finish() a new run (the next scheduler's).
