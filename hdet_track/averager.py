@@ -50,6 +50,8 @@ class ReplicaAverager:
         self._buckets: list[collectives.Bucket] = []
         self._consensus: list[torch.Tensor] | None = None
         self._state_said = False  # average_optimizer_state() warned that it could not
+        # said (once) at the first restore: what a rollback cannot restore (the scheduler's model=)
+        self.restore_note: str | None = None
         self._layout: list[tuple[torch.Size, torch.dtype]] | None = None  # the buckets' (size, dtype), once known
         self.layout_problem: str | None = None  # set by local_finite(): this rank's tensors changed
         found = tensors()
@@ -160,6 +162,9 @@ class ReplicaAverager:
                 b.copy_back()
         self.optimizer.state.clear()
         self._buckets = []
+        if self.restore_note:
+            logger.warning("hdet-track: %s", self.restore_note)
+            self.restore_note = None
 
     def average_optimizer_state(self) -> None:
         """Average the optimizer's state (momentum buffers, Adam's moments: every floating tensor of

@@ -61,6 +61,12 @@ from .views import Views
 
 __all__ = ["HDETScheduler", "SyncReport"]
 
+_NO_MODEL_AT_ROLLBACK = (
+    "a rollback restored the optimizer's parameters to the last good consensus, not the model's buffers "
+    "(BatchNorm's running statistics keep what the blow-up put in them, NaN included): pass "
+    "HDETScheduler(..., model=model) so that buffers are averaged, kept and restored too"
+)
+
 SyncReport = SyncRecord  # the name of hdet-track 0.1
 
 
@@ -223,8 +229,11 @@ class HDETScheduler(Views, Syncing, Reporting, Checkpointing, OneCycleLR):
         self._div = (float(div_factor), float(final_div_factor))
         fan = self._fanout
         keep = self._controller is not None and self._controller.rollback
+        averager = ReplicaAverager(self._sync_tensors, optimizer, process_group, keep_consensus=keep)
+        if model is None:
+            averager.restore_note = _NO_MODEL_AT_ROLLBACK
         self._converger = Converger(
-            ReplicaAverager(self._sync_tensors, optimizer, process_group, keep_consensus=keep),
+            averager,
             self._controller,
             names=fan.names,
             multipliers=fan.multipliers,

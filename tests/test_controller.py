@@ -1016,3 +1016,39 @@ def test_the_first_window_defaults_are_round_17s():
     assert (c.evidence.skip_windows, c.revert_unconfirmed, c.evidence.revert_unconfirmed) == (1, "shared", True)
     held = DriftController(confirm_skipped=True)
     assert (held.revert_unconfirmed, held.evidence.confirm_skipped) == (False, True)
+
+
+@pytest.mark.parametrize("given", [True, False])
+def test_a_rollback_without_the_model_says_that_its_buffers_were_not_restored(given, caplog):
+    """An audit's finding: a rollback restores what the scheduler averages. Without ``model=`` that
+    is the optimizer's parameters: BatchNorm's running statistics kept the blow-up's NaN, and the
+    model evaluated to NaN for the rest of the run, without a word. With ``model=`` they are
+    restored; without it the first rollback now says so."""
+    from torch import nn
+
+    from hdet_track import HDETScheduler
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    sched = HDETScheduler(opt, 0.05, total_steps=20, sync_every=5, auto_lr=True, **({"model": model} if given else {}))
+    rolled = []
+    with caplog.at_level("WARNING", logger="hdet_track"):
+        for step in range(20):
+            x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+            if step == 6:
+                x = x * float("nan")
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step(loss.detach())
+            if sched.last_sync is not None and sched.last_sync.rolled_back:
+                rolled.append(sched.last_sync.step)
+    assert rolled  # the guard rolled back
+    said = [r.getMessage() for r in caplog.records if "model=" in r.getMessage()]
+    assert bool(torch.isfinite(model[1].running_mean).all()) is given
+    if given:
+        assert said == []
+    else:
+        assert len(said) == 1 and "buffers" in said[0], said  # once, naming what to pass
