@@ -315,3 +315,110 @@ def test_a_run_given_then_resumed_as_the_jobs_own_keeps_hdets_means_apart_from_t
     assert [(m.step, m.value) for m in client.get_metric_history(run_id, "loss")] == [(k, 3.0) for k in range(1, 5)]
     assert sorted(m.step for m in client.get_metric_history(run_id, "hdet/loss")) == list(range(1, 7))
     assert client.get_run(run_id).info.status == "FINISHED"
+
+
+def _forking_job(uri, ckpt, scale, start=0, stop=10, keep_open=False):
+    """A small tracked job: from scratch (a checkpoint after step 5), or resumed from ``ckpt``; its
+    losses (and val_loss) times ``scale``, so that each job's points tell which job wrote them."""
+    import torch
+
+    from hdet_track import HDETScheduler
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    sched = HDETScheduler(
+        opt, max_lr=0.05, total_steps=10, sync_every=5, model=model,
+        track=MLflowTracker(tracking_uri=uri, experiment="fork"),
+    )  # fmt: skip
+    if start:
+        state = torch.load(ckpt, weights_only=True)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        sched.load_state_dict(state["sched"])
+    for step in range(start + 1, stop + 1):
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
+        loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step(loss)
+        sched.log_metrics({"val_loss": scale * step}, step=step)
+        if step == 5 and not start:
+            sched.flush()
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()}, ckpt)
+    if not keep_open:
+        sched.close()
+    return sched
+
+
+def _val(client, run_id):
+    return {m.step: m.value for m in client.get_metric_history(run_id, "val_loss")}
+
+
+def test_a_second_job_resumed_from_the_checkpoint_of_a_finished_run_logs_to_a_run_of_its_own(tmp_path, capfd):
+    """An audit's finding: two jobs resumed from one checkpoint (a fork, a rerun of a finished job)
+    shared the run. The second found it logged through the end and wrote nothing, silently, and
+    ended it FINISHED again. Now a run that another attempt ended FINISHED is not reopened: the job
+    logs to a new run, linked to the old one by its tags, and says so."""
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    ckpt = tmp_path / "ckpt.pt"
+    client = MlflowClient(uri)
+    first = _forking_job(uri, ckpt, 1.0).run_ids["mlflow"]
+    resumed = _forking_job(uri, ckpt, 2.0, start=5).run_ids["mlflow"]  # B1: the run's own resume
+    assert resumed != first
+    capfd.readouterr()
+    again = _forking_job(uri, ckpt, 3.0, start=5).run_ids["mlflow"]  # B2, from the same checkpoint
+    assert len({first, resumed, again}) == 3
+    assert _val(client, first) == {s: 1.0 * s for s in range(1, 11)}  # the finished run is left as it was
+    for run_id, scale in ((resumed, 2.0), (again, 3.0)):
+        run = client.get_run(run_id)
+        assert run.info.status == "FINISHED"
+        assert run.data.tags["hdet.forked_from"] == first and run.data.tags["hdet.forked_at_step"] == "5"
+        assert _val(client, run_id) == {s: scale * s for s in range(6, 11)}
+        assert MLflowReader(uri).read(run_id).steps.step.min() == 6
+    said = [line for line in capfd.readouterr().err.splitlines() if first in line]  # the tracker process's
+    assert said and "FINISHED" in said[0] and again in said[0], said
+
+
+_HOLDING_JOB = """
+import sys
+from tests.test_resume_mlflow import _forking_job
+sched = _forking_job(sys.argv[1], sys.argv[2], 2.0, start=5, stop=8, keep_open=True)
+sched.flush()
+print(sched.run_ids["mlflow"], flush=True)
+sys.stdin.read()  # trains on until the test lets it end
+sched.close()
+"""
+
+
+def test_a_job_resumed_into_a_run_a_live_process_is_logging_logs_to_a_run_of_its_own(tmp_path):
+    """The same for two jobs resumed at once: their points went into one run, two per step, and the
+    run read back as a trajectory made of both trainings."""
+    from pathlib import Path
+
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    ckpt = tmp_path / "ckpt.pt"
+    client = MlflowClient(uri)
+    first = _forking_job(uri, ckpt, 1.0, stop=7, keep_open=True)  # the first attempt, killed after step 7
+    run_id = first.run_ids["mlflow"]
+    first.close("KILLED")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    b1 = subprocess.Popen(
+        [sys.executable, "-c", _HOLDING_JOB, uri, str(ckpt)],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert b1.stdout.readline().strip() == run_id  # B1 resumed the run and is training in it
+        b2 = _forking_job(uri, ckpt, 3.0, start=5)  # B2, from the same checkpoint, meanwhile
+        forked = b2.run_ids["mlflow"]
+        assert forked != run_id and client.get_run(forked).data.tags["hdet.forked_from"] == run_id
+        assert _val(client, forked) == {s: 3.0 * s for s in range(6, 11)}
+    finally:
+        b1.communicate("", timeout=120)
+    values = _val(client, run_id)
+    assert values == {s: (2.0 if s > 7 else 1.0) * s for s in range(1, 9)}  # the killed attempt's, then B1's
+    assert client.get_run(run_id).info.status == "FINISHED"

@@ -21,7 +21,7 @@ from .. import names
 from .._checks import check_number, check_str
 from ..errors import needs_extra
 from ..events import RunEnd, RunStart
-from ..owner import process_identity
+from ..owner import described, owner_alive, process_identity
 from ..summaries import SUMMARY_DIR
 from ._common import run_params, run_tags, warn_second_training
 from .archive import ARTIFACT_DIR, EventArchive, artifact_dir, chunk_index
@@ -34,6 +34,10 @@ logger = logging.getLogger(__name__)
 DEFAULT_EXPERIMENT = "hdet"
 _MAX_METRICS = 1000
 _MAX_PARAMS = 100
+# A run a resumed job did not continue, because another attempt had it (see _taken): the run and the
+# checkpoint's step it forked from.
+FORKED_FROM_TAG = "hdet.forked_from"
+FORKED_AT_TAG = "hdet.forked_at_step"
 # The last step whose HDET metric points are all in the store (set with each log_batch): where a
 # resumed job's points begin (the thinned series cannot say, and the event archive may lag it).
 LOGGED_THROUGH_TAG = "hdet.logged_through"
@@ -224,8 +228,19 @@ class MLflowTracker(Tracker):
         attach = self._attach_id or (os.environ.get("MLFLOW_RUN_ID") if self._from_environment else None)
         # one given in code (Hugging Face's, Lightning's run), not $MLFLOW_RUN_ID (`mlflow run`'s, this job's own)
         self._given = bool(self._attach_id)
-        if attach or self._resume_id:
-            carry = self._carry_on is not None
+        carry = self._carry_on is not None
+        taken = None if attach or carry or not self._resume_id else _taken(client, self._resume_id, self)
+        if taken is not None:  # another attempt's run: this one gets its own, linked to it
+            why, earlier = taken
+            tags |= {FORKED_FROM_TAG: earlier.info.run_id, FORKED_AT_TAG: str(run_start.start_step)}
+            name = mask_secrets(self.run_name) or earlier.info.run_name
+            opened = _create(client, None, run_start, name, tags, experiment_id=earlier.info.experiment_id)
+            logger.warning(
+                "hdet-track: MLflow run %s, which this job's checkpoint (step %d) continues, %s: this attempt "
+                "logs to a new run, %s (its tags %s and %s name the run and step it forked from)",
+                earlier.info.run_id, run_start.start_step, why, opened.run_id, FORKED_FROM_TAG, FORKED_AT_TAG,
+            )  # fmt: skip
+        elif attach or self._resume_id:
             opened = _reopen(client, attach or self._resume_id, run_start, resumed=not attach, carry_on=carry)
         else:
             experiment = self.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT
@@ -441,12 +456,48 @@ class _Opened:
     means_given: bool = False
 
 
-def _create(client: Any, experiment: str, run_start: RunStart, run_name: str | None, tags: dict[str, str]) -> _Opened:
-    """A new run in ``experiment`` (made if need be; never for a run given to attach to)."""
-    exp = client.get_experiment_by_name(experiment)
-    exp_id = exp.experiment_id if exp is not None else client.create_experiment(experiment)
+def _create(
+    client: Any,
+    experiment: str | None,
+    run_start: RunStart,
+    run_name: str | None,
+    tags: dict[str, str],
+    experiment_id: str | None = None,
+) -> _Opened:
+    """A new run in ``experiment`` (made if need be; never for a run given to attach to), or in the
+    experiment ``experiment_id``."""
+    exp_id = experiment_id
+    if exp_id is None:
+        exp = client.get_experiment_by_name(experiment)
+        exp_id = exp.experiment_id if exp is not None else client.create_experiment(experiment)
     start_ms = int((run_start.time or time.time()) * 1000)
     return _Opened(client.create_run(exp_id, start_time=start_ms, run_name=run_name, tags=tags).info.run_id)
+
+
+def _taken(client: Any, run_id: str, tracker: Any) -> tuple[str, Any] | None:
+    """Why the run ``run_id``, which a resumed job's checkpoint names, is another attempt's, and
+    the run; None when it is this job's to continue (its earlier attempt failed, was killed, or
+    left it RUNNING with no live process). Two jobs resumed from one checkpoint (a fork, a rerun
+    of a job that finished) shared it: the second found it logged through the end and wrote
+    nothing, or, at once, both wrote every step. Another host's process is not checked: a job
+    restarted at once after its host died would take its own run for another's."""
+    run = client.get_run(run_id)
+    if run.info.status == "FINISHED":
+        return "was ended FINISHED by another attempt", run
+    if run.info.status != "RUNNING":
+        return None
+    try:
+        owner = json.loads(run.data.tags.get(names.MLFLOW_OWNER_TAG, ""))
+    except ValueError:
+        return None
+    me = getattr(tracker, "owner", None) or process_identity()
+    if not isinstance(owner, dict) or {k: owner.get(k) for k in ("host", "pid")} == {
+        k: me.get(k) for k in ("host", "pid")
+    }:
+        return None
+    if owner_alive(owner):
+        return f"is being logged by {described(owner)}, which is alive", run
+    return None
 
 
 def _reopen(client: Any, run_id: str, run_start: RunStart, resumed: bool, carry_on: bool = False) -> _Opened:
