@@ -132,6 +132,14 @@ def test_a_job_resumed_from_an_older_checkpoint_writes_no_step_twice(tmp_path, s
     assert val == {19: 1, 20: 1, 25: 1}
     assert sorted(archived) == [(s, 0) for s in range(1, 41)] and set(archived.values()) == {1}
     assert len(user) == 3 and set(user.values()) == {1}
+    # `wandb sync` puts both sessions' files into the one run: a chunk named as an earlier
+    # session's replaced it there (each session numbered its chunks from 1)
+    chunks = Counter(
+        os.path.relpath(path, os.path.join(directory, "files"))
+        for directory in _session_dirs(tmp_path)
+        for path in glob.glob(os.path.join(directory, "files", "hdet_events", "**", "*.parquet"), recursive=True)
+    )
+    assert chunks and set(chunks.values()) == {1}, chunks
     reader, run_id = _read(tmp_path)
     run = reader.read(run_id)
     assert run.status == "FINISHED"

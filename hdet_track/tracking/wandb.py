@@ -136,6 +136,13 @@ def _stored_before(run: Any) -> StoredSteps | None:
     return stored_steps(sessions) if sessions else None
 
 
+def _archive_folders(run: Any) -> list[Path]:
+    """The event-archive folders of ``run`` on this disk: this session's and its earlier sessions'."""
+    name = f"run-{run.id}.wandb"  # a session folder holds its run's file under the exact id
+    sessions = [d for d in Path(run.dir).parent.parent.glob("*run-*") if (d / name).is_file()]
+    return [Path(run.dir) / ARTIFACT_DIR] + [d / "files" / ARTIFACT_DIR for d in sessions]
+
+
 def _run_settings(wandb: Any) -> Any:
     """Settings for a run hdet-track starts: W&B's run file written every second, unless the user
     chose an interval (in the environment, ``wandb.setup(settings=...)`` or W&B's settings file)."""
@@ -389,8 +396,11 @@ class WandbTracker(Tracker):
                 warn_second_training("W&B", run.id)
 
         self._call(partial(_define_metrics, run, tags, given=self._existing is not None))
-        folder = Path(run.dir) / ARTIFACT_DIR  # a given run may hold an earlier scheduler's chunks: none overwritten
-        start = max((chunk_index(p.name) for p in folder.glob("*.parquet")), default=0)
+        folder = Path(run.dir) / ARTIFACT_DIR
+        # numbered after every chunk of the run on this disk: a given run's earlier scheduler's, and a
+        # resumed run's earlier sessions' (`wandb sync` puts their files into the one run, where a
+        # chunk named as an earlier session's replaced it)
+        start = max((chunk_index(p.name) for f in _archive_folders(run) for p in f.glob("*.parquet")), default=0)
         self._archive = EventArchive(folder, chunk_seconds=self.chunk_seconds, start_index=start)
         self._owner = OwnerFile(folder, run_start.start_step)
         try:
