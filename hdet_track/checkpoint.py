@@ -6,14 +6,21 @@ Format 2 (:meth:`hdet_track.HDETScheduler.state_dict`) holds only plain Python v
 ``generators`` and ``references`` (:class:`~hdet_track.fanout.FanOut`), ``controller`` (name, state
 and constructor ``settings``), ``settings`` (max_lr, total_steps, sync_every, spreads, param groups: what a
 job must share with the checkpoint to resume exactly), ``window`` (this rank's partial window;
-``windows``: every rank's), ``averager`` (the kept consensus) and ``runs`` (the tracked runs' ids).
-Checkpoints without ``settings``/``references`` (older ones) still load.
+``windows``: every rank's), ``averager`` (the kept consensus), ``runs`` (the tracked runs' ids), and
+what was in force: ``owns_lr`` (whether the optimizer's LRs were the ones HDET wrote last, or another
+scheduler had set its own since: SequentialLR's next scheduler after the milestone, a
+ChainedScheduler's factor), ``explored_shared`` (whether every rank held the explored values' shared
+base) and ``onecycle_lrs`` (plain OneCycle's LRs at the saved step).
+Checkpoints without ``settings``/``references`` or the three keys above (older ones, and hdet-track
+0.1's through :func:`upgrade`) still load: HDET's own LRs taken as in force, the explored values as
+HDET's step implies (this rank's; the shared base after the last step).
 
 :class:`Checkpointing` is the half of :class:`~hdet_track.scheduler.HDETScheduler` that saves and
 restores it. It expects the scheduler's OneCycle state (``__dict__``'s ``_onecycle_keys``),
 ``_fanout``, ``_controller``, ``_converger``, ``_callbacks``, ``_group``, ``_rank``, ``_world_size``,
-``_config``, ``_max_lrs``, ``_lr_bounds``, ``optimizer``, ``total_steps``, ``sync_every``, and its
-``_deliver`` and ``_refresh``.
+``_config``, ``_max_lrs``, ``_lr_bounds``, ``optimizer``, ``total_steps``, ``sync_every``,
+``_onecycle``, ``_explored_shared``, and its ``_deliver``, ``_refresh``, ``_restore_own_lrs``,
+``_apply_explored``, ``_owns_lr`` and ``_put_back_as_loaded``.
 """
 
 from __future__ import annotations
@@ -50,6 +57,8 @@ class Checkpointing:
     _callbacks: CallbackList
     _onecycle_keys: frozenset[str]
     _config: dict[str, Any]
+    _onecycle: list[float]
+    _explored_shared: bool
     _max_lrs: list[float]
     _lr_bounds: list[tuple[float, float]]
     _resumed_runs: dict[str, str]
@@ -58,17 +67,23 @@ class Checkpointing:
     _rank: int
     _world_size: int
     optimizer: torch.optim.Optimizer
+    last_epoch: int
     total_steps: int
     sync_every: int
     _deliver: Callable[..., None]  # Reporting's: hand a waiting record to the callbacks
-    _refresh: Callable[[], None]  # the scheduler's: re-apply this rank's values for the current step
+    _apply_explored: Callable[..., None]  # the scheduler's: write this rank's explored values (or the base)
+    _refresh: Callable[..., None]  # the scheduler's: re-apply this rank's values for the current step
+    _restore_own_lrs: Callable[..., None]  # the scheduler's: _refresh, without OneCycle's formula past its end
+    _owns_lr: Callable[[], bool]  # the scheduler's: whether the optimizer's LRs are the ones it wrote last
+    _put_back_as_loaded: Callable[[], None]  # the scheduler's: undo its load hook's write (optimizer loaded first)
 
     def state_dict(self, all_ranks: bool = False) -> dict[str, Any]:
         """Everything needed to resume exactly: OneCycle's state, the permutations and their
         generators, the controller's state, this rank's partial window, the kept consensus (with
         the drift controller's rollback: one copy of the parameters), and the tracked runs' ids
-        (so that a resumed job continues the same run). Tracking flags are never saved. The format
-        is :mod:`hdet_track.checkpoint`'s.
+        (so that a resumed job continues the same run), and whether the LRs in force were HDET's
+        (another scheduler's, such as SequentialLR's next one after the milestone, are left as they
+        are on load). Tracking flags are never saved. The format is :mod:`hdet_track.checkpoint`'s.
 
         Args:
             all_ranks: gather every rank's partial window too (a collective: call it on every
@@ -94,6 +109,10 @@ class Checkpointing:
             "averager": self._converger.averager.state_dict(),
             "runs": {k: v for k, v in runs.items() if v},
             "job": self._job,  # an attempt that never reached its backend is known by it
+            # what was in force: HDET's LRs or another scheduler's, the explored values' kind
+            "owns_lr": self._owns_lr(),
+            "explored_shared": self._explored_shared,
+            "onecycle_lrs": list(self._onecycle),
         }
         if all_ranks:
             state["windows"] = {r: w for r, w in enumerate(collectives.all_gather_objects(window, self._group))}
@@ -105,6 +124,15 @@ class Checkpointing:
         A checkpoint of any rank loads on any rank of a job with the same replicas and explored
         hyperparameters (each rank keeps its identity; the partial window is exact when every rank
         loads its own). Call before the first ``step`` so that a tracked job continues its run.
+
+        This rank's own LRs (and momenta) for the saved step are written when HDET's were in force
+        (after its last step from OneCycle's values at that step: the formula is not evaluated past
+        its end, and the momenta stay). LRs another scheduler had set over HDET's (SequentialLR's
+        next one after the milestone, a ChainedScheduler's factor), which torch's schedulers keep or
+        build on, stay as the optimizer's checkpoint holds them, whichever of the optimizer and the
+        scheduler is loaded first. The explored values come back as they were in force: this
+        rank's, or the shared base after HDET's last step or after a :meth:`sync_now` that found
+        another scheduler's LRs.
 
         Raises:
             CheckpointMismatchError: the replica count, explored names or controller differ.
@@ -136,7 +164,22 @@ class Checkpointing:
         self._converger.averager.load_state_dict(state.get("averager", {}))
         self._resumed_runs = dict(state.get("runs", {}))
         self._job = str(state.get("job") or self._job)
-        self._refresh()
+        self._onecycle = [float(x) for x in state.get("onecycle_lrs", self._onecycle)]
+        ended = self.last_epoch >= self.total_steps
+        shared = bool(state.get("explored_shared", ended))
+        owned = state.get("owns_lr", True)
+        if owned and not ended:
+            self._refresh(shared)  # HDET's own LRs were in force: this rank's, from the schedule
+            self.__dict__.pop("_as_loaded", None)
+            return
+        # the LRs and momenta as the optimizer's checkpoint holds them: another scheduler's (if the
+        # optimizer was loaded first, its hook wrote this fresh scheduler's over them), or after
+        # HDET's last step this rank's own LRs from OneCycle's values at that step
+        self._put_back_as_loaded()
+        if owned and "onecycle_lrs" in state:
+            self._restore_own_lrs(shared)
+        else:
+            self._apply_explored(shared)
 
     def _resume_settings(self) -> dict[str, Any]:
         """What a checkpoint must share with the job that loads it for the job to resume exactly

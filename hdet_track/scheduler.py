@@ -203,6 +203,7 @@ class HDETScheduler(Views, Syncing, Reporting, Checkpointing, OneCycleLR):
         self._callbacks = CallbackList(checked_callbacks(callbacks))
         self._config = config
         self._onecycle: list[float] = []
+        self._explored_shared = False  # whether the explored values in force are the shared base (_apply_explored)
         self._started = False
         self._resumed_runs: dict[str, str] = {}
         self._job = uuid.uuid4().hex  # this job's id; a checkpoint carries it to the job's next attempt
@@ -253,6 +254,7 @@ class HDETScheduler(Views, Syncing, Reporting, Checkpointing, OneCycleLR):
         # groups: this rank's come back at once, whichever of the two is loaded first
         inner = innermost_optimizer(optimizer)  # a wrapper's (accelerate's AcceleratedOptimizer) loads into it
         if inner not in _LATEST:
+            inner.register_load_state_dict_pre_hook(_note_lr_owner_before_load)
             inner.register_load_state_dict_post_hook(_reapply_after_load)
         _LATEST[inner] = weakref.ref(self)  # the latest scheduler of the optimizer, not kept alive
         if self._world_size == 1 and fan.spreading:
@@ -328,6 +330,7 @@ class HDETScheduler(Views, Syncing, Reporting, Checkpointing, OneCycleLR):
             )
         if not self._started:
             self._start()
+        self.__dict__.pop("_as_loaded", None)  # (the optimizer's load hook's, for a scheduler loaded next)
         self._deliver()
         self._converger.append(checked_loss(loss, self.auto_lr), self._onecycle)
         k = self.last_epoch + 1
@@ -342,9 +345,34 @@ class HDETScheduler(Views, Syncing, Reporting, Checkpointing, OneCycleLR):
             self._deliver()  # before the run ends at its last step
         self._callbacks.on_step(k)
 
-    def _apply_explored(self) -> None:
+    def _apply_explored(self, shared: bool | None = None) -> None:
         # after the last step every rank holds the shared base: what a later phase's scheduler reads
-        self._fanout.write(self.base_values, None if self.last_epoch >= self.total_steps else self._rank)
+        # (shared: the base whatever the step, as sync_now() writes it once another scheduler holds the LR)
+        self._explored_shared = self.last_epoch >= self.total_steps if shared is None else bool(shared)
+        self._fanout.write(self.base_values, None if self._explored_shared else self._rank)
+
+    def _owns_lr(self) -> bool:
+        """Whether the optimizer's LRs are the ones this scheduler wrote last: False once another
+        scheduler has set its own (SequentialLR's next one after the milestone, a ChainedScheduler's
+        factor), which torch's schedulers keep or build on and HDET must leave alone."""
+        return all(float(g["lr"]) == float(lr) for g, lr in zip(self.optimizer.param_groups, self._last_lr))
+
+    def _write_lrs(self, values: Sequence[float | torch.Tensor]) -> None:
+        for group, lr in zip(self.optimizer.param_groups, values):
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(float(lr))
+            else:
+                group["lr"] = lr
+
+    def _put_back_as_loaded(self) -> None:
+        """The LRs and momenta ``optimizer.load_state_dict()`` brought, if its hook has written this
+        scheduler's over them since (the optimizer loaded before the scheduler)."""
+        as_loaded = self.__dict__.pop("_as_loaded", None)
+        if as_loaded is None:
+            return
+        self._write_lrs([values["lr"] for values in as_loaded])
+        for group, values in zip(self.optimizer.param_groups, as_loaded):
+            group.update({k: v for k, v in values.items() if k != "lr"})
 
     def _bind_controller(self) -> None:
         if self._controller is None:
@@ -366,34 +394,76 @@ class HDETScheduler(Views, Syncing, Reporting, Checkpointing, OneCycleLR):
             )
         )
 
-    def _refresh(self) -> None:
-        """Re-apply this rank's LRs (and momenta) for the current step, and its explored values."""
+    def _refresh(self, shared: bool | None = None) -> None:
+        """Re-apply this rank's LRs (and momenta) for the current step, and its explored values
+        (``shared``: as :meth:`_apply_explored`)."""
         with _enable_get_lr_call(self):
             values = self.get_lr()
-        for group, lr in zip(self.optimizer.param_groups, values):
-            if isinstance(group["lr"], torch.Tensor):
-                group["lr"].fill_(float(lr))
-            else:
-                group["lr"] = lr
+        self._write_lrs(values)
         self._last_lr = [
             g["lr"].clone() if isinstance(g["lr"], torch.Tensor) else g["lr"] for g in self.optimizer.param_groups
         ]
-        self._apply_explored()
+        self._apply_explored(shared)
+
+    def _restore_own_lrs(self, shared: bool | None = None) -> None:
+        """:meth:`_refresh`, but never OneCycle's formula past its end: after the last step this
+        rank's LRs come from plain OneCycle's values at that step (``_onecycle``, as the step left
+        them or a checkpoint restored them), and the momenta stay as they are."""
+        if self.last_epoch < self.total_steps:
+            self._refresh(shared)
+            return
+        self._write_lrs(self._fanout.values("lr", self.base_values("lr"), self._rank))
+        self._last_lr = [
+            g["lr"].clone() if isinstance(g["lr"], torch.Tensor) else g["lr"] for g in self.optimizer.param_groups
+        ]
+        self._apply_explored(shared)
 
 
 _LATEST: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref[HDETScheduler]] = weakref.WeakKeyDictionary()
 
 
-def _reapply_after_load(optimizer: torch.optim.Optimizer) -> None:
-    """After ``optimizer.load_state_dict()``: the optimizer's latest HDETScheduler (if still alive)
-    puts this rank's values back into the param groups."""
+def _latest(optimizer: torch.optim.Optimizer) -> HDETScheduler | None:
+    """The optimizer's latest HDETScheduler, if still alive, built and not closed."""
     ref = _LATEST.get(optimizer)
     sched = ref() if ref is not None else None
     if sched is None or not sched._hdet_ready or sched.__dict__.get("_released"):
-        return  # gone, or closed: the optimizer is no longer HDET's
+        return None  # gone, or closed: the optimizer is no longer HDET's
+    return sched
+
+
+def _note_lr_owner_before_load(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+    """Before ``optimizer.load_state_dict()``: whether the LRs it replaces were HDET's own."""
+    sched = _latest(optimizer)
+    if sched is not None:
+        sched.__dict__["_owned_lr_before_load"] = sched._owns_lr()
+
+
+def _reapply_after_load(optimizer: torch.optim.Optimizer) -> None:
+    """After ``optimizer.load_state_dict()``: the optimizer's latest HDETScheduler puts this rank's
+    values back into the param groups: its LRs only while its own were in force before the load
+    (after another scheduler's, the loaded LRs are that scheduler's, which ``load_state_dict`` keeps
+    too), after its last step the ones it wrote last; the explored values as they were in force."""
+    sched = _latest(optimizer)
+    if sched is None:
+        return
+    owned = sched.__dict__.pop("_owned_lr_before_load", True)
     needed = ("initial_lr", "max_lr", "min_lr")  # OneCycleLR's, gone from a state saved without it
-    if sched.last_epoch < sched.total_steps and all(k in g for g in optimizer.param_groups for k in needed):
-        sched._refresh()
+    if not all(k in g for g in optimizer.param_groups for k in needed):
+        return
+    if owned and sched.last_epoch < sched.total_steps:
+        # what the load brought, for a checkpoint of this scheduler loaded next that keeps it
+        cycled = ("lr", "momentum", "betas")
+        as_loaded = [{k: _copied(g[k]) for k in cycled if k in g} for g in optimizer.param_groups]
+        sched.__dict__["_as_loaded"] = as_loaded
+        sched._refresh(sched._explored_shared)
+        return
+    if owned:
+        sched._write_lrs(sched._last_lr)  # no formula past the end
+    sched._apply_explored(sched._explored_shared)
+
+
+def _copied(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) else value
 
 
 def check_hdet_kwargs(owner: str, kwargs: Mapping[str, Any], taken: Iterable[str] = (), **given: Any) -> None:

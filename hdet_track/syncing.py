@@ -6,7 +6,7 @@ permutations), and :meth:`Syncing.sync_now`, a sync out of turn before a checkpo
 It expects the scheduler's ``_converger``, ``_fanout``, ``_onecycle`` (plain OneCycle's LRs at the
 current step), ``_schedule_phases`` (OneCycleLR's), ``_model``, ``average_buffers``,
 ``measure_divergence``, ``optimizer``, ``last_epoch``, ``total_steps``, :meth:`replica_values`,
-:meth:`_refresh` and :meth:`_apply_explored`, and :class:`~hdet_track.reporting.Reporting`'s
+:meth:`_refresh`, :meth:`_apply_explored` and :meth:`_owns_lr`, and :class:`~hdet_track.reporting.Reporting`'s
 delivery (``_deliver``, ``_notify``, ``gather_pending``).
 """
 
@@ -43,7 +43,8 @@ class Syncing:
     total_steps: int
     replica_values: Callable[..., list[list[float]]]  # the scheduler's: every replica's values of a name
     _refresh: Callable[[], None]  # the scheduler's: re-apply this rank's values for the current step
-    _apply_explored: Callable[[], None]  # the scheduler's: write this rank's explored values
+    _apply_explored: Callable[..., None]  # the scheduler's: write this rank's explored values (or the base)
+    _owns_lr: Callable[[], bool]  # the scheduler's: whether the optimizer's LRs are the ones it wrote last
     _deliver: Callable[..., None]  # Reporting's: hand a waiting record to the callbacks
     _notify: Callable[[SyncRecord], None]  # Reporting's: hand a complete record to the callbacks
     gather_pending: Callable[[], None]  # Reporting's
@@ -56,20 +57,28 @@ class Syncing:
         sync, so that rank 0's optimizer state in such a checkpoint is every replica's (with weight
         decay, or independent replicas, each replica's own differs). Returns the sync's record (None
         right after a sync: nothing to converge).
+
+        Once another scheduler has set its own LRs over HDET's (SequentialLR's next scheduler after
+        the milestone, which comes before HDET's last step), it averages without touching them, and
+        every rank then holds the explored hyperparameters' shared base, as after HDET's last step
+        (until HDET's next sync, if it is stepped again, as in a ChainedScheduler): call it on every
+        rank right after the milestone step to end HDET's phase on one consensus.
         """
         record = None
         if not self._converger.losses:
             self.gather_pending()  # right after a sync: its divergences, before a checkpoint
         else:
+            owns = self._owns_lr()  # before the sync: another scheduler's LRs are no "next step" of HDET's
             self._deliver()
             record = self._sync(self.last_epoch, final=True)  # often before a checkpoint: nothing left pending
-            self._refresh()  # the next step's values, from the new drift and permutations
-            self._synced(record)
+            if owns:
+                self._refresh()  # the next step's values, from the new drift and permutations
+            self._synced(record, shared=None if owns else True)
         self._converger.averager.average_optimizer_state()
         return record
 
-    def _synced(self, record: SyncRecord) -> None:
-        self._apply_explored()
+    def _synced(self, record: SyncRecord, shared: bool | None = None) -> None:
+        self._apply_explored(shared)
         self._deliver(ready_only=True)  # the last sync's record, completed by this sync's gather
         self.last_sync = record
         if not self._converger.pending:

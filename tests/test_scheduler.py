@@ -179,6 +179,9 @@ def test_state_dict_round_trip_resumes_exactly(controller):
     head, ckpt = run(stop_at=23)
     tail, _ = run(state=ckpt)
     assert head + tail == full
+    older = {k: v for k, v in ckpt["sched"].items() if k not in ("owns_lr", "explored_shared", "onecycle_lrs")}
+    tail, _ = run(state={"sched": older, "k": 23})  # a checkpoint of before these keys resumes as before
+    assert head + tail == full
 
 
 def test_load_state_dict_rejects_other_world_or_explore():
@@ -679,6 +682,87 @@ def test_as_sequential_lrs_first_scheduler_it_makes_no_sync_while_being_built():
         syncs += [hdet.last_sync.step] if hdet.last_sync is not None and hdet.last_sync.step not in syncs else []
         assert sched.get_last_lr() == ref.get_last_lr()
     assert syncs == [5]  # SequentialLR hands over at its milestone: HDET's 10th step is the next scheduler's
+
+
+def _lrs_resumed(build, steps: int, resume_at: int | None = None, order: str = "opt-first") -> list[float]:
+    """The LR each of ``steps`` optimizer steps trains with, uninterrupted or saved after step
+    ``resume_at`` (model, optimizer and scheduler, weights_only) and resumed in a fresh job that loads
+    the optimizer before the scheduler (``"opt-first"``) or after it (``"sched-first"``)."""
+    model, opt, sched = build()
+    lrs = []
+    for step in range(steps):
+        if step == resume_at:
+            buf = io.BytesIO()
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()}, buf)
+            buf.seek(0)
+            saved = torch.load(buf, weights_only=True)
+            model, opt, sched = build()
+            model.load_state_dict(saved["model"])
+            loads = [(opt, saved["opt"]), (sched, saved["sched"])]
+            for obj, state in loads if order == "opt-first" else loads[::-1]:
+                obj.load_state_dict(state)
+        lrs.append(opt.param_groups[0]["lr"])
+        loss = model(torch.ones(2, 4)).square().sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+    return lrs
+
+
+@pytest.mark.parametrize("order", ["opt-first", "sched-first"])
+def test_chained_with_another_scheduler_resumes_with_its_lr_not_hdets_own(order):
+    """ChainedScheduler([HDET, ExponentialLR]): the LR in force is HDET's times gamma. Loading the
+    scheduler re-applied HDET's own LR, so the first step after the resume trained without the factor
+    (0.0812 for 0.0731 at step 6); OneCycleLR in its place resumes exactly."""
+    from torch.optim.lr_scheduler import ChainedScheduler, ExponentialLR
+
+    def build(kind):
+        def make_one():
+            model, opt = make(groups=1)
+            first = (
+                OneCycleLR(opt, 0.1, total_steps=12)
+                if kind == "onecycle"
+                else HDETScheduler(opt, 0.1, total_steps=12, sync_every=4, model=model)
+            )
+            return model, opt, ChainedScheduler([first, ExponentialLR(opt, gamma=0.9)])
+
+        return make_one
+
+    reference = _lrs_resumed(build("onecycle"), 12)
+    assert _lrs_resumed(build("onecycle"), 12, resume_at=5, order=order) == reference
+    assert _lrs_resumed(build("hdet"), 12) == reference
+    for k in (3, 4, 5, 8):  # within a window, at a sync, and later
+        assert _lrs_resumed(build("hdet"), 12, resume_at=k, order=order) == reference, k
+
+
+@pytest.mark.parametrize("order", ["opt-first", "sched-first"])
+@pytest.mark.parametrize("milestone", [10, 11])
+def test_sequential_lr_resumed_after_the_milestone_keeps_the_next_schedulers_lr(milestone, order):
+    """SequentialLR([HDET(total_steps=10), ConstantLR]) resumed after the milestone: loading HDET
+    wrote its own last LR (4e-7, 5000x smaller: ConstantLR keeps whatever LR it finds), or with the
+    milestone at 11 OneCycle's formula one step past its end, over ConstantLR's 0.002. OneCycleLR in
+    its place resumes exactly, and HDET's LRs are OneCycleLR's (a world of one, no spread)."""
+    from torch.optim.lr_scheduler import ConstantLR, SequentialLR
+
+    def build(kind):
+        def make_one():
+            model, opt = make(groups=1)
+            first = (
+                OneCycleLR(opt, 0.1, total_steps=10)
+                if kind == "onecycle"
+                else HDETScheduler(opt, 0.1, total_steps=10, sync_every=5, model=model)
+            )
+            return model, opt, SequentialLR(opt, [first, ConstantLR(opt, factor=0.5)], milestones=[milestone])
+
+        return make_one
+
+    reference = _lrs_resumed(build("onecycle"), 14)
+    assert reference[milestone:] == [0.1 / 25 * 0.5] * (14 - milestone)
+    assert _lrs_resumed(build("hdet"), 14) == reference
+    for k in (4, 5, 9, 10, 11, 12):
+        assert _lrs_resumed(build("onecycle"), 14, resume_at=k, order=order) == reference, k
+        assert _lrs_resumed(build("hdet"), 14, resume_at=k, order=order) == reference, k
 
 
 @pytest.mark.parametrize(

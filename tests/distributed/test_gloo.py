@@ -466,3 +466,44 @@ def test_a_tensor_that_changes_dtype_on_one_rank_stops_every_rank_at_the_next_sy
     res = run_ranks(workers.layout_changed_on_one_rank, 2, timeout=120)
     for r in res:
         assert r["error_step"] == 8 and "on rank(s) [1] they changed" in r["message"], r
+
+
+@pytest.mark.parametrize(
+    ("milestone", "call_sync_now"),
+    [(10, True), (11, False), (10, False)],
+    ids=["milestone-then-sync_now", "milestone-after-hdets-last-step", "milestone-alone"],
+)
+def test_sequential_lr_hands_over_as_the_readme_says_and_resumes_exactly(tmp_path, milestone, call_sync_now):
+    """SequentialLR([HDET(total_steps=10), ConstantLR]) on 2 ranks. At milestones=[10] SequentialLR
+    steps ConstantLR instead of HDET's last step: no final sync, replicas that differ, per-rank weight
+    decay in the next phase. The README's two ways out end HDET's phase on one consensus with the
+    shared weight decay on every rank: sync_now() right after the milestone step (it wrote HDET's stale
+    per-rank LRs, 2.8e-07 and 5.2e-07, over ConstantLR's 0.002, which ConstantLR then kept), or
+    milestones=[11]. Resumed from a checkpoint after the milestone, loading HDET wrote its own stale LR
+    (or OneCycle's formula past its end) over ConstantLR's; every resume now goes as the run did."""
+    from torch.optim.lr_scheduler import ConstantLR, SequentialLR
+    from torch.optim.lr_scheduler import OneCycleLR as PlainOneCycle
+
+    res = run_ranks(workers.sequential_handover, 2, milestone, call_sync_now, str(tmp_path))
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    ref = SequentialLR(opt, [PlainOneCycle(opt, 0.1, total_steps=10), ConstantLR(opt, 0.5, 100)], [milestone])
+    plain = []
+    for _ in range(14):
+        opt.step()
+        ref.step()
+        plain.append(opt.param_groups[0]["lr"])
+    assert plain[milestone - 1 :] == [0.1 / 25 * 0.5] * (15 - milestone)
+    for r in range(2):
+        assert res[r]["lrs"][milestone - 1 :] == plain[milestone - 1 :], r  # the next scheduler's LR from the milestone
+        assert {k: v for k, v in res[r]["own"].items() if v is not None} == {}, r  # first step that went otherwise
+    params_after_10 = [res[r]["params"][9] for r in range(2)]
+    wds_after_10 = [res[r]["wds"][9:] for r in range(2)]
+    assert not torch.equal(res[0]["params"][8], res[1]["params"][8])  # the replicas differ before
+    if (milestone, call_sync_now) == (10, False):  # what the README warns of
+        assert res[0]["last_sync"] == 5 and not torch.equal(*params_after_10)
+        assert wds_after_10 == [[0.015] * 5, [0.005] * 5]
+        return
+    assert res[0]["last_sync"] == (9 if call_sync_now else 10)
+    assert torch.equal(*params_after_10)  # one consensus that the next phase starts from
+    assert res[0]["base_wd"] == [0.01] and wds_after_10 == [[0.01] * 5] * 2  # the shared base on every rank
+    assert [res[r]["rank0"] for r in range(2)] == [None, None]  # rank 0's checkpoint resumes every rank

@@ -907,3 +907,81 @@ def layout_changed_on_one_rank(rank: int, world: int) -> dict:
         except ValueError as exc:
             return {"error_step": step + 1, "message": str(exc)}
     return {"error_step": None}
+
+
+def sequential_handover(rank: int, world: int, milestone: int, call_sync_now: bool, ckpt_dir: str) -> dict:
+    """``SequentialLR([HDET(total_steps=10, spread, explored weight decay), ConstantLR], milestones=[milestone])``
+    on independent replicas for 14 steps; with ``call_sync_now``, ``sync_now()`` right after the
+    milestone step, as the README says. Returns, after each step, the LR and weight decay the next
+    step trains with and the parameters; and whether runs resumed from a checkpoint saved after step
+    k went the same way: each rank's own (the optimizer loaded first), and rank 0's, saved after
+    step 10 (where HDET's phase ends on one consensus) and ``sync_now()`` (which averages the
+    optimizer's state), on every rank (the scheduler loaded first), against the run that went on."""
+    import io
+
+    import torch.distributed as dist
+    from torch.optim.lr_scheduler import ConstantLR, SequentialLR
+
+    def build():
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+        hdet = HDETScheduler(
+            opt, 0.1, total_steps=10, spread=0.3, sync_every=5, model=model, seed=1, explore={"weight_decay": 0.5}
+        )
+        then = ConstantLR(opt, factor=0.5, total_iters=100)
+        return model, opt, hdet, SequentialLR(opt, [hdet, then], milestones=[milestone])
+
+    def train(job, start, stop, log):
+        model, opt, hdet, sched = job
+        for step in range(start, stop):
+            sgd_step(model, opt, rank, step)
+            sched.step()
+            if call_sync_now and sched.last_epoch == milestone:
+                hdet.sync_now()
+            log.append((opt.param_groups[0]["lr"], opt.param_groups[0]["weight_decay"], flat_params(model)))
+
+    def saved_after(k):
+        job, head = build(), []
+        train(job, 0, k, head)
+        model, opt, _, sched = job
+        return {"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()}, head
+
+    def resumed(saved, head, sched_first, reference):
+        job = build()
+        job[0].load_state_dict(saved["model"])
+        loads = [(job[1], saved["opt"]), (job[3], saved["sched"])]
+        for obj, part in loads[::-1] if sched_first else loads:
+            obj.load_state_dict(part)
+        went = list(head)
+        train(job, len(head), 14, went)
+        same = [a[:2] == b[:2] and torch.equal(a[2], b[2]) for a, b in zip(reference, went)]
+        return same.index(False) + 1 if False in same else None  # the first step that went otherwise
+
+    job, run = build(), []
+    train(job, 0, 14, run)
+    out = {
+        "lrs": [e[0] for e in run],
+        "wds": [e[1] for e in run],
+        "params": [e[2] for e in run],
+        "last_sync": job[2].last_sync.step,
+        "base_wd": job[2].base_values("weight_decay"),
+        "own": {},
+    }
+    for k in (4, 5, 9, 10, 11, 12):
+        saved, head = saved_after(k)
+        buf = io.BytesIO()
+        torch.save(saved, buf)
+        buf.seek(0)
+        out["own"][k] = resumed(torch.load(buf, weights_only=True), head, False, run)
+    job, went_on = build(), []
+    train(job, 0, 10, went_on)
+    job[2].sync_now()
+    if rank == 0:
+        model, opt, _, sched = job
+        saved = {"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()}
+        torch.save(saved, os.path.join(ckpt_dir, "rank0.pt"))
+    dist.barrier()
+    train(job, 10, 14, went_on)
+    saved = torch.load(os.path.join(ckpt_dir, "rank0.pt"), weights_only=True)
+    out["rank0"] = resumed(saved, went_on[:10], True, went_on)
+    return out
