@@ -642,19 +642,27 @@ def _unknown_scheme(source: str, given: bool, spills: bool = False, name: str = 
 
 
 def run_recover(source: str | None) -> int:
-    """Deliver every orphaned spill of ``source``; 1 when something could not be delivered, 2 when
-    ``source`` (a directory, or a sqlite store with no spill beside it) does not exist."""
+    """Deliver every orphaned spill of ``source``; 1 when something could not be delivered yet (the
+    backend is down: kept for a later try), 2 when ``source`` is no store (a malformed URI, a
+    directory or a file that is no store) or when a spill cannot be delivered as it is (its header
+    unreadable, its run deleted for good): it needs a person."""
     from pathlib import Path
+    from urllib.parse import urlparse
 
     from .readers import ReaderError, resolve_source
     from .readers.mlflow import sqlite_file
-    from .tracking.spill import recover, spill_dirs, store_spill_dir, uri_scheme
+    from .tracking.spill import Attention, check_store_uri, mask_password, recover, spill_dirs, uri_scheme
 
     given = source is not None
     source = _store(source)
+    shown = mask_password(source)
     bad = _unknown_scheme(source, given, spills=True)
     if bad:
         return _fail(f"recover: {bad}")
+    try:
+        check_store_uri(source, "SOURCE" if given else "the default SOURCE (from the environment)")
+    except ValueError as exc:
+        return _fail(f"recover: {exc}")
     if uri_scheme(source) is None and not Path(source).exists():
         return _fail(
             f"recover: {source} does not exist; expected an MLflow tracking URI, a W&B directory or a "
@@ -665,16 +673,33 @@ def run_recover(source: str | None) -> int:
             source = resolve_source(source)
         except ReaderError as exc:
             return _fail(f"recover: {exc}")
+    spills = any(d.exists() for d in spill_dirs(source))
     db = sqlite_file(source)
-    if db is not None and not db.exists() and not store_spill_dir(source).exists():
-        return _fail(f"recover: no MLflow store at {source} ({db.absolute()} does not exist) and no spill beside it")
+    if db is not None and db.is_dir():
+        return _fail(
+            f"recover: SOURCE {shown!r} names a directory ({db.absolute()}), not a sqlite file; expected "
+            "sqlite:///PATH of the store's database file, or the directory itself as a path"
+        )
+    if db is not None and db.is_file() and db.stat().st_size:
+        try:
+            resolve_source(str(db))  # a file that is no sqlite database
+        except ReaderError as exc:
+            return _fail(f"recover: {exc}")
+    if db is not None and not db.exists() and not spills:
+        return _fail(f"recover: no MLflow store at {shown} ({db.absolute()} does not exist) and no spill beside it")
+    if uri_scheme(source) == "file" and "://" in source and not Path(urlparse(source).path).is_dir() and not spills:
+        return _fail(
+            f"recover: no MLflow store at {shown} ({urlparse(source).path} is no directory) and no spill beside it"
+        )
     lines = recover(source)
     if not lines:
         looked = " and ".join(str(d) for d in spill_dirs(source))
-        print(f"hdet-track recover: nothing to deliver for {source} (looked in {looked})")
+        print(f"hdet-track recover: nothing to deliver for {shown} (looked in {looked})")
         return 0
     for line in lines:
         print(line)
+    if any(isinstance(line, Attention) for line in lines):
+        return 2
     return 1 if any(line.endswith("; kept") for line in lines) else 0
 
 

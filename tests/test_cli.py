@@ -293,6 +293,44 @@ def test_recover_on_a_path_that_does_not_exist_is_an_error(tmp_path, capsys):
     assert "nothing to deliver" in capsys.readouterr().out
 
 
+def test_recover_refuses_a_malformed_uri_with_the_argument_and_what_it_takes(tmp_path, capsys):
+    """`recover http://127.0.0.1:notaport` printed urllib's ValueError traceback and exited 1, the code
+    of "something kept"; a sqlite URI of a directory and a file store that does not exist said
+    "nothing to deliver", exit 0, where the same paths given bare are refused (exit 2)."""
+    for uri, why in [
+        ("http://127.0.0.1:notaport", "its port 'notaport' is not a number in 1..65535"),
+        ("http://[::1", "its host has a '[' with no ']'"),
+        ("https://u:p@h:99999/", "its port '99999' is not a number in 1..65535"),
+    ]:
+        assert main(["recover", uri]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+        assert "Expected SOURCE to be an MLflow tracking URI" in err and why in err, err
+        assert "http(s)://HOST[:PORT]" in err and ":p@" not in err  # the allowed forms; no password
+    (tmp_path / "adir").mkdir()
+    assert main(["recover", f"sqlite:///{tmp_path / 'adir'}"]) == 2
+    err = capsys.readouterr().err
+    assert "names a directory" in err and str(tmp_path / "adir") in err and "sqlite:///PATH" in err
+    (tmp_path / "notadb.txt").write_text("hello")
+    assert main(["recover", f"sqlite:///{tmp_path / 'notadb.txt'}"]) == 2
+    assert "a file that is not a sqlite database" in capsys.readouterr().err
+    assert main(["recover", f"file://{tmp_path / 'nonexistent' / 'mlruns'}"]) == 2
+    err = capsys.readouterr().err
+    assert "no MLflow store at" in err and str(tmp_path / "nonexistent" / "mlruns") in err, err
+
+
+def test_mlflow_tracker_refuses_a_tracking_uri_with_a_bad_port():
+    """MLflowTracker(tracking_uri="http://127.0.0.1:50O0") (a letter O) was taken; the hub then raised
+    urllib's "Port could not be cast to integer value", naming neither tracking_uri nor what it takes."""
+    from hdet_track.tracking.mlflow import MLflowTracker
+
+    with pytest.raises(ValueError, match=r"Expected tracking_uri to be an MLflow tracking URI") as err:
+        MLflowTracker(tracking_uri="http://127.0.0.1:50O0")
+    assert "'http://127.0.0.1:50O0'" in str(err.value) and "port '50O0' is not a number in 1..65535" in str(err.value)
+    MLflowTracker(tracking_uri="http://127.0.0.1:5000")  # a good one is taken
+    MLflowTracker(tracking_uri="databricks://profile:prefix")  # a Databricks profile and secret prefix: no port
+
+
 def test_demo_s_own_argument_errors_use_the_demo_usage(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["demo", "--quick", "--steps", "10"])

@@ -849,3 +849,201 @@ def _archived_steps(client, run_id, where):
             table = pq.read_table(client.download_artifacts(run_id, f.path, str(where)))
             out += [s for s, r in zip(table["step"].to_pylist(), table["replica"].to_pylist()) if r == 0]
     return sorted(out)
+
+
+def _spill_with_lines(outage, tmp_path, steps, change):
+    """An orphaned spill of ``steps`` (the backend down from the start), its lines (bytes, the header
+    first) replaced by ``change(lines)``."""
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    sink = _spill_while_down(outage, uri, tmp_path / ".hdet-spill", steps)
+    _orphaned(sink.spill_path, _dead_identity())
+    lines = sink.spill_path.read_bytes().splitlines(keepends=True)
+    sink.spill_path.write_bytes(b"".join(change(lines)))
+    outage.reset()
+    return uri, sink.spill_path
+
+
+def test_damaged_lines_in_a_spill_go_aside_as_torn_and_the_rest_is_delivered(tmp_path, outage, caplog):
+    """A line of bytes that are no UTF-8 (a damaged block) made reading the spill raise, and a line
+    that is JSON but no batch (``{}``, ``null``) stopped the replay: the whole spill was kept, and
+    tried again, forever. Each such line is set aside as torn, like a cut one."""
+    bad = [b"\xff\xfe\x00garbage\n", b"{}\n", b"null\n"]
+    uri, path = _spill_with_lines(outage, tmp_path, 5, lambda lines: lines[:3] + bad + lines[3:])
+    with caplog.at_level(logging.WARNING):
+        (line,) = recover(str(tmp_path / ".hdet-spill"))
+    assert "5 batches delivered" in line and _val_steps(uri) == [[1, 2, 3, 4, 5]], line
+    assert "3 batch(es)" in caplog.text
+    (torn,) = (tmp_path / ".hdet-spill").glob("torn-*.jsonl")
+    assert torn.read_bytes() == b"".join(bad) and not path.exists()
+
+
+def test_a_spill_whose_header_cannot_be_read_is_reported_not_passed_over(tmp_path, outage, caplog, capsys):
+    """A spill whose first line was cut (an earlier version wrote the header and the first batch in
+    one write, which a full disk cut) or is no UTF-8 was skipped without a word: recover said
+    "nothing to deliver" and exited 0, and no job ever delivered it."""
+    from hdet_track.cli import main
+
+    for n, cut in enumerate([lambda head: head[:40] + b"\n", lambda head: b"\xff" + head[1:]]):
+        spill = tmp_path / str(n) / ".hdet-spill"
+        spill.parent.mkdir()
+        _, path = _spill_with_lines(outage, spill.parent, 3, lambda lines, cut=cut: [cut(lines[0]), *lines[2:]])
+        (line,) = recover(str(spill))
+        assert line.startswith(path.name) and "cannot be read" in line
+        assert str(path) in line and "2 batch line(s)" in line and path.exists()  # left for a person to mend
+        assert main(["recover", str(spill)]) == 2
+        assert path.name in capsys.readouterr().out
+        with caplog.at_level(logging.WARNING):  # a job starting on the store says so too
+            assert list(orphans(spill)) == []
+        assert f"{path.name}: its first line" in caplog.text
+
+
+def test_a_spills_header_is_written_whole_or_not_at_all(tmp_path, outage):
+    """The header went out in one write with the first batch: a disk that filled during it left the
+    spill with its first line cut, and the batches appended later named no backend, store or run.
+    Now the header is written apart and renamed into place: the batch whose write failed is lost,
+    the ones after it are delivered to their run. The disk filling is a file-size limit (RLIMIT_FSIZE):
+    a write crossing it is cut there, as on a full disk."""
+    import resource
+    import signal
+
+    from hdet_track.tracking.spill import SpillFile
+
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    outage.reset(down=True)
+    sink = _Sink(outage(tracking_uri=uri, experiment="out"), tmp_path / ".hdet-spill", retry_seconds=1e9)
+    sink.deliver(_batch(1, start=True))  # the first write: header and batch 1
+    path, header = sink.spill_path, json.loads(sink.spill_path.open().readline())
+    path.unlink()
+    spill = SpillFile(path, header)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG), cut
+    try:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (len(json.dumps(header)) // 2, hard))
+        with pytest.raises(OSError):
+            spill.append(_batch(1, start=True))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
+    for step in (2, 3):  # the disk has room again: the writer goes on
+        spill.append(_batch(step))
+    assert json.loads(path.open().readline()) == header
+    _orphaned(path, _dead_identity())
+    outage.reset()
+    (line,) = recover(str(tmp_path / ".hdet-spill"))
+    assert "2 batches delivered" in line and _val_steps(uri) == [[2, 3]], line
+
+
+def test_a_killed_job_recovered_later_ends_when_it_last_logged(tmp_path, outage):
+    """A job killed while its backend was down, recovered a day later, was ended at the recover's
+    time: MLflow showed a 5-minute job as a 24-hour run."""
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    began = time.time() - 86400
+    outage.reset(down=True)
+    sink = _Sink(outage(tracking_uri=uri, experiment="out"), tmp_path / ".hdet-spill", retry_seconds=1e9)
+    for step in range(1, 6):
+        events = [dataclasses.replace(_start(), time=began)] if step == 1 else []
+        point = Point("val_loss", float(step), step, int((began + 60 * step) * 1000))
+        sink.deliver(Batch(points=[point], events=events))
+    _orphaned(sink.spill_path, _dead_identity())
+    outage.reset()
+    (line,) = recover(str(tmp_path / ".hdet-spill"))
+    assert "5 batches delivered" in line
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("out").experiment_id])
+    assert run.info.status == "KILLED"
+    assert run.info.start_time == int(began * 1000) and run.info.end_time == int((began + 300) * 1000)
+
+
+def _pending_folder(tmp_path, uri):
+    """A folder of archive chunks a gone job left for run ``run``, with what it holds."""
+    client = MlflowClient(uri)
+    run = client.create_run(client.create_experiment("out")).info.run_id
+    folder = tmp_path / ".hdet-spill" / f"pending-{run}-99999"
+    (folder / "hdet_events").mkdir(parents=True)
+    for i in range(3):
+        (folder / "hdet_events" / f"steps-{i:06d}.parquet").write_bytes(b"x" * 100)
+    owner = dict(process_identity(), pid=_dead_identity())
+    head = {"backend": "mlflow", "run_id": run, "settings": {"tracking_uri": uri, "experiment": "out"}, "owner": owner}
+    (folder / "pending.json").write_text(json.dumps(head))
+    return client, run, folder
+
+
+def test_a_pending_folder_is_uploaded_by_one_of_two_recovers_at_once(tmp_path, outage):
+    """Two recovers at once both uploaded a folder of pending chunks: the one that came second found
+    it removed under it (FileNotFoundError) and said "not uploaded ...; kept", exit 1. A recover
+    now claims the folder first, by renaming it, as it claims a spill; a claim whose process died
+    is taken back."""
+    from hdet_track.tracking.spill import pending_orphans, upload_pending_folder
+
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    client, run, folder = _pending_folder(tmp_path, uri)
+    (found,) = pending_orphans(folder.parent)  # both recovers find it; the other one takes it first
+    other = _claim(folder, os.getpid(), process_identity()["host"], process_identity()["start"] or 0,
+                   process_identity()["pidns"])  # fmt: skip
+    folder.rename(other)
+    line = upload_pending_folder(found)
+    assert line == f"{folder.name}: taken by another process"
+    assert list(pending_orphans(folder.parent)) == [] and other.exists()  # its upload is under way
+    dead = _claim(folder, _dead_identity(), process_identity()["host"], 0, process_identity()["pidns"])
+    other.rename(dead)  # that recover was killed mid-way
+    (again,) = recover(str(tmp_path / ".hdet-spill"))
+    assert again == f"{folder.name}: 3 archive file(s) uploaded to mlflow run {run} in {uri}", again
+    assert not list((tmp_path / ".hdet-spill").iterdir())
+    assert len(client.list_artifacts(run, "hdet_events")) == 3
+
+
+def test_a_spill_of_a_run_deleted_for_good_is_moved_aside_not_retried_forever(tmp_path, outage, capsys):
+    """A spill whose run was purged (`mlflow gc`) could never be delivered: every recover said "not
+    delivered (... not found); kept" and exited 1, and every job on the store retried it at its
+    start. A run in the trash is still kept for (it may be restored); a run that is gone moves the
+    spill aside, with a line naming the run and the file that keeps its batches, and exit 2."""
+    from hdet_track.cli import main
+
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    outage.reset(logs_left=1)  # up for the start and one batch, then down
+    sink = _Sink(outage(tracking_uri=uri, experiment="out"), tmp_path / ".hdet-spill", retry_seconds=1e9)
+    for step in range(1, 5):
+        sink.deliver(_batch(step, start=step == 1))
+    run_id = sink.tracker.run_id
+    sink.tracker._end_run()
+    _orphaned(sink.spill_path, _dead_identity())
+    outage.reset()
+    client = MlflowClient(uri)
+    client.delete_run(run_id)  # in the trash: it waits to be restored
+    (line,) = recover(str(tmp_path / ".hdet-spill"))
+    assert line.endswith("; kept") and sink.spill_path.exists()
+    client._tracking_client.store._hard_delete_run(run_id)  # what `mlflow gc` does
+    assert main(["recover", str(tmp_path / ".hdet-spill")]) == 2
+    out = capsys.readouterr().out
+    aside = tmp_path / ".hdet-spill" / ("undeliverable-" + sink.spill_path.name.removeprefix("spill-"))
+    assert f"its run {run_id} no longer exists" in out and str(aside) in out, out
+    assert not sink.spill_path.exists() and len(aside.read_text().splitlines()) == 1 + 3  # its batches kept
+    assert recover(str(tmp_path / ".hdet-spill")) == []  # not tried again
+
+
+def test_spill_files_are_private_and_recover_shows_no_password(tmp_path, outage, monkeypatch):
+    """A spill's header (and a pending folder's) holds the tracking URI, which may carry a password
+    (https://user:TOKEN@host): the files were readable by every user (0644), and recover printed the
+    URI whole."""
+    import stat
+
+    from hdet_track.tracking.mlflow import _PendingChunks
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    os.umask(umask := os.umask(0o022))
+    try:
+        uri = "http://alice:S3CRET-TOKEN@127.0.0.1:9"  # nothing listens there: the backend is down
+        sink = _spill_while_down(outage, uri, tmp_path / ".hdet-spill", 2)
+        pending = _PendingChunks(tmp_path / ".hdet-spill", {"backend": "mlflow", "run_id": "r1", "settings": {}})
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE(sink.spill_path.stat().st_mode) == 0o600
+    assert stat.S_IMODE((pending.folder / "pending.json").stat().st_mode) == 0o600
+    assert "S3CRET-TOKEN" in sink.spill_path.read_text()  # what the replay needs stays
+    sink.spill.keep_from(1)  # a rewrite keeps it private
+    assert stat.S_IMODE(sink.spill_path.stat().st_mode) == 0o600
+    pending.remove()
+    _orphaned(sink.spill_path, _dead_identity())
+    monkeypatch.setitem(base.TRACKERS, "mlflow", "hdet_track.tracking.mlflow:MLflowTracker")  # a real connection
+    (line,) = recover(str(tmp_path / ".hdet-spill"))
+    assert line.endswith("; kept") and "S3CRET-TOKEN" not in line and "alice:***@127.0.0.1:9" in line, line

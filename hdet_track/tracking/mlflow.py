@@ -26,7 +26,15 @@ from ..summaries import SUMMARY_DIR
 from ._common import run_params, run_tags, warn_second_training
 from .archive import ARTIFACT_DIR, EventArchive, artifact_dir, chunk_index
 from .base import Batch, Point, Tracker, mask_secrets
-from .spill import PENDING_HEADER, PENDING_PREFIX, pending_orphans, store_spill_dir, upload_pending_folder, uri_scheme
+from .spill import (
+    PENDING_HEADER,
+    PENDING_PREFIX,
+    check_store_uri,
+    pending_orphans,
+    store_spill_dir,
+    upload_pending_folder,
+    uri_scheme,
+)
 
 __all__ = ["MLflowTracker", "DEFAULT_EXPERIMENT"]
 
@@ -106,6 +114,10 @@ class MLflowTracker(Tracker):
         check_number("chunk_seconds", chunk_seconds, 0.0, math.inf, low_open=False, high_open=True)  # 0: every batch
         tags = _checked_tags(tags)
         _check_not_a_file_store(tracking_uri)
+        if tracking_uri is not None:
+            check_store_uri(tracking_uri, "tracking_uri")
+        elif os.environ.get("MLFLOW_TRACKING_URI"):
+            check_store_uri(os.environ["MLFLOW_TRACKING_URI"], "MLFLOW_TRACKING_URI")
         self.tracking_uri = tracking_uri
         self.experiment = experiment
         self.run_name = run_name
@@ -176,6 +188,17 @@ class MLflowTracker(Tracker):
     def upload_pending(folder: Path, settings: dict[str, Any]) -> str:
         """See :func:`upload_pending` (what ``hdet-track recover`` calls for this backend)."""
         return upload_pending(folder, settings)
+
+    @staticmethod
+    def run_missing(settings: dict[str, Any], run_id: str) -> bool:
+        """Whether run ``run_id`` does not exist in the store of ``settings`` (deleted for good, by
+        ``mlflow gc``; a run in the trash exists). What a spill of it replays to: nothing, ever."""
+        _, MlflowClient = _import_mlflow()
+        try:
+            MlflowClient(settings["tracking_uri"]).get_run(run_id)
+        except Exception as exc:  # noqa: BLE001 - only MLflow's own answer for a run it does not have counts
+            return getattr(exc, "error_code", None) == "RESOURCE_DOES_NOT_EXIST"
+        return False
 
     def resume(self, run_id: str) -> None:
         if not self._attach_id:
@@ -377,7 +400,7 @@ class _PendingChunks:
         folder = spill_dir / f"{PENDING_PREFIX}{run_id}-{os.getpid()}"
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            (folder / PENDING_HEADER).write_text(json.dumps(head))
+            _write_private(folder / PENDING_HEADER, json.dumps(head))
         except OSError as exc:  # a read-only home, no home: the store works, so the run must too
             fallback = Path(tempfile.mkdtemp(prefix=f"{PENDING_PREFIX}{run_id}-"))
             logger.warning(
@@ -386,7 +409,7 @@ class _PendingChunks:
                 folder, type(exc).__name__, exc, fallback,
             )  # fmt: skip
             folder = fallback
-            (folder / PENDING_HEADER).write_text(json.dumps(head))
+            _write_private(folder / PENDING_HEADER, json.dumps(head))
         self.folder = folder
 
     def add(self, paths: list[Path]) -> None:
@@ -412,6 +435,13 @@ class _PendingChunks:
 
     def remove(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _write_private(path: Path, text: str) -> None:
+    """``text`` in ``path``, readable by this user alone (0600): a header holds the store's settings,
+    whose URI may carry a password."""
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        f.write(text)
 
 
 def upload_pending(folder: Path, settings: dict[str, Any]) -> str:

@@ -33,10 +33,10 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
+from urllib.parse import urlparse, urlsplit
 
 from .. import names
-from ..events import RunEnd, RunStart, event_from_dict
+from ..events import RunEnd, RunStart, UnknownSchemaError, event_from_dict
 from ..owner import owner_alive, process_identity
 from .archive import StepBlock
 from .base import Batch, Point, Tracker
@@ -52,6 +52,9 @@ __all__ = [
     "recover",
     "log_or_set_aside",
     "describe_part",
+    "check_store_uri",
+    "mask_password",
+    "Attention",
 ]
 
 logger = logging.getLogger(__name__)
@@ -98,8 +101,57 @@ def unknown_scheme(source: str) -> str | None:
     return None if scheme in {ep.name for ep in entry_points(group=PLUGIN_GROUP)} else scheme
 
 
+# The schemes whose URIs name a host and port (an MLflow server, a database server); a
+# ``databricks://PROFILE:PREFIX`` URI has no port, and a plugin's store says what its URIs mean.
+_HOST_SCHEMES = ("http", "https", "postgresql", "mysql", "mssql")
+_URI_FORMS = (
+    "an MLflow tracking URI (sqlite:///PATH, file:///PATH, http(s)://HOST[:PORT], "
+    "postgresql://, mysql://, mssql://, databricks://) whose port, if any, is a number in 1..65535"
+)
+
+
+def check_store_uri(source: str, name: str) -> None:
+    """A ValueError naming ``name`` (the argument ``source`` came from) when ``source`` is a URI of
+    a server that names no usable host and port (``http://127.0.0.1:50O0``, ``http://[::1``): urllib's
+    own error for it names neither the argument nor what it takes."""
+    scheme = uri_scheme(source)
+    if scheme not in _HOST_SCHEMES or "://" not in source:
+        return
+    why = None
+    try:
+        url = urlsplit(source)
+    except ValueError:
+        why = "its host has a '[' with no ']'"
+    else:
+        port = url.netloc.rpartition("@")[2].rpartition("]")[2].partition(":")[2]
+        try:
+            number = url.port
+        except ValueError:
+            number = -1
+        if port and not (number is not None and 1 <= number <= 65535):
+            why = f"its port {port!r} is not a number in 1..65535"
+        elif scheme in ("http", "https") and not url.hostname:
+            why = "it names no host"
+    if why:
+        raise ValueError(f"Expected {name} to be {_URI_FORMS}, but got {mask_password(source)!r}: {why}")
+
+
+def mask_password(text: str) -> str:
+    """``text`` with the password of every URI in it (``https://user:TOKEN@host``) as ``***``: a
+    tracking URI may carry credentials, which a printed line or a log must not show."""
+    return _PASSWORD.sub(r"\1:***@", text)
+
+
+_PASSWORD = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://[^\s/?#@:]*):[^\s/?#@]*@")
+
+
 def store_spill_dir(source: str) -> Path:
-    """Where spills of the store ``source`` live (an MLflow tracking URI or a W&B directory)."""
+    """Where spills of the store ``source`` live (an MLflow tracking URI or a W&B directory).
+
+    Raises:
+        ValueError: ``source`` is a server's URI with no usable host or port (:func:`check_store_uri`).
+    """
+    check_store_uri(source, "tracking_uri")
     if source.startswith("sqlite:///"):  # sqlite:///relative.db, sqlite:////absolute.db
         return Path(source[len("sqlite:///") :]).resolve().parent / DIRNAME
     if uri_scheme(source) in ("http", "https"):  # one place however the URI is spelled (case, a last /)
@@ -119,64 +171,74 @@ def store_spill_dir(source: str) -> Path:
 
 
 class SpillFile:
-    """One tracker's spill: a header line, then one line per batch."""
+    """One tracker's spill: a header line, then one line per batch. Its files are this user's alone
+    (mode 0600): the header holds the store's settings, whose URI may carry a password."""
 
     def __init__(self, path: Path, header: dict[str, Any]) -> None:
         self.path = path
         self.header = header
 
     def append(self, batch: Batch) -> None:
-        """One line, in one write. After a write that failed half-way (a full disk) the next line
-        starts on a line of its own, so that only the cut line is lost."""
+        """One line, in one write. A new file gets its header first, whole or not at all (written
+        apart and renamed into place: a full disk cannot leave a spill whose first line is cut,
+        which would name no backend, store or run). After a write that failed half-way the next
+        line starts on a line of its own, so that only the cut line is lost."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        text = json.dumps(_encode(batch)) + "\n"
-        with open(self.path, "ab") as f:
+        text = (json.dumps(_encode(batch)) + "\n").encode()
+        try:
+            empty = self.path.stat().st_size == 0
+        except FileNotFoundError:
+            empty = True
+        if empty:  # an empty file: a first write of an earlier version that failed
+            self._write([json.dumps(self.header).encode()], keep_empty=True)
+        with _private(self.path, os.O_APPEND) as f:
             size = f.seek(0, os.SEEK_END)
-            if size == 0:
-                text = json.dumps(self.header) + "\n" + text
-            elif not _ends_a_line(self.path, size):
-                text = "\n" + text
-            f.write(text.encode())
+            if size and not _ends_a_line(self.path, size):
+                text = b"\n" + text
+            f.write(text)
 
     def first(self) -> tuple[str, Batch] | None:
         """The header line and the first batch, read without the rest (a retry while the backend is
-        down costs one line, however long the outage); None without a batch or when the first line
+        down costs one line, however long the outage); None without a batch or when that line
         does not decode (:meth:`batches` deals with it)."""
-        with open(self.path, encoding="utf-8") as f:
-            head = f.readline().rstrip("\n")
+        with open(self.path, "rb") as f:
+            head = f.readline().rstrip(b"\n").decode("utf-8", "replace")
             for line in f:
                 if line.strip():
                     try:
-                        return head, _decode(json.loads(line))
-                    except ValueError:
+                        return head, _decode_line(line)
+                    except Exception:  # noqa: BLE001 - torn, damaged or another version's: see batches()
                         return None
         return None
 
     def batches(self) -> list[Batch]:
-        """The batches, in order. A line that does not decode (cut short: its writer was killed, or
-        its disk filled, while appending) is moved to ``torn-<name>`` beside the spill, with a
-        warning, so that it holds back none of the batches around it."""
-        lines = self.path.read_text().splitlines()
+        """The batches, in order. A line that is no batch (cut short: its writer was killed, or its
+        disk filled, while appending; damaged bytes; a JSON value that is not a batch) is moved to
+        ``torn-<name>`` beside the spill, with a warning, so that it holds back none of the batches
+        around it. A batch of a newer hdet-track (an event schema this one does not know) raises:
+        the spill stays for that version."""
+        lines = _lines(self.path)
         if not lines:  # a first write that failed (a full disk) left the file empty
             return []
         head, *rest = lines
         good, torn, out = [], [], []
         for line in (x for x in rest if x.strip()):
             try:
-                data = json.loads(line)
-            except ValueError:
+                out.append(_decode_line(line))
+            except UnknownSchemaError:
+                raise
+            except (ValueError, KeyError, TypeError, AttributeError):  # UnicodeDecodeError is a ValueError
                 torn.append(line)
                 continue
-            out.append(_decode(data))  # whole but not a batch (another version's): the replay stops, the spill stays
             good.append(line)
         if torn:
             aside = self.path.with_name("torn-" + self.path.name.split(".jsonl")[0] + ".jsonl")
-            with open(aside, "a") as f:
-                f.write("".join(line + "\n" for line in torn))
+            with _private(aside, os.O_APPEND) as f:
+                f.write(b"".join(line + b"\n" for line in torn))
             self._write([head, *good], keep_empty=True)
             logger.warning(
                 "hdet-track: %d batch(es) of %s were cut short (their writer was killed, or its disk filled, "
-                "while writing them); moved to %s, the %d others go on",
+                "while writing them) or are no batch (damaged); moved to %s, the %d others go on",
                 len(torn),
                 self.path.name,
                 aside,
@@ -188,23 +250,62 @@ class SpillFile:
         """Drop the first ``index`` batches (they reached the backend); the header becomes
         :attr:`header` when it is set (a run created since the file began). With none left the
         file is removed, unless ``keep_empty`` (it still names the run, whose end is owed)."""
-        lines = self.path.read_text().splitlines()
-        head = json.dumps(self.header) if self.header else lines[0]
-        self._write([head] + lines[1 + index :], keep_empty=keep_empty)
+        lines = _lines(self.path)
+        head = json.dumps(self.header).encode() if self.header else lines[0]
+        self._write([head] + [x for x in lines[1:] if x.strip()][index:], keep_empty=keep_empty)
 
-    def _write(self, lines: list[str], keep_empty: bool = False) -> None:
+    def _write(self, lines: list[bytes], keep_empty: bool = False) -> None:
+        """The file as ``lines``, at once (written apart and renamed into place)."""
         if len(lines) == 1 and not keep_empty:
             self.path.unlink()
             return
         tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(x + "\n" for x in lines))
+        try:
+            with _private(tmp, os.O_TRUNC) as f:
+                f.write(b"".join(x + b"\n" for x in lines))
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
         os.replace(tmp, self.path)
+
+
+def _private(path: Path, mode: int):
+    """``path`` opened for binary writing (``mode``: os.O_APPEND or os.O_TRUNC), created as this
+    user's alone (0600)."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | mode, 0o600), "ab" if mode == os.O_APPEND else "wb")
 
 
 def _ends_a_line(path: Path, size: int) -> bool:
     with open(path, "rb") as f:
         f.seek(size - 1)
         return f.read(1) == b"\n"
+
+
+def _lines(path: Path) -> list[bytes]:
+    """The lines of a spill file, as bytes: each is decoded on its own (a damaged one is torn, not
+    the file unreadable)."""
+    lines = path.read_bytes().split(b"\n")
+    return lines[:-1] if lines and lines[-1] == b"" else lines
+
+
+def _decode_line(line: bytes) -> Batch:
+    return _decode(json.loads(line.decode("utf-8")))
+
+
+def read_header(path: Path) -> dict[str, Any] | None:
+    """The header of the spill file ``path`` (backend, settings, run); None when its first line is
+    none (cut short, damaged).
+
+    Raises:
+        OSError: the file cannot be read (gone: another process took it).
+    """
+    with open(path, "rb") as f:
+        line = f.readline()
+    try:
+        head = json.loads(line.decode("utf-8"))
+    except ValueError:
+        return None
+    return head if isinstance(head, dict) and isinstance(head.get("backend"), str) else None
 
 
 def log_or_set_aside(tracker: Tracker, batch: Batch, set_aside: Callable[[Batch, BaseException], None]) -> None:
@@ -328,6 +429,13 @@ def _writer_alive(head: dict[str, Any], path: Path | None = None) -> bool:
 # host and pid namespace, ``start`` its process start time (0 where /proc does not tell); an older
 # version's claim is ``<spill>.replaying-<pid>``.
 _REPLAYING = re.compile(r"^(spill-.*\.jsonl)\.replaying-(\d+)(?:-([0-9a-f]{12})-(\d+))?$")
+# An upload's claim on a folder of pending chunks, the same way: ``<folder>.replaying-<pid>-<place>-<start>``.
+_UPLOADING = re.compile(r"^(pending-.+?)\.replaying-(\d+)-([0-9a-f]{12})-(\d+)$")
+
+
+class Attention(str):
+    """A line of :func:`recover` (or of a job delivering what earlier ones left) about a spill that
+    cannot be delivered as it is, however often it is tried: it needs a person (the CLI exits 2)."""
 
 
 def _place(identity: dict[str, Any]) -> str:
@@ -365,24 +473,26 @@ def _replayer_alive(match: re.Match[str], claim: Path) -> bool:
     return owner_alive(owner) is not False
 
 
-def orphans(directory: Path, held: list[Path] | None = None) -> Iterator[Path]:
+def orphans(directory: Path, held: list[Path] | None = None, unreadable: list[Path] | None = None) -> Iterator[Path]:
     """Spill files in ``directory`` whose writer process is gone (``held``, when given, collects
     those a live process still holds). A replay whose process died (``*.replaying-*``) is
-    given back its name first."""
+    given back its name first. A spill whose first line (its header) cannot be read names no
+    backend, store, run or writer: it is collected in ``unreadable`` or, without that list,
+    logged as a warning (:func:`unreadable_line`); never passed over in silence."""
     if not directory.is_dir():
         return
-    for path in sorted(directory.glob("spill-*.jsonl.replaying-*")):
-        match = _REPLAYING.match(path.name)
-        if match and not _replayer_alive(match, path) and not (directory / match[1]).exists():
-            try:
-                os.rename(path, directory / match[1])
-            except OSError:
-                continue
+    _give_back_claims(directory, "spill-*.jsonl.replaying-*", _REPLAYING)
     found = []
     for path in directory.glob("spill-*.jsonl"):
         try:
-            head = json.loads(path.open().readline())
-        except (OSError, ValueError):
+            head = read_header(path)
+        except OSError:  # taken by another process meanwhile
+            continue
+        if head is None:
+            if unreadable is not None:
+                unreadable.append(path)
+            else:
+                logger.warning("hdet-track: %s", unreadable_line(path))
             continue
         found.append((_started(head, path), path.name, path, head))
     for _, _, path, head in sorted(found):  # an earlier attempt's first
@@ -390,6 +500,32 @@ def orphans(directory: Path, held: list[Path] | None = None) -> Iterator[Path]:
             yield path
         elif held is not None:
             held.append(path)
+
+
+def _give_back_claims(directory: Path, pattern: str, claim: re.Pattern[str]) -> None:
+    """Claims (spills being replayed, pending folders being uploaded) whose process is gone get
+    their names back, so that they are taken again."""
+    for path in sorted(directory.glob(pattern)):
+        match = claim.match(path.name)
+        if match and not _replayer_alive(match, path) and not (directory / match[1]).exists():
+            try:
+                os.rename(path, directory / match[1])
+            except OSError:
+                continue
+
+
+def unreadable_line(path: Path) -> Attention:
+    """What :func:`recover` says of a spill whose header cannot be read."""
+    try:
+        lines = [x for x in _lines(path)[1:] if x.strip()]
+    except OSError:
+        lines = []
+    return Attention(
+        f"{path.name}: its first line, the header naming the backend, store and run its {len(lines)} "
+        "batch line(s) belong to, cannot be read (cut short or damaged); not delivered: nothing here says "
+        f"where they go. They stay in {path}: put back a first line naming them (another spill's first line "
+        "shows the form), and recover delivers it; or move the file away"
+    )
 
 
 def _started(head: dict[str, Any], path: Path) -> float:
@@ -407,31 +543,54 @@ def _started(head: dict[str, Any], path: Path) -> float:
 
 def pending_orphans(directory: Path) -> Iterator[Path]:
     """Folders of archive chunks a gone process could not upload (``pending-*`` with a header;
-    see :meth:`hdet_track.tracking.mlflow.MLflowTracker._pending_chunks`)."""
+    see :meth:`hdet_track.tracking.mlflow.MLflowTracker._pending_chunks`). An upload whose process
+    died (``pending-*.replaying-*``) gives the folder its name back first."""
     if not directory.is_dir():
         return
+    _give_back_claims(directory, f"{PENDING_PREFIX}*.replaying-*", _UPLOADING)
     for folder in sorted(directory.glob(f"{PENDING_PREFIX}*")):
+        if _UPLOADING.match(folder.name):  # another process uploads it
+            continue
         try:
             head = json.loads((folder / PENDING_HEADER).read_text())
         except (OSError, ValueError):
             continue
-        if not _writer_alive(head, folder):
+        if isinstance(head, dict) and not _writer_alive(head, folder):
             yield folder
 
 
 def upload_pending_folder(folder: Path) -> str:
-    """Upload one folder of :func:`pending_orphans` to its run; a line saying what happened."""
+    """Upload one folder of :func:`pending_orphans` to its run; a line saying what happened. The
+    folder is claimed first (renamed, as :func:`replay_file` claims a spill): of two processes at
+    once, one uploads it."""
+    claimed = _claim(folder)
+    if claimed is None:
+        return f"{folder.name}: taken by another process"
+    head: dict[str, Any] = {}
+    settings: dict[str, Any] = {}
     try:
-        head = json.loads((folder / PENDING_HEADER).read_text())
+        head = json.loads((claimed / PENDING_HEADER).read_text())
         settings = _anchored(head["backend"], head.get("settings", {}), folder.parent)
         from .base import get_tracker_class
 
         upload = getattr(get_tracker_class(head["backend"]), "upload_pending", None)
         if upload is None:
             raise ValueError(f"no upload of pending chunks for backend {head['backend']!r}")
-        return upload(folder, settings)
+        line = upload(claimed, settings)
     except Exception as exc:  # noqa: BLE001 - the backend is still down: keep the folder
-        return f"{folder.name}: not uploaded ({type(exc).__name__}: {exc}); kept"
+        if _run_gone(head, settings, exc):
+            aside = _aside_path(folder)
+            os.rename(claimed, aside)
+            return Attention(
+                mask_password(
+                    f"{folder.name}: not uploaded: its run {head['run_id']} no longer exists in "
+                    f"{_store_of(settings)} (deleted for good, e.g. by `mlflow gc`); its archive files stay in {aside}"
+                )
+            )
+        if claimed.exists():
+            os.rename(claimed, folder)
+        return mask_password(f"{folder.name}: not uploaded ({type(exc).__name__}: {exc}); kept")
+    return mask_password(line.replace(claimed.name, folder.name))
 
 
 def _touch(path: Path) -> None:
@@ -443,16 +602,32 @@ def _touch(path: Path) -> None:
 
 def replay_file(path: Path) -> str:
     """Deliver one orphaned spill file to its run (creating the run if it never was); returns a line
-    saying what happened. The file is removed once delivered, kept if the backend is still down."""
+    saying what happened (a URI's password shown as ``***``). The file is removed once delivered,
+    kept if the backend is still down; a spill whose run no longer exists (deleted for good) is
+    moved aside (``undeliverable-*.jsonl``), and one whose header cannot be read is left as it is,
+    each with an :class:`Attention` line."""
+    line = _replay_file(path)
+    return type(line)(mask_password(line))
+
+
+def _replay_file(path: Path) -> str:
     from .base import get_tracker_class
     from .isolated import maybe_isolated
 
+    try:
+        mtime = path.stat().st_mtime  # the writer's last write or keep-alive (a claim touches it)
+    except OSError:
+        mtime = None
     claimed = _claim(path)
     if claimed is None:
         return f"{path.name}: taken by another process"
-    spill = SpillFile(claimed, json.loads(claimed.open().readline()))
-    head = spill.header
+    head = read_header(claimed)
+    if head is None:
+        os.rename(claimed, path)
+        return unreadable_line(path)
+    spill = SpillFile(claimed, head)
     sink: Tracker | None = None
+    settings: dict[str, Any] = {}
     delivered, batches, settled = 0, [], []  # settled[i]: how many parts were refused up to batch i
     refused: list[tuple[Batch, BaseException]] = []
     try:
@@ -485,17 +660,26 @@ def replay_file(path: Path) -> str:
         if not ended:
             last = max((p.step for b in batches for p in b.points), default=0)
             # its process went without a word (SIGKILL, the OOM killer): KILLED, as the readers
-            # call such a run and as a writer process does that outlives it
+            # call such a run and as a writer process does that outlives it; ended when the job
+            # last logged (else when it last wrote its spill), not when this replay runs
             text = "recovered from a spill: the job ended without ending its run"
-            sink.finish(RunEnd(status="KILLED", step=last, error=text))
+            sink.finish(RunEnd(status="KILLED", step=last, error=text, time=_last_time(batches) or mtime or 0.0))
     except Exception as exc:  # noqa: BLE001 - the backend is still down: keep the spill
         dropped = _keep_undelivered(spill, sink, min(delivered, max(len(batches) - 1, 0)))
+        if not dropped and _run_gone(head, settings, exc):
+            aside = _aside_path(path)
+            os.rename(claimed, aside)
+            return Attention(
+                f"{path.name}: not delivered: its run {head['run_id']} no longer exists in {_store_of(settings)} "
+                f"(deleted for good, e.g. by `mlflow gc`), so nothing can take its batches; they stay in {aside} "
+                "(JSON lines, its first line the header), which nothing replays"
+            )
         os.rename(claimed, path)
         if dropped and settled[dropped - 1]:  # what the backend refused of the batches that left the spill
             _set_aside(path, head, refused[: settled[dropped - 1]])
         return f"{path.name}: not delivered ({type(exc).__name__}: {exc}); kept"
     claimed.unlink(missing_ok=True)
-    where = settings.get("tracking_uri") or settings.get("dir") or ""
+    where = _store_of(settings)
     line = f"{path.name}: {len(batches)} batches delivered to {head['backend']} run {sink.run_id}" + (
         f" in {where}" if where else ""
     )
@@ -504,6 +688,40 @@ def replay_file(path: Path) -> str:
         where = _set_aside(path, head, refused)
         line += f"; the backend refused {len(refused)} part(s) for their content ({parts}), set aside in {where}"
     return line
+
+
+def _last_time(batches: list[Batch]) -> float | None:
+    """When the job last logged, in seconds: the latest time of a point or an event of ``batches``
+    (None when none has one)."""
+    times = [p.timestamp_ms / 1000 for b in batches for p in b.points]
+    times += [float(getattr(e, "time", 0) or 0) for b in batches for e in b.events]
+    return max((t for t in times if t > 0), default=None)
+
+
+def _store_of(settings: dict[str, Any]) -> str:
+    return str(settings.get("tracking_uri") or settings.get("dir") or "")
+
+
+def _aside_path(path: Path) -> Path:
+    """Where a spill (or pending folder) that cannot be delivered is moved: ``undeliverable-<name>``,
+    which nothing replays."""
+    return path.with_name("undeliverable-" + path.name.removeprefix("spill-"))
+
+
+def _run_gone(head: dict[str, Any], settings: dict[str, Any], exc: BaseException) -> bool:
+    """Whether the run ``head`` names is known not to exist in its store (deleted for good: ``mlflow
+    gc``), asked of the backend after a delivery failed with ``exc``, an error that names the run
+    (a backend that is down is not asked again); False when it cannot tell, for a run that exists (a
+    deleted one in the trash waits to be restored) and for a spill naming none."""
+    if not head.get("run_id") or not settings or str(head["run_id"]) not in str(exc):
+        return False
+    try:
+        from .base import get_tracker_class
+
+        missing = getattr(get_tracker_class(head["backend"]), "run_missing", None)
+        return bool(missing is not None and missing(settings, head["run_id"]))
+    except Exception:  # noqa: BLE001 - cannot tell: keep it
+        return False
 
 
 def _set_aside(spill: Path, head: dict[str, Any], refused: list[tuple[Batch, BaseException]]) -> Path:
@@ -520,8 +738,10 @@ def attempt_starts(paths: list[Path], run_id: str, job: str) -> dict[Path, int]:
     out = {}
     for path in paths:
         try:
-            head = json.loads(path.open().readline())
-        except (OSError, ValueError):
+            head = read_header(path)
+        except OSError:
+            continue
+        if head is None:
             continue
         start = head.get("run_start") or {}
         if head.get("run_id") == run_id or (not head.get("run_id") and job and start.get("job") == job):
@@ -537,8 +757,10 @@ def take_over(path: Path, run_id: str, upto: int, send: Callable[[Batch], None],
     never reached the backend has no run: its spill is known by the job's id ``job``. None, and the
     file left alone, when the spill is another run's: :func:`replay_file` delivers that."""
     try:
-        head = json.loads(path.open().readline())
-    except (OSError, ValueError):
+        head = read_header(path)
+    except OSError:
+        return None
+    if head is None:
         return None
     runless = not head.get("run_id") and bool(job) and (head.get("run_start") or {}).get("job") == job
     if head.get("run_id") != run_id and not runless:
@@ -624,20 +846,23 @@ def _mlflow_file_store(path: Path) -> bool:
 
 def recover(source: str) -> list[str]:
     """Deliver every orphaned spill of the store ``source`` (an MLflow URI, a W&B directory, or a
-    spill directory itself)."""
+    spill directory itself). Each line says what happened to one file (a URI's password shown as
+    ``***``); an :class:`Attention` line names one that cannot be delivered as it is."""
     lines: list[str] = []
     held: list[Path] = []
+    unreadable: list[Path] = []
     for directory in spill_dirs(source):
         lines += [upload_pending_folder(folder) for folder in pending_orphans(directory)]  # first: their numbering
-        lines += [replay_file(path) for path in orphans(directory, held)]
+        lines += [replay_file(path) for path in orphans(directory, held, unreadable)]
+    lines += [unreadable_line(path) for path in unreadable]
     for path in held:
         try:
-            owner = json.loads(path.open().readline()).get("owner") or {}
-        except (OSError, ValueError):
+            owner = (read_header(path) or {}).get("owner") or {}
+        except OSError:
             owner = {}
         who = f"process {owner.get('pid')} on {owner.get('host')}" if owner else "a live process"
         lines.append(f"{path.name}: held by {who}, which may still be writing it; not touched")
-    return lines
+    return [type(line)(mask_password(line)) for line in lines]
 
 
 def _anchored(backend: str, settings: dict[str, Any], directory: Path) -> dict[str, Any]:
