@@ -651,11 +651,12 @@ def run_recover(source: str | None) -> int:
 
     from .readers import ReaderError, resolve_source
     from .readers.mlflow import sqlite_file
-    from .tracking.spill import Attention, check_store_uri, mask_password, recover, spill_dirs, uri_scheme
+    from .tracking.base import mask_secrets
+    from .tracking.spill import Attention, check_store_uri, recover, spill_dirs, uri_scheme
 
     given = source is not None
     source = _store(source)
-    shown = mask_password(source)
+    shown = mask_secrets(source) or source
     bad = _unknown_scheme(source, given, spills=True)
     if bad:
         return _fail(f"recover: {bad}")

@@ -90,3 +90,17 @@ def mlflow_server(tmp_path_factory):
     server = MlflowServer(tmp_path_factory.mktemp("mlflow-server")).start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def outage(monkeypatch):
+    """A real MLflow tracker whose backend goes down on cue (tests/jobs/outage.py), also as the
+    tracker a spill's replay builds for "mlflow"."""
+    from hdet_track.tracking import base
+
+    from .jobs.outage import OutageMLflowTracker
+
+    OutageMLflowTracker.reset()
+    monkeypatch.setitem(base.TRACKERS, "mlflow", "tests.jobs.outage:OutageMLflowTracker")
+    yield OutageMLflowTracker
+    OutageMLflowTracker.reset()

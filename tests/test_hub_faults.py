@@ -12,7 +12,6 @@ import time
 import pytest
 from mlflow.tracking import MlflowClient
 
-from hdet_track.tracking import base
 from hdet_track.tracking import spill as spill_module
 from hdet_track.tracking.hub import TrackingHub, _Sink, default_shutdown_timeout
 from hdet_track.tracking.spill import SpillFile, recover
@@ -21,18 +20,28 @@ from .jobs.outage import OutageMLflowTracker
 from .test_spill_repair import _batch, _dead_identity, _orphaned, _spill_while_down, _start
 
 
-@pytest.fixture
-def outage(monkeypatch):
-    OutageMLflowTracker.reset()
-    monkeypatch.setitem(base.TRACKERS, "mlflow", "tests.jobs.outage:OutageMLflowTracker")
-    yield OutageMLflowTracker
-    OutageMLflowTracker.reset()
-
-
 def _runs(uri):
     client = MlflowClient(uri)
     runs = client.search_runs([client.get_experiment_by_name("out").experiment_id])
     return [(r.info.status, sorted(m.step for m in client.get_metric_history(r.info.run_id, "val_loss"))) for r in runs]
+
+
+def _hub_with_a_spill(outage, uri, spills, shutdown_timeout=5, **timing):
+    """A hub whose run started, then the backend went down for val_loss at steps 1-3 (in the spill)."""
+    hub = TrackingHub(
+        [outage(tracking_uri=uri, experiment="out")],
+        spill_dir=spills,
+        flush_seconds=0.05,
+        shutdown_timeout=shutdown_timeout,
+        **timing,
+    )
+    hub.start(_start())
+    assert hub.flush(30)
+    outage.reset(down=True)
+    for step in (1, 2, 3):
+        hub.metrics({"val_loss": float(step)}, step)
+        assert hub.flush(10)
+    return hub
 
 
 def _full_disk(monkeypatch):
@@ -80,20 +89,7 @@ def test_a_spill_that_cannot_be_rewritten_does_not_stop_the_writer(tmp_path, out
     raised out of the heartbeat's replay, and the writer thread died; later metrics and the run's end
     were neither delivered nor spilled, and the run stayed open."""
     uri = f"sqlite:///{tmp_path / 'store.db'}"
-    hub = TrackingHub(
-        [outage(tracking_uri=uri, experiment="out")],
-        spill_dir=tmp_path / ".hdet-spill",
-        flush_seconds=0.05,
-        retry_seconds=0.1,
-        heartbeat_seconds=0.2,
-        shutdown_timeout=5,
-    )
-    hub.start(_start())
-    assert hub.flush(30)
-    outage.reset(down=True)
-    for step in (1, 2, 3):
-        hub.metrics({"val_loss": float(step)}, step)
-        assert hub.flush(10)
+    hub = _hub_with_a_spill(outage, uri, tmp_path / ".hdet-spill", retry_seconds=0.1, heartbeat_seconds=0.2)
     with monkeypatch.context() as disk:
         _full_disk(disk)
         outage.reset(logs_left=1)  # back for one batch, then down again: the replay rewrites the spill
@@ -117,20 +113,8 @@ def test_a_spill_that_cannot_be_rewritten_at_the_end_still_keeps_the_runs_end(tm
     Now it waits in the spill, and `recover` ends the run as the job did."""
     uri = f"sqlite:///{tmp_path / 'store.db'}"
     spills = tmp_path / ".hdet-spill"
-    hub = TrackingHub(
-        [outage(tracking_uri=uri, experiment="out")],
-        spill_dir=spills,
-        flush_seconds=0.05,
-        retry_seconds=0.0,  # the end's delivery replays the spill first
-        heartbeat_seconds=None,
-        shutdown_timeout=1,
-    )
-    hub.start(_start())
-    assert hub.flush(30)
-    outage.reset(down=True)
-    for step in (1, 2, 3):
-        hub.metrics({"val_loss": float(step)}, step)
-        assert hub.flush(10)
+    # retry_seconds=0: the end's delivery replays the spill first
+    hub = _hub_with_a_spill(outage, uri, spills, retry_seconds=0.0, heartbeat_seconds=None, shutdown_timeout=1)
     with monkeypatch.context() as disk:
         _full_disk(disk)
         outage.reset(logs_left=1)

@@ -24,16 +24,6 @@ from hdet_track.tracking.base import Batch, Point
 from hdet_track.tracking.hub import _Sink
 from hdet_track.tracking.spill import STALE_SECONDS, orphans, recover, replay_file
 
-from .jobs.outage import OutageMLflowTracker
-
-
-@pytest.fixture
-def outage(monkeypatch):
-    OutageMLflowTracker.reset()
-    monkeypatch.setitem(base.TRACKERS, "mlflow", "tests.jobs.outage:OutageMLflowTracker")
-    yield OutageMLflowTracker
-    OutageMLflowTracker.reset()
-
 
 def _start():
     return RunStart(

@@ -39,7 +39,7 @@ from .. import names
 from ..events import RunEnd, RunStart, UnknownSchemaError, event_from_dict
 from ..owner import owner_alive, process_identity
 from .archive import StepBlock
-from .base import Batch, Point, Tracker
+from .base import Batch, Point, Tracker, mask_secrets
 
 __all__ = [
     "KEEP_ALIVE_SECONDS",
@@ -53,7 +53,6 @@ __all__ = [
     "log_or_set_aside",
     "describe_part",
     "check_store_uri",
-    "mask_password",
     "Attention",
 ]
 
@@ -133,16 +132,7 @@ def check_store_uri(source: str, name: str) -> None:
         elif scheme in ("http", "https") and not url.hostname:
             why = "it names no host"
     if why:
-        raise ValueError(f"Expected {name} to be {_URI_FORMS}, but got {mask_password(source)!r}: {why}")
-
-
-def mask_password(text: str) -> str:
-    """``text`` with the password of every URI in it (``https://user:TOKEN@host``) as ``***``: a
-    tracking URI may carry credentials, which a printed line or a log must not show."""
-    return _PASSWORD.sub(r"\1:***@", text)
-
-
-_PASSWORD = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://[^\s/?#@:]*):[^\s/?#@]*@")
+        raise ValueError(f"Expected {name} to be {_URI_FORMS}, but got {mask_secrets(source)!r}: {why}")
 
 
 def store_spill_dir(source: str) -> Path:
@@ -582,15 +572,15 @@ def upload_pending_folder(folder: Path) -> str:
             aside = _aside_path(folder)
             os.rename(claimed, aside)
             return Attention(
-                mask_password(
+                mask_secrets(
                     f"{folder.name}: not uploaded: its run {head['run_id']} no longer exists in "
                     f"{_store_of(settings)} (deleted for good, e.g. by `mlflow gc`); its archive files stay in {aside}"
                 )
             )
         if claimed.exists():
             os.rename(claimed, folder)
-        return mask_password(f"{folder.name}: not uploaded ({type(exc).__name__}: {exc}); kept")
-    return mask_password(line.replace(claimed.name, folder.name))
+        return mask_secrets(f"{folder.name}: not uploaded ({type(exc).__name__}: {exc}); kept")
+    return mask_secrets(line.replace(claimed.name, folder.name))
 
 
 def _touch(path: Path) -> None:
@@ -607,7 +597,7 @@ def replay_file(path: Path) -> str:
     moved aside (``undeliverable-*.jsonl``), and one whose header cannot be read is left as it is,
     each with an :class:`Attention` line."""
     line = _replay_file(path)
-    return type(line)(mask_password(line))
+    return type(line)(mask_secrets(line))
 
 
 def _replay_file(path: Path) -> str:
@@ -862,7 +852,7 @@ def recover(source: str) -> list[str]:
             owner = {}
         who = f"process {owner.get('pid')} on {owner.get('host')}" if owner else "a live process"
         lines.append(f"{path.name}: held by {who}, which may still be writing it; not touched")
-    return [type(line)(mask_password(line)) for line in lines]
+    return [type(line)(mask_secrets(line)) for line in lines]
 
 
 def _anchored(backend: str, settings: dict[str, Any], directory: Path) -> dict[str, Any]:
