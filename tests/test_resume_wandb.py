@@ -386,3 +386,25 @@ def test_a_live_runs_rows_ahead_of_its_archive_are_its_next_chunk_not_a_gap(tmp_
         time.sleep(0.5)
     assert killed.status == "KILLED" and killed.filled_from_rows
     assert sorted(set(killed.steps.step.tolist())) == list(range(1, 16))
+
+
+def test_a_job_resumed_from_the_checkpoint_of_a_finished_run_logs_to_a_run_of_its_own(tmp_path):
+    """As with MLflow: a job resumed from a checkpoint of a run another attempt finished (a fork, a
+    rerun) wrote nothing into it (every step was stored) and ended it FINISHED again. It now logs to
+    a new run whose summary names the run and step it forked from."""
+    _job(tmp_path, "first", 40, "close")
+    _job(tmp_path, "second", 40, "close", loss_scale=2.0)
+    reader = WandbReader(tmp_path / "store")
+    runs = {summary.run_id: reader.read(summary.run_id) for summary in reader.list_runs()}
+    assert len(runs) == 2
+    (forked,) = [r for r in runs.values() if r.steps.step.min() > 1]
+    (first,) = [r for r in runs.values() if r is not forked]
+    assert first.status == forked.status == "FINISHED"
+    assert first.replica_series("loss", 0)[0].tolist() == list(range(1, 41))
+    # from the checkpoint's window (its losses, steps 13-17, are in the checkpoint), then its own
+    assert forked.replica_series("loss", 0)[0].tolist() == list(range(13, 41))
+    mine, theirs = forked.replica_series("loss", 0)[1], first.replica_series("loss", 0)[1][12:]
+    assert np.array_equal(mine[:5], theirs[:5]) and np.allclose(mine[5:], 2 * theirs[5:])
+    (folder,) = glob.glob(str(tmp_path / "store" / "wandb" / f"*run-*-{forked.run_id}"))
+    summary = read_wandb_file(glob.glob(os.path.join(folder, "run-*.wandb"))[0]).summary
+    assert summary["hdet/forked_from"] == first.run_id and summary["hdet/forked_at_step"] == 17

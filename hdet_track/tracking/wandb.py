@@ -21,8 +21,9 @@ from .. import names
 from .._checks import check_number, check_str
 from ..errors import needs_extra
 from ..events import RunEnd, RunStart
-from ..wandb_file import RunFileProgress, WandbFormatError
-from ..wandb_store import OWNER_FILE, SYNC_PREFIXES, USER_METRICS_FILE, StoredSteps
+from ..owner import owner_alive, process_identity
+from ..wandb_file import RunFileProgress, WandbFormatError, read_wandb_file
+from ..wandb_store import OWNER_FILE, SYNC_PREFIXES, USER_METRICS_FILE, StoredSteps, read_owner, session_order
 from . import lifecycle
 from ._common import run_params, run_tags, warn_second_training
 from .archive import ARTIFACT_DIR, EventArchive, chunk_index
@@ -42,6 +43,9 @@ SYNC_STEP = names.SYNC_STEP
 _STEP_GLOBS = (names.LOSS, names.LR, "hdet/replica_*")
 # in a run given to hdet-track, whose loss (Lightning's, Hugging Face's) is its owner's
 _GIVEN_STEP_GLOBS = (*names.MEANS_IN_GIVEN_RUN.values(), "hdet/replica_*")
+# A run a resumed job did not continue, because another attempt had it: the run and the step it forked from.
+FORKED_FROM = "hdet/forked_from"
+FORKED_AT = "hdet/forked_at_step"
 FINISH_WAIT_SECONDS = 15.0  # for W&B's service to close the run file after finish()
 # wandb-core buffers the run file (``.wandb``) and writes it every ``x_transaction_log_flush_interval``
 # seconds (15 by default): a SIGKILL (the OOM killer during evaluation) lost up to 15 s of history,
@@ -362,6 +366,7 @@ class WandbTracker(Tracker):
             self._call(lambda: config.update(params, allow_val_change=True))
             self._setup(self._existing, tags, run_start)
             return
+        forked = self._fork_if_taken(run_start)
         run = wandb.init(
             project=self.project or os.environ.get("WANDB_PROJECT") or DEFAULT_PROJECT,
             entity=self.entity or os.environ.get("WANDB_ENTITY"),
@@ -379,13 +384,49 @@ class WandbTracker(Tracker):
             # so does a new run, $WANDB_RUN_ID as it is now: W&B's process-wide settings keep the
             # variable as it was when W&B was first set up, and two schedulers went into one run
             id=self._resume_id
-            or (_new_run_id() if self._replaying else os.environ.get("WANDB_RUN_ID") or _new_run_id()),
+            or (_new_run_id() if self._replaying or forked else os.environ.get("WANDB_RUN_ID") or _new_run_id()),
             resume="allow" if self._resume_id or self._replaying else None,
             settings=_run_settings(wandb),
         )
         lifecycle.end_runs_first_at_exit()  # before the exit handler wandb.init registered
         self._resume_id = None  # used up: a later run of this object is a new one unless resumed again
         self._setup(run, tags, run_start)
+        if forked is not None:
+            run.summary[FORKED_FROM] = forked
+            run.summary[FORKED_AT] = run_start.start_step
+            logger.warning(
+                "hdet-track: W&B run %s, which this job's checkpoint (step %d) continues, was ended FINISHED "
+                "by another attempt or is being logged by a live process: this attempt logs to a new run, %s "
+                "(its summary's %s and %s name the run and step it forked from)",
+                forked, run_start.start_step, run.id, FORKED_FROM, FORKED_AT,
+            )  # fmt: skip
+
+    def _fork_if_taken(self, run_start: RunStart) -> str | None:
+        """The run a resumed job's checkpoint names, when another attempt has it (ended FINISHED, or a
+        live process on this host logs into it: see MLflow's ``_taken``), as this disk's session
+        folders tell; the job then starts a new run (None: it resumes that one)."""
+        run_id = self._resume_id
+        if run_id is None or self._replaying or run_start.start_step <= 0:
+            return None
+        root = Path(self._root() or ".") / "wandb"
+        name = f"run-{run_id}.wandb"
+        sessions = sorted((d for d in root.glob("*run-*") if (d / name).is_file()), key=session_order)
+        if not sessions:
+            return None
+        owner = read_owner(sessions[-1]) or {}
+        mine = process_identity()
+        if owner and (owner.get("host"), owner.get("pid")) != (mine["host"], mine["pid"]) and owner_alive(owner):
+            taken = True
+        else:
+            try:
+                ended = read_wandb_file(sessions[-1] / name)
+            except (OSError, WandbFormatError):
+                return None
+            taken = ended.exit_code == 0 and ended.summary.get("hdet/status") == "FINISHED"
+        if not taken:
+            return None
+        self._resume_id = None
+        return run_id
 
     def _setup(self, run: Any, tags: dict[str, str], run_start: RunStart) -> None:
         self._run = run
