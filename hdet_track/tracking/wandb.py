@@ -21,14 +21,13 @@ from .. import names
 from .._checks import check_number, check_str
 from ..errors import needs_extra
 from ..events import RunEnd, RunStart
-from ..owner import owner_alive, process_identity
-from ..wandb_file import RunFileProgress, WandbFormatError, read_wandb_file
-from ..wandb_store import OWNER_FILE, SYNC_PREFIXES, USER_METRICS_FILE, StoredSteps, read_owner, session_order
+from ..wandb_file import RunFileProgress, WandbFormatError
+from ..wandb_store import OWNER_FILE, SYNC_PREFIXES, USER_METRICS_FILE, StoredSteps
 from . import lifecycle
 from ._common import run_params, run_tags, warn_second_training
 from .archive import ARTIFACT_DIR, EventArchive, chunk_index
 from .base import Batch, Tracker, mask_secrets
-from .wandb_parts import LOGGED, FreshRows, GivenRun, Logged, OwnerFile
+from .wandb_parts import LOGGED, FreshRows, GivenRun, Logged, OwnerFile, taken
 
 __all__ = ["WandbTracker", "DEFAULT_PROJECT", "DEFAULT_MODE", "SYNC_STEP", "STEP", "wait_until_written"]
 
@@ -218,6 +217,18 @@ def _check_arguments(
     check_number("chunk_seconds", chunk_seconds, 0.0, math.inf, low_open=False, high_open=True)  # 0: every batch
 
 
+def _say_forked(run: Any, forked: str, step: int) -> None:
+    """``run`` is a fork of the run ``forked`` at the checkpoint's step ``step``: in its summary and a warning."""
+    run.summary[FORKED_FROM] = forked
+    run.summary[FORKED_AT] = step
+    logger.warning(
+        "hdet-track: W&B run %s, which this job's checkpoint (step %d) continues, was ended FINISHED by another "
+        "attempt or is being logged by a live process: this attempt logs to a new run, %s (its summary's %s and "
+        "%s name the run and step it forked from)",
+        forked, step, run.id, FORKED_FROM, FORKED_AT,
+    )  # fmt: skip
+
+
 class WandbTracker(Tracker):
     """Log an HDET run to W&B. ``WANDB_PROJECT``, ``WANDB_ENTITY``, ``WANDB_MODE``,
     ``WANDB_RUN_GROUP``, ``WANDB_NAME``, ``WANDB_NOTES`` and ``WANDB_TAGS`` are honoured; the compare
@@ -366,7 +377,10 @@ class WandbTracker(Tracker):
             self._call(lambda: config.update(params, allow_val_change=True))
             self._setup(self._existing, tags, run_start)
             return
-        forked = self._fork_if_taken(run_start)
+        forked = None  # the run the checkpoint names, when another attempt has it: this one gets its own
+        resumed = self._resume_id is not None and not self._replaying and run_start.start_step > 0
+        if resumed and taken(Path(self._root() or ".") / "wandb", str(self._resume_id)):
+            forked, self._resume_id = self._resume_id, None
         run = wandb.init(
             project=self.project or os.environ.get("WANDB_PROJECT") or DEFAULT_PROJECT,
             entity=self.entity or os.environ.get("WANDB_ENTITY"),
@@ -392,41 +406,7 @@ class WandbTracker(Tracker):
         self._resume_id = None  # used up: a later run of this object is a new one unless resumed again
         self._setup(run, tags, run_start)
         if forked is not None:
-            run.summary[FORKED_FROM] = forked
-            run.summary[FORKED_AT] = run_start.start_step
-            logger.warning(
-                "hdet-track: W&B run %s, which this job's checkpoint (step %d) continues, was ended FINISHED "
-                "by another attempt or is being logged by a live process: this attempt logs to a new run, %s "
-                "(its summary's %s and %s name the run and step it forked from)",
-                forked, run_start.start_step, run.id, FORKED_FROM, FORKED_AT,
-            )  # fmt: skip
-
-    def _fork_if_taken(self, run_start: RunStart) -> str | None:
-        """The run a resumed job's checkpoint names, when another attempt has it (ended FINISHED, or a
-        live process on this host logs into it: see MLflow's ``_taken``), as this disk's session
-        folders tell; the job then starts a new run (None: it resumes that one)."""
-        run_id = self._resume_id
-        if run_id is None or self._replaying or run_start.start_step <= 0:
-            return None
-        root = Path(self._root() or ".") / "wandb"
-        name = f"run-{run_id}.wandb"
-        sessions = sorted((d for d in root.glob("*run-*") if (d / name).is_file()), key=session_order)
-        if not sessions:
-            return None
-        owner = read_owner(sessions[-1]) or {}
-        mine = process_identity()
-        if owner and (owner.get("host"), owner.get("pid")) != (mine["host"], mine["pid"]) and owner_alive(owner):
-            taken = True
-        else:
-            try:
-                ended = read_wandb_file(sessions[-1] / name)
-            except (OSError, WandbFormatError):
-                return None
-            taken = ended.exit_code == 0 and ended.summary.get("hdet/status") == "FINISHED"
-        if not taken:
-            return None
-        self._resume_id = None
-        return run_id
+            _say_forked(run, forked, run_start.start_step)
 
     def _setup(self, run: Any, tags: dict[str, str], run_start: RunStart) -> None:
         self._run = run

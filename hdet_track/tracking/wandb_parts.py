@@ -15,12 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from .. import names
-from ..owner import process_identity
-from ..wandb_store import OWNER_FILE, SYNC_PREFIXES, StoredSteps
+from ..owner import owner_alive, process_identity
+from ..wandb_file import WandbFormatError, read_wandb_file
+from ..wandb_store import OWNER_FILE, SYNC_PREFIXES, StoredSteps, read_owner, session_order
 from .archive import ARTIFACT_DIR
 from .base import Batch, Point
 
-__all__ = ["Logged", "LOGGED", "GivenRun", "FreshRows", "OwnerFile"]
+__all__ = ["Logged", "LOGGED", "GivenRun", "FreshRows", "OwnerFile", "taken"]
 
 logger = logging.getLogger(__name__)
 
@@ -171,3 +172,21 @@ class OwnerFile:
         """A run left open for its owner: this tracker's heartbeat does not speak for that process."""
         if self.record.pop("alive", None) is not None:
             self.write()
+
+
+def taken(wandb_dir: Path, run_id: str) -> bool:
+    """Whether the run ``run_id``, which a resumed job's checkpoint names, is another attempt's, as
+    its session folders in ``wandb_dir`` tell: its last session ended FINISHED, or a live process on
+    this host owns it (see MLflow's ``_taken``: two jobs resumed from one checkpoint shared it)."""
+    name = f"run-{run_id}.wandb"  # a session folder holds its run's file under the exact id
+    sessions = sorted((d for d in wandb_dir.glob("*run-*") if (d / name).is_file()), key=session_order)
+    if not sessions:
+        return False
+    owner, mine = read_owner(sessions[-1]) or {}, process_identity()
+    if owner and (owner.get("host"), owner.get("pid")) != (mine["host"], mine["pid"]) and owner_alive(owner):
+        return True
+    try:
+        ended = read_wandb_file(sessions[-1] / name)
+    except (OSError, WandbFormatError):
+        return False
+    return ended.exit_code == 0 and ended.summary.get("hdet/status") == "FINISHED"
