@@ -579,6 +579,13 @@ def run_dashboard(source: str | None, host: str, port: int) -> int:
     if bad:  # compare refuses it too (MLflow has no store for it): before a server starts on it
         print(f"hdet-track dashboard: {bad}", file=sys.stderr)
         return 2
+    from .tracking.spill import check_store_uri
+
+    try:  # a server's URI with no usable host or port: said before a server starts on it
+        check_store_uri(source, "SOURCE" if given else "SOURCE (from $HDET_DASHBOARD_SOURCE or $MLFLOW_TRACKING_URI)")
+    except ValueError as exc:
+        print(f"hdet-track dashboard: {exc}", file=sys.stderr)
+        return 2
     db = pending_store(source)
     if db is not None:  # read-only, and ready before the first job: the runs appear once a job creates it
         print(
@@ -692,7 +699,15 @@ def run_recover(source: str | None) -> int:
         return _fail(
             f"recover: no MLflow store at {shown} ({urlparse(source).path} is no directory) and no spill beside it"
         )
-    lines = recover(source)
+    try:
+        lines = recover(source)
+    except KeyboardInterrupt:  # a spill being delivered stays claimed until the next recover takes it back
+        print(
+            "\nhdet-track recover: interrupted; run it again to deliver the rest (a spill it was delivering is "
+            "taken back, and its run goes on where it stopped)",
+            file=sys.stderr,
+        )
+        return 130
     if not lines:
         looked = " and ".join(str(d) for d in spill_dirs(source))
         print(f"hdet-track recover: nothing to deliver for {shown} (looked in {looked})")

@@ -865,6 +865,12 @@ def test_recover_and_dashboard_refuse_a_uri_of_no_store(tmp_path, capsys):
     assert "SOURCE 'foo://bar'" in proc.stderr and "sqlite:///PATH" in proc.stderr
     assert main(["compare", "--tracking-uri", "foo://bar"]) == 2
     capsys.readouterr()
+    # a server's URI with no usable port: refused before a server starts, as recover refuses it
+    proc = _cli(
+        ["dashboard", "http://127.0.0.1:notaport", "--port", str(_free_port())], tmp_path, _env_without_tracking(), 60
+    )
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
+    assert "Expected SOURCE to be an MLflow tracking URI" in proc.stderr and "'notaport'" in proc.stderr
     # a store of MLflow's with no path of its own: its spills in the cache, named without credentials
     assert main(["recover", "postgresql+psycopg2://me:secret@db.example:5432/runs"]) == 0
     out = capsys.readouterr().out

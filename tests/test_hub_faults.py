@@ -172,10 +172,12 @@ def test_the_unavailable_warning_does_not_quote_the_servers_password(tmp_path, o
     assert said and "S3CRET" not in said[0] and "alice:***@127.0.0.1" in said[0], said
 
 
-def test_a_recover_killed_half_way_leaves_the_run_for_the_next_recover_not_killed(tmp_path, outage):
+@pytest.mark.parametrize("signum", ["SIGKILL", "SIGINT"])
+def test_a_recover_killed_half_way_leaves_the_run_for_the_next_recover_not_killed(tmp_path, outage, signum):
     """`hdet-track recover` killed half-way through the spill of a job that ended FINISHED: its
     tracker process took the recover's exit for the training process's, ended the run KILLED ("the
-    training process vanished"), and the run kept that message after the next recover finished it."""
+    training process vanished"), and the run kept that message after the next recover finished it.
+    Ctrl-C printed a KeyboardInterrupt traceback; now one line, exit 130."""
     import os
     import signal
     import subprocess
@@ -203,8 +205,10 @@ def test_a_recover_killed_half_way_leaves_the_run_for_the_next_recover_not_kille
             break
         time.sleep(0.1)
     assert proc.poll() is None, "the recover ended before it could be killed"
-    proc.send_signal(signal.SIGKILL)
-    proc.communicate()
+    proc.send_signal(getattr(signal, signum))
+    _, err = proc.communicate()
+    if signum == "SIGINT":
+        assert proc.returncode == 130 and "Traceback" not in err and "recover: interrupted" in err, err
     (run,) = runs
     time.sleep(3)  # what its tracker process does once its parent is gone
     assert client.get_run(run.info.run_id).info.status == "RUNNING"
