@@ -252,7 +252,7 @@ class MLflowTracker(Tracker):
         # one given in code (Hugging Face's, Lightning's run), not $MLFLOW_RUN_ID (`mlflow run`'s, this job's own)
         self._given = bool(self._attach_id)
         carry = self._carry_on is not None
-        taken = None if attach or carry or not self._resume_id else _taken(client, self._resume_id, self)
+        taken = None if attach or carry or not self._resume_id else _taken(client, self._resume_id, self, run_start)
         if taken is not None:  # another attempt's run: this one gets its own, linked to it
             why, earlier = taken
             tags |= {FORKED_FROM_TAG: earlier.info.run_id, FORKED_AT_TAG: str(run_start.start_step)}
@@ -504,16 +504,20 @@ def _create(
     return _Opened(client.create_run(exp_id, start_time=start_ms, run_name=run_name, tags=tags).info.run_id)
 
 
-def _taken(client: Any, run_id: str, tracker: Any) -> tuple[str, Any] | None:
+def _taken(client: Any, run_id: str, tracker: Any, run_start: RunStart) -> tuple[str, Any] | None:
     """Why the run ``run_id``, which a resumed job's checkpoint names, is another attempt's, and
     the run; None when it is this job's to continue (its earlier attempt failed, was killed, or
-    left it RUNNING with no live process). Two jobs resumed from one checkpoint (a fork, a rerun
+    left it RUNNING with no live process, or closed it FINISHED at the checkpoint's step: a job run
+    in parts). Two jobs resumed from one checkpoint (a fork, a rerun
     of a job that finished) shared it: the second found it logged through the end and wrote
     nothing, or, at once, both wrote every step. Another host's process is not checked: a job
     restarted at once after its host died would take its own run for another's."""
     run = client.get_run(run_id)
-    if run.info.status == "FINISHED":
-        return "was ended FINISHED by another attempt", run
+    if run.info.status == "FINISHED":  # and went on past this checkpoint
+        through = _logged_through(client, run)
+        if through <= run_start.start_step:
+            return None
+        return f"was ended FINISHED by another attempt, logged through step {through}", run
     if run.info.status != "RUNNING":
         return None
     try:
