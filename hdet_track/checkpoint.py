@@ -19,29 +19,31 @@ HDET's step implies (this rank's; the shared base after the last step).
 restores it. It expects the scheduler's OneCycle state (``__dict__``'s ``_onecycle_keys``),
 ``_fanout``, ``_controller``, ``_converger``, ``_callbacks``, ``_group``, ``_rank``, ``_world_size``,
 ``_config``, ``_max_lrs``, ``_lr_bounds``, ``optimizer``, ``total_steps``, ``sync_every``,
-``_onecycle``, ``_explored_shared``, and its ``_deliver``, ``_refresh``, ``_restore_own_lrs``,
-``_apply_explored``, ``_owns_lr`` and ``_put_back_as_loaded``.
+``_onecycle``, ``_explored_shared``, ``_last_lr``, and its ``_deliver``, ``_refresh``,
+``_write_lrs``, ``_record_lrs`` and ``_apply_explored``. The optimizer's load hooks (registered by the
+scheduler) are here too: which scheduler's LRs are in force decides what a load writes.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
 
 from . import collectives
 from ._checks import plain
 from .errors import CheckpointMismatchError
 
 if TYPE_CHECKING:
-    import torch
-
     from .callbacks import CallbackList
     from .controller import Controller
     from .converge import Converger
     from .fanout import FanOut
+    from .scheduler import HDETScheduler
 
 __all__ = ["FORMAT", "Checkpointing", "upgrade", "check_compatible"]
 
@@ -72,10 +74,9 @@ class Checkpointing:
     sync_every: int
     _deliver: Callable[..., None]  # Reporting's: hand a waiting record to the callbacks
     _apply_explored: Callable[..., None]  # the scheduler's: write this rank's explored values (or the base)
+    _write_lrs: Callable[..., None]  # the scheduler's: write LRs into the param groups
+    _record_lrs: Callable[[], None]  # the scheduler's: the LRs in force are its own (_last_lr)
     _refresh: Callable[..., None]  # the scheduler's: re-apply this rank's values for the current step
-    _restore_own_lrs: Callable[..., None]  # the scheduler's: _refresh, without OneCycle's formula past its end
-    _owns_lr: Callable[[], bool]  # the scheduler's: whether the optimizer's LRs are the ones it wrote last
-    _put_back_as_loaded: Callable[[], None]  # the scheduler's: undo its load hook's write (optimizer loaded first)
 
     def state_dict(self, all_ranks: bool = False) -> dict[str, Any]:
         """Everything needed to resume exactly: OneCycle's state, the permutations and their
@@ -201,6 +202,33 @@ class Checkpointing:
             },
         }
 
+    def _owns_lr(self) -> bool:
+        """Whether the optimizer's LRs are the ones this scheduler wrote last: False once another
+        scheduler has set its own (SequentialLR's next one after the milestone, a ChainedScheduler's
+        factor), which torch's schedulers keep or build on and HDET must leave alone."""
+        return all(float(g["lr"]) == float(lr) for g, lr in zip(self.optimizer.param_groups, self._last_lr))
+
+    def _put_back_as_loaded(self) -> None:
+        """The LRs and momenta ``optimizer.load_state_dict()`` brought, if its hook has written this
+        scheduler's over them since (the optimizer loaded before the scheduler)."""
+        as_loaded = self.__dict__.pop("_as_loaded", None)
+        if as_loaded is None:
+            return
+        self._write_lrs([values["lr"] for values in as_loaded])
+        for group, values in zip(self.optimizer.param_groups, as_loaded):
+            group.update({k: v for k, v in values.items() if k != "lr"})
+
+    def _restore_own_lrs(self, shared: bool | None = None) -> None:
+        """:meth:`_refresh`, but never OneCycle's formula past its end: after the last step this
+        rank's LRs come from plain OneCycle's values at that step (``_onecycle``, as the step left
+        them or a checkpoint restored them), and the momenta stay as they are."""
+        if self.last_epoch < self.total_steps:
+            self._refresh(shared)
+            return
+        self._write_lrs(self._fanout.values("lr", self.base_values("lr"), self._rank))
+        self._record_lrs()
+        self._apply_explored(shared)
+
 
 def numbers_like(template: Any, value: Any) -> Any:
     """``value`` (from a checkpoint: Python numbers) with the NumPy scalar types of ``template`` (what
@@ -303,3 +331,50 @@ def _as_lists(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _as_lists(v) for k, v in value.items()}
     return value
+
+
+_LATEST: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref[HDETScheduler]] = weakref.WeakKeyDictionary()
+
+
+def _latest(optimizer: torch.optim.Optimizer) -> HDETScheduler | None:
+    """The optimizer's latest HDETScheduler, if still alive, built and not closed."""
+    ref = _LATEST.get(optimizer)
+    sched = ref() if ref is not None else None
+    if sched is None or not sched._hdet_ready or sched.__dict__.get("_released"):
+        return None  # gone, or closed: the optimizer is no longer HDET's
+    return sched
+
+
+def _note_lr_owner_before_load(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+    """Before ``optimizer.load_state_dict()``: whether the LRs it replaces were HDET's own."""
+    sched = _latest(optimizer)
+    if sched is not None:
+        sched.__dict__["_owned_lr_before_load"] = sched._owns_lr()
+
+
+def _reapply_after_load(optimizer: torch.optim.Optimizer) -> None:
+    """After ``optimizer.load_state_dict()``: the optimizer's latest HDETScheduler puts this rank's
+    values back into the param groups: its LRs only while its own were in force before the load
+    (after another scheduler's, the loaded LRs are that scheduler's, which ``load_state_dict`` keeps
+    too), after its last step the ones it wrote last; the explored values as they were in force."""
+    sched = _latest(optimizer)
+    if sched is None:
+        return
+    owned = sched.__dict__.pop("_owned_lr_before_load", True)
+    needed = ("initial_lr", "max_lr", "min_lr")  # OneCycleLR's, gone from a state saved without it
+    if not all(k in g for g in optimizer.param_groups for k in needed):
+        return
+    if owned and sched.last_epoch < sched.total_steps:
+        # what the load brought, for a checkpoint of this scheduler loaded next that keeps it
+        cycled = ("lr", "momentum", "betas")
+        as_loaded = [{k: _copied(g[k]) for k in cycled if k in g} for g in optimizer.param_groups]
+        sched.__dict__["_as_loaded"] = as_loaded
+        sched._refresh(sched._explored_shared)
+        return
+    if owned:
+        sched._write_lrs(sched._last_lr)  # no formula past the end
+    sched._apply_explored(sched._explored_shared)
+
+
+def _copied(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) else value

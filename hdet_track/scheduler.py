@@ -49,7 +49,7 @@ from .arguments import (
 )
 from .averager import ReplicaAverager, innermost_optimizer
 from .callbacks import CallbackList, resolve_track
-from .checkpoint import Checkpointing
+from .checkpoint import _LATEST, Checkpointing, _note_lr_owner_before_load, _reapply_after_load
 from .controller import Controller, ControllerContext, make_controller
 from .converge import Converger
 from .explore import Hyperparam, resolve_explore
@@ -111,8 +111,9 @@ class HDETScheduler(Views, Syncing, Reporting, Checkpointing, OneCycleLR):
         log_every, compare_group, run_name, close_at_end: tracking settings (see
             :class:`hdet_track.tracking.recorder.Recorder`).
         callbacks: :class:`hdet_track.record.SchedulerCallback` objects (see :meth:`add_callback`).
-        model: the module whose parameters *and buffers* are averaged. Without it, the
-            optimizer's parameters are averaged.
+        model: the module whose parameters *and buffers* are averaged (with any parameter the
+            optimizer trains outside it). Without it, the optimizer's parameters are averaged, and
+            a rollback cannot restore buffers (BatchNorm's statistics).
         average_buffers: with ``model``, average its buffers too.
 
     Attributes:
@@ -274,9 +275,15 @@ class HDETScheduler(Views, Syncing, Reporting, Checkpointing, OneCycleLR):
         clash = sorted(set(hdet_kwargs) & set(args))
         if clash:
             raise TypeError(f"from_onecycle() takes OneCycleLR's arguments from the scheduler; do not pass {clash}")
+        # each group's own ends (div factors recomputed from group 0's differ by an ulp in the others)
+        ends = [{k: g[k] for k in ("initial_lr", "max_lr", "min_lr")} for g in scheduler.optimizer.param_groups]
         sched = cls(scheduler.optimizer, **args, **hdet_kwargs)
+        for group, kept in zip(sched.optimizer.param_groups, ends):
+            group.update(kept)
         if scheduler.last_epoch > 0:
             sched._start_at(scheduler.last_epoch)
+        else:
+            sched._refresh()
         return sched
 
     def _start_at(self, step: int) -> None:
@@ -351,12 +358,6 @@ class HDETScheduler(Views, Syncing, Reporting, Checkpointing, OneCycleLR):
         self._explored_shared = self.last_epoch >= self.total_steps if shared is None else bool(shared)
         self._fanout.write(self.base_values, None if self._explored_shared else self._rank)
 
-    def _owns_lr(self) -> bool:
-        """Whether the optimizer's LRs are the ones this scheduler wrote last: False once another
-        scheduler has set its own (SequentialLR's next one after the milestone, a ChainedScheduler's
-        factor), which torch's schedulers keep or build on and HDET must leave alone."""
-        return all(float(g["lr"]) == float(lr) for g, lr in zip(self.optimizer.param_groups, self._last_lr))
-
     def _write_lrs(self, values: Sequence[float | torch.Tensor]) -> None:
         for group, lr in zip(self.optimizer.param_groups, values):
             if isinstance(group["lr"], torch.Tensor):
@@ -364,15 +365,11 @@ class HDETScheduler(Views, Syncing, Reporting, Checkpointing, OneCycleLR):
             else:
                 group["lr"] = lr
 
-    def _put_back_as_loaded(self) -> None:
-        """The LRs and momenta ``optimizer.load_state_dict()`` brought, if its hook has written this
-        scheduler's over them since (the optimizer loaded before the scheduler)."""
-        as_loaded = self.__dict__.pop("_as_loaded", None)
-        if as_loaded is None:
-            return
-        self._write_lrs([values["lr"] for values in as_loaded])
-        for group, values in zip(self.optimizer.param_groups, as_loaded):
-            group.update({k: v for k, v in values.items() if k != "lr"})
+    def _record_lrs(self) -> None:
+        """The LRs in force are this scheduler's (``_last_lr``, as OneCycleLR keeps them)."""
+        self._last_lr = [
+            g["lr"].clone() if isinstance(g["lr"], torch.Tensor) else g["lr"] for g in self.optimizer.param_groups
+        ]
 
     def _bind_controller(self) -> None:
         if self._controller is None:
@@ -400,70 +397,8 @@ class HDETScheduler(Views, Syncing, Reporting, Checkpointing, OneCycleLR):
         with _enable_get_lr_call(self):
             values = self.get_lr()
         self._write_lrs(values)
-        self._last_lr = [
-            g["lr"].clone() if isinstance(g["lr"], torch.Tensor) else g["lr"] for g in self.optimizer.param_groups
-        ]
+        self._record_lrs()
         self._apply_explored(shared)
-
-    def _restore_own_lrs(self, shared: bool | None = None) -> None:
-        """:meth:`_refresh`, but never OneCycle's formula past its end: after the last step this
-        rank's LRs come from plain OneCycle's values at that step (``_onecycle``, as the step left
-        them or a checkpoint restored them), and the momenta stay as they are."""
-        if self.last_epoch < self.total_steps:
-            self._refresh(shared)
-            return
-        self._write_lrs(self._fanout.values("lr", self.base_values("lr"), self._rank))
-        self._last_lr = [
-            g["lr"].clone() if isinstance(g["lr"], torch.Tensor) else g["lr"] for g in self.optimizer.param_groups
-        ]
-        self._apply_explored(shared)
-
-
-_LATEST: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref[HDETScheduler]] = weakref.WeakKeyDictionary()
-
-
-def _latest(optimizer: torch.optim.Optimizer) -> HDETScheduler | None:
-    """The optimizer's latest HDETScheduler, if still alive, built and not closed."""
-    ref = _LATEST.get(optimizer)
-    sched = ref() if ref is not None else None
-    if sched is None or not sched._hdet_ready or sched.__dict__.get("_released"):
-        return None  # gone, or closed: the optimizer is no longer HDET's
-    return sched
-
-
-def _note_lr_owner_before_load(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
-    """Before ``optimizer.load_state_dict()``: whether the LRs it replaces were HDET's own."""
-    sched = _latest(optimizer)
-    if sched is not None:
-        sched.__dict__["_owned_lr_before_load"] = sched._owns_lr()
-
-
-def _reapply_after_load(optimizer: torch.optim.Optimizer) -> None:
-    """After ``optimizer.load_state_dict()``: the optimizer's latest HDETScheduler puts this rank's
-    values back into the param groups: its LRs only while its own were in force before the load
-    (after another scheduler's, the loaded LRs are that scheduler's, which ``load_state_dict`` keeps
-    too), after its last step the ones it wrote last; the explored values as they were in force."""
-    sched = _latest(optimizer)
-    if sched is None:
-        return
-    owned = sched.__dict__.pop("_owned_lr_before_load", True)
-    needed = ("initial_lr", "max_lr", "min_lr")  # OneCycleLR's, gone from a state saved without it
-    if not all(k in g for g in optimizer.param_groups for k in needed):
-        return
-    if owned and sched.last_epoch < sched.total_steps:
-        # what the load brought, for a checkpoint of this scheduler loaded next that keeps it
-        cycled = ("lr", "momentum", "betas")
-        as_loaded = [{k: _copied(g[k]) for k in cycled if k in g} for g in optimizer.param_groups]
-        sched.__dict__["_as_loaded"] = as_loaded
-        sched._refresh(sched._explored_shared)
-        return
-    if owned:
-        sched._write_lrs(sched._last_lr)  # no formula past the end
-    sched._apply_explored(sched._explored_shared)
-
-
-def _copied(value: Any) -> Any:
-    return value.clone() if isinstance(value, torch.Tensor) else value
 
 
 def check_hdet_kwargs(owner: str, kwargs: Mapping[str, Any], taken: Iterable[str] = (), **given: Any) -> None:

@@ -115,3 +115,25 @@ def test_wrapping_halfway_decays_the_paper_base_over_the_remaining_syncs_only():
     assert (1 - sched.gamma) ** 5 == pytest.approx(25.0 / 1e4)
     fresh = HDETScheduler(make(), 0.3, total_steps=100, sync_every=10, auto_lr=True, controller="paper")
     assert fresh.gamma == pytest.approx(decay_gamma(25.0, 1e4, 10)) and fresh.gamma < sched.gamma
+
+
+@pytest.mark.parametrize("at", [0, 1, 30])
+def test_wrapping_keeps_every_groups_own_ends_bit_for_bit(at):
+    """An audit's finding: wrap() rebuilt every group's initial_lr and min_lr from group 0's div
+    factors, an ulp off in the others (0.014285714285714284 for 0.014285714285714285): 11 of 98
+    steps differed from the OneCycleLR it continues, though spread 0 without auto-LR is OneCycle."""
+    o_ref, o_wrap = make("sgd"), make("sgd")
+    ref = OneCycleLR(o_ref, [0.1, 0.3], total_steps=100, div_factor=3.0, final_div_factor=7.0)
+    orig = OneCycleLR(o_wrap, [0.1, 0.3], total_steps=100, div_factor=3.0, final_div_factor=7.0)
+    for _ in range(at):
+        for o, s in ((o_ref, ref), (o_wrap, orig)):
+            o.step()
+            s.step()
+    sched = hdet_track.wrap(orig, spread=0.0, sync_every=1000)
+    for _ in range(100 - at):
+        assert [g["lr"] for g in o_ref.param_groups] == [g["lr"] for g in o_wrap.param_groups]
+        assert [g["min_lr"] for g in o_ref.param_groups] == [g["min_lr"] for g in o_wrap.param_groups]
+        for o in (o_ref, o_wrap):
+            o.step()
+        ref.step()
+        sched.step(1.0)
