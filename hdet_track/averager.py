@@ -169,27 +169,28 @@ class ReplicaAverager:
     def average_optimizer_state(self) -> None:
         """Average the optimizer's state (momentum buffers, Adam's moments: every floating tensor of
         one or more dimensions) across the replicas, so that one replica's state stands for all (a
-        checkpoint written by rank 0 alone); a 0-dim count (Adam's step, restarted on a replica the
-        guard reset) becomes the highest of the replicas'. Only where every replica holds state of
+        checkpoint written by rank 0 alone); a count (Adam's ``step``, restarted on a replica the
+        guard reset; an integer) becomes the highest of the replicas', and another 0-dim value (the
+        moments of a scalar parameter: a learnable temperature) their mean. Only where every replica holds state of
         the same layout (one small gather tells, and brings the counts: a CPU step tensor never meets
         an nccl all_reduce) and none of it is quantized or sparse (8-bit moments: integer codes
         beside float scales); otherwise nothing is averaged, and a warning says so once. A
         collective: every rank calls it at the same point."""
         if self.world_size == 1:
             return
-        tensors, counts, layout, quantized = [], [], [], False
+        tensors, scalars, layout, quantized = [], [], [], False
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 for key, value in sorted(self.optimizer.state.get(p, {}).items(), key=lambda kv: str(kv[0])):
                     if not isinstance(value, torch.Tensor) or value.dtype == torch.bool:
                         continue
                     layout.append((str(key), tuple(value.shape), str(value.dtype)))
-                    if value.dim() == 0:
-                        counts.append(value)
+                    if value.dim() == 0:  # gathered as numbers: a CPU step tensor never meets an nccl all_reduce
+                        scalars.append((value, key == "step" or not value.is_floating_point()))
                         continue
                     quantized = quantized or value.is_sparse or not value.is_floating_point()
                     tensors.append(value)
-        gathered = collectives.all_gather_objects((quantized, layout, [float(c) for c in counts]), self.group)
+        gathered = collectives.all_gather_objects((quantized, layout, [float(v) for v, _ in scalars]), self.group)
         if quantized or any(other[:2] != (quantized, layout) for other in gathered):
             if not self._state_said:
                 self._state_said = True
@@ -204,8 +205,9 @@ class ReplicaAverager:
         if tensors:  # (SGD without momentum has none, on every replica)
             with torch.no_grad():
                 collectives.average_buckets(collectives.make_buckets(tensors), self.group)
-        for i, count in enumerate(counts):
-            count.fill_(max(other[2][i] for other in gathered))
+        for i, (value, count) in enumerate(scalars):
+            values = [other[2][i] for other in gathered]
+            value.fill_(max(values) if count else sum(values) / len(values))
 
     def state_dict(self) -> dict:
         return {

@@ -163,6 +163,11 @@ class ParamGroupKey(Hyperparam):
     def bind(self, optimizer: torch.optim.Optimizer) -> None:
         groups = optimizer.param_groups
         missing = [i for i, g in enumerate(groups) if self._key not in g]
+        if missing and len(missing) < len(groups):  # some groups hold it: say which lack it
+            raise ValueError(
+                f"Expected explore key {self.key!r} in every param group of {type(optimizer).__name__}, but "
+                f"param group(s) {missing} lack it (of {len(groups)}); give them the key, or explore it with a Setter"
+            )
         if missing:
             known = sorted(k for k, v in groups[0].items() if k != "params")
             raise ValueError(
@@ -252,6 +257,12 @@ class ModuleAttr(Hyperparam):
             value = getattr(mod, self.attr, None)
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 found.append((mod_name or type(mod).__name__, mod))
+                if isinstance(value, int) and not isinstance(mod, DROPOUT_TYPES):  # a dropout's p=0 is a float's 0
+                    raise ValueError(
+                        f"Expected explore[{self.name!r}] attribute {self.attr!r} to be a float, but "
+                        f"{found[-1][0]} ({type(mod).__name__}) holds the int {value!r}: each replica gets a "
+                        "multiple of it (1.5, 2.5, ...), which an integer setting (a width, a count) cannot take"
+                    )
         if not found:
             what = f"instances of {self.types}" if self.types is not None else "submodules"
             raise ValueError(
@@ -275,9 +286,16 @@ class ModuleAttr(Hyperparam):
         return [((id(mod), self.attr), f"{type(mod).__name__}.{self.attr}") for _, mod in self._targets]
 
     def default_bounds(self) -> tuple[float, float]:
-        dropouts = self.types is not None or all(isinstance(mod, DROPOUT_TYPES) for _, mod in self._targets)
-        if self.attr == "p" and dropouts:
-            return (0.0, 1.0)  # a probability (a dropout module's, or one of the types given)
+        # a probability: the p of dropout modules, or of the types given (a dropout class of the user's)
+        kinds = {self.types is not None or isinstance(mod, DROPOUT_TYPES) for _, mod in self._targets}
+        if self.attr == "p" and kinds == {True, False}:
+            others = sorted({type(mod).__name__ for _, mod in self._targets if not isinstance(mod, DROPOUT_TYPES)})
+            raise ValueError(
+                f"Expected explore[{self.name!r}] to find one kind of 'p', but it matches dropout modules (a "
+                f"probability, within (0, 1)) and {others} (not one): pass types= to pick one kind, or bounds="
+            )
+        if self.attr == "p" and kinds == {True}:
+            return (0.0, 1.0 - 1e-6)  # a probability, never 1 (a replica that trains nothing, silently)
         return (0.0, math.inf)
 
 
@@ -323,7 +341,7 @@ def param_group(key: str, spread: float, bounds: tuple[float, float] | None = No
 
 
 def dropout(
-    model: nn.Module, spread: float, bounds: tuple[float, float] = (0.0, 1.0), name: str = "dropout"
+    model: nn.Module, spread: float, bounds: tuple[float, float] = (0.0, 1.0 - 1e-6), name: str = "dropout"
 ) -> ModuleAttr:
     """Explore the ``p`` of every dropout module in ``model``."""
     return ModuleAttr(name, model, "p", spread, bounds, types=DROPOUT_TYPES)

@@ -85,12 +85,16 @@ class Syncing:
             self._notify(record)
 
     def _sync_tensors(self) -> list[torch.Tensor]:
-        if self._model is not None:
-            tensors = list(self._model.parameters())
-            if self.average_buffers:
-                tensors += list(self._model.buffers())
-            return tensors
-        return [p for g in self.optimizer.param_groups for p in g["params"]]
+        trained = [p for g in self.optimizer.param_groups for p in g["params"]]
+        if self._model is None:
+            return trained
+        tensors = list(self._model.parameters())
+        if self.average_buffers:
+            tensors += list(self._model.buffers())
+        # and what the optimizer trains outside the model (a learnable temperature kept beside it):
+        # left out, the replicas' copies drifted apart and a blow-up in one got past the guard
+        held = {id(t) for t in tensors}
+        return tensors + [p for p in dict.fromkeys(trained) if id(p) not in held]
 
     def _sync(self, step: int, blown: str | None = None, final: bool = False) -> SyncRecord:
         """Converge with the window's schedule; the next window's permutations come back in the record."""

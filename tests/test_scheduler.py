@@ -916,7 +916,7 @@ def test_explore_refuses_what_it_cannot_explore_and_names_it():
         assert build({"weight_decay": spread})._fanout.spreads["weight_decay"] == 0.5
     # a dropout's p found without types= is a probability: bounded by 1, not unbounded; so is the p of
     # the types given (a custom dropout class)
-    assert build([explore.module_attr("drop", lin, "p", 0.5)])._fanout.hyperparams["drop"].bounds == (0.0, 1.0)
+    assert build([explore.module_attr("drop", lin, "p", 0.5)])._fanout.hyperparams["drop"].bounds == (0.0, 1.0 - 1e-6)
 
     class MyDrop(nn.Module):
         def __init__(self) -> None:
@@ -926,7 +926,7 @@ def test_explore_refuses_what_it_cannot_explore_and_names_it():
     mine = nn.Sequential(nn.Linear(2, 2), MyDrop())
     opt_mine = torch.optim.SGD(mine.parameters(), lr=0.1)
     custom = build([explore.module_attr("drop", mine, "p", 0.5, types=MyDrop)], optimizer=opt_mine)
-    assert custom._fanout.hyperparams["drop"].bounds == (0.0, 1.0)
+    assert custom._fanout.hyperparams["drop"].bounds == (0.0, 1.0 - 1e-6)
     sched = build({"weight_decay": 0.5})
     for ask in (sched.multiplier, sched.base_values, sched.replica_values):
         with pytest.raises(ValueError, match=r"explored_names \['lr', 'weight_decay'\], but got 'wd'"):
@@ -1094,3 +1094,45 @@ def test_the_first_step_hook_keeps_no_scheduler_alive_and_a_checkpoint_before_it
     resumed.step(1e6)  # the step guard rolls back
     assert [g.kind for g in resumed.last_sync.guard] == ["rollback"]
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), loaded))
+
+
+def test_an_explored_p_is_below_1_and_one_kind_and_an_integer_attribute_is_refused():
+    """An audit's findings: a dropout's p reached 1.0 (README: kept within (0, 1)), and that replica
+    trained nothing for its window; module_attr("p") over dropouts and another module with a p (GeM
+    pooling's 3) bounded all by (0, inf), and a dropout got p=1.2 (torch raised in the forward); an
+    integer attribute (a width) got 1.0 and 3.0 and broke the forward later."""
+
+    class GeM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.p = 3.0
+
+    class TopK(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.k = 2
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = HDETScheduler(opt, 0.1, total_steps=10, explore=[explore.dropout(model, 0.5)])
+    spec = sched._fanout.hyperparams["dropout"]
+    assert spec.bounds[1] < 1.0 and max(v for r in sched.replica_values("dropout") for v in r) < 1.0
+    mixed = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.2), GeM())
+    opt = torch.optim.SGD(mixed.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"explore\['p'\].*dropout modules.*\['GeM'\].*types="):
+        HDETScheduler(opt, 0.1, total_steps=10, explore=[explore.module_attr("p", mixed, "p", 0.5)])
+    # one kind: GeM's own p, unbounded above
+    only = HDETScheduler(opt, 0.1, total_steps=10, explore=[explore.module_attr("gem", mixed[2], "p", 0.5)])
+    assert only._fanout.hyperparams["gem"].bounds == (0.0, math.inf)
+    topk = nn.Sequential(nn.Linear(2, 2), TopK())
+    opt = torch.optim.SGD(topk.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"explore\['k'\] attribute 'k' to be a float.*int 2"):
+        HDETScheduler(opt, 0.1, total_steps=10, explore=[explore.module_attr("k", topk, "k", 0.5)])
+
+
+def test_a_param_group_key_some_groups_lack_is_refused_naming_them():
+    """It said the key "matches nothing; known keys: [..., 'my_clip', ...]", naming the key it refused."""
+    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+    opt = torch.optim.SGD([{"params": a.parameters(), "my_clip": 1.0}, {"params": b.parameters()}], lr=0.1)
+    with pytest.raises(ValueError, match=r"'my_clip' in every param group of SGD, but param group\(s\) \[1\] lack it"):
+        HDETScheduler(opt, 0.1, total_steps=10, explore={"my_clip": 0.3})

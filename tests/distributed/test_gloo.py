@@ -507,3 +507,25 @@ def test_sequential_lr_hands_over_as_the_readme_says_and_resumes_exactly(tmp_pat
     assert torch.equal(*params_after_10)  # one consensus that the next phase starts from
     assert res[0]["base_wd"] == [0.01] and wds_after_10 == [[0.01] * 5] * 2  # the shared base on every rank
     assert [res[r]["rank0"] for r in range(2)] == [None, None]  # rank 0's checkpoint resumes every rank
+
+
+def test_sync_now_averages_a_scalar_parameters_moments_and_keeps_the_highest_step():
+    """A 0-dim parameter's Adam moments became the highest replica's (taken for counts like Adam's
+    step): with opposite gradients the momentum kept one rank's sign where the mean is near 0."""
+    res = run_ranks(workers.sync_now_with_a_scalar_parameter, WORLD)
+    for key in ("exp_avg", "exp_avg_sq"):
+        mean = sum(r["before"][key] for r in res) / WORLD
+        assert all(r["after"][key] == pytest.approx(mean, rel=1e-6, abs=1e-9) for r in res), (key, res)
+    assert len({r["before"]["exp_avg"] for r in res}) > 1  # they did differ
+    assert all(r["after"]["step"] == max(q["before"]["step"] for q in res) for r in res)
+
+
+def test_a_parameter_the_optimizer_trains_outside_the_model_is_averaged_and_guarded():
+    """With ``model=``, only the model's tensors were averaged: a parameter the optimizer trains
+    beside it kept each rank's own value at every sync, and a NaN in it passed the guard."""
+    res = run_ranks(workers.a_parameter_outside_the_model, WORLD)
+    first = [r["syncs"][0]["temp"] for r in res]
+    assert first == [first[0]] * WORLD and first[0] == pytest.approx(1.0 + 2 * (WORLD + 1) / 2)  # the mean
+    second = [r["syncs"][1] for r in res]
+    assert all(s["left_out"] == [1] for s in second), second  # the blown-up replica, found
+    assert all(math.isfinite(s["temp"]) and s["temp"] == second[0]["temp"] for s in second), second

@@ -985,3 +985,43 @@ def sequential_handover(rank: int, world: int, milestone: int, call_sync_now: bo
     saved = torch.load(os.path.join(ckpt_dir, "rank0.pt"), weights_only=True)
     out["rank0"] = resumed(saved, went_on[:10], True, went_on)
     return out
+
+
+def sync_now_with_a_scalar_parameter(rank: int, world: int) -> dict:
+    """A 0-dim parameter (a learnable temperature) trained by Adam with opposite gradients on the
+    ranks: its moments are 0-dim tensors, which ``sync_now()`` took for counts (the highest rank's)."""
+    scale = torch.nn.Parameter(torch.tensor(1.0))
+    vec = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.Adam([scale, vec], lr=0.1)
+    sched = HDETScheduler(opt, 0.1, total_steps=100, sync_every=50)
+    sign = 1.0 if rank == 0 else -1.0
+    for step in range(1, 4):
+        loss = sign * step * (scale + vec.sum())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step(float(loss))
+    before = {k: float(v) for k, v in opt.state[scale].items()}
+    sched.sync_now()
+    return {"before": before, "after": {k: float(v) for k, v in opt.state[scale].items()}}
+
+
+def a_parameter_outside_the_model(rank: int, world: int) -> dict:
+    """``model=`` given, and the optimizer also trains a parameter the model does not hold (a loss
+    temperature kept beside it): each rank moves it its own way, and rank 1's blows up."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    temp = torch.nn.Parameter(torch.tensor([1.0]))
+    opt = torch.optim.SGD([*model.parameters(), temp], lr=0.1)
+    sched = HDETScheduler(opt, 0.1, total_steps=4, sync_every=2, model=model)
+    syncs = []
+    for step in range(1, 5):
+        with torch.no_grad():
+            temp.add_(rank + 1.0)
+            if step == 3 and rank == 1:
+                temp.fill_(float("nan"))
+        opt.step()
+        sched.step(1.0)
+        if step % 2 == 0:
+            syncs.append({"temp": temp.item(), "left_out": list(sched.last_sync.left_out)})
+    return {"syncs": syncs}
