@@ -71,15 +71,20 @@ def read_user_metrics(directory: Path) -> list[tuple[str, int, float]]:
 def _merge_user_metrics(
     found: dict[str, tuple[np.ndarray, np.ndarray]], extra: list[tuple[str, int, float]]
 ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """``found`` (from W&B's history) with the points of ``extra`` it lacks (the history may stop
-    short of what the tracker had written: W&B buffers its file); each point counted once."""
-    have = Counter((key, int(s), float(v)) for key, (steps, values) in found.items() for s, v in zip(steps, values))
-    points = {key: list(zip(steps.tolist(), values.tolist())) for key, (steps, values) in found.items()}
+    """``found`` (from W&B's history) with the points of ``extra`` (the tracker's file) it lacks (the
+    history may stop short of what the tracker had written: W&B buffers its file); each point counted
+    once. The file's points come last and in the order they were logged: at a step logged twice the
+    last value is the one logged last (W&B's row holds only that one, the file both)."""
+    in_file = Counter((key, int(step), float(value)) for key, step, value in extra)
+    points: dict[str, list[tuple[int, float]]] = {}
+    for key, (steps, values) in found.items():
+        for step, value in zip(steps.tolist(), values.tolist()):
+            if in_file[(key, int(step), float(value))] > 0:
+                in_file[(key, int(step), float(value))] -= 1  # it comes in the file's order below
+            else:
+                points.setdefault(key, []).append((step, value))
     for key, step, value in extra:
-        if have[(key, step, value)] > 0:
-            have[(key, step, value)] -= 1
-        else:
-            points.setdefault(key, []).append((step, value))
+        points.setdefault(key, []).append((step, value))
     return series(points)
 
 

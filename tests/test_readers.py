@@ -515,3 +515,126 @@ def test_listing_w_and_b_runs_looks_for_their_directories_once(tmp_path, monkeyp
     monkeypatch.setattr(wandb_reader, "find_run_dirs", lambda root: scans.append(root) or real(root))
     runs = WandbReader(os.environ["WANDB_DIR"]).list_runs()
     assert len(runs) == 3 and len(scans) == 1
+
+
+@pytest.mark.parametrize("backend", ["mlflow", "wandb"])
+def test_a_user_metric_logged_twice_at_a_step_reads_back_the_value_logged_last(tmp_path, backend, monkeypatch):
+    """An audit's finding: val_loss logged 0.9 then 0.5 at one step read back 0.9 on both backends
+    (and so did compare's final val loss). W&B's row holds the last value, the tracker's file both,
+    and the merge put the file's first after the row's; MLflow orders a step's points of the same
+    millisecond by value, and two log calls in one millisecond got the same time."""
+    import time as time_module
+
+    from hdet_track.tracking.wandb import WandbTracker
+
+    if backend == "mlflow":
+        uri = f"sqlite:///{tmp_path / 'store.db'}"
+        tracker = MLflowTracker(tracking_uri=uri, experiment="twice")
+    else:
+        tracker = WandbTracker(dir=tmp_path, mode="offline")
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = HDETScheduler(opt, 0.1, total_steps=20, sync_every=5, track=tracker)
+    for step in range(1, 21):
+        opt.step()
+        sched.step(1.0 / step)
+    assert sched.flush()
+    now = time_module.time()
+    with monkeypatch.context() as frozen:  # both calls in one millisecond
+        frozen.setattr(time_module, "time", lambda: now)
+        sched.log_metrics({"val_loss": 0.9}, step=20)
+        sched.log_metrics({"val_loss": 0.5}, step=20)
+    sched.close()
+    reader = MLflowReader(uri) if backend == "mlflow" else WandbReader(str(tmp_path))
+    steps, values = reader.read(tracker.run_id).metrics["val_loss"]
+    assert steps.tolist() == [20] and values.tolist() == [0.5]
+
+
+@pytest.mark.parametrize("backend", ["mlflow", "wandb"])
+def test_the_runs_list_gives_the_final_loss_of_a_run_closed_early_under_the_point_budget(
+    tmp_path, backend, monkeypatch
+):
+    """An audit's finding: the runs list (the dashboard's Runs page) read a run's final loss from its
+    thinned loss series, which kept the planned last step but not the last step trained: a run
+    closed at step 53 of 10,000 listed the loss of the last step the budget kept."""
+    from hdet_track.tracking.wandb import WandbTracker
+
+    monkeypatch.setenv("HDET_POINTS_PER_SECOND", "1")
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    tracker = (
+        MLflowTracker(tracking_uri=uri, experiment="early")
+        if backend == "mlflow"
+        else WandbTracker(project="early", dir=tmp_path, mode="offline")
+    )
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = HDETScheduler(opt, 0.1, total_steps=10_000, sync_every=50, track=tracker)
+    for step in range(1, 54):
+        opt.step()
+        sched.step(1.0 / step)
+    sched.close()
+    reader = MLflowReader(uri) if backend == "mlflow" else WandbReader(str(tmp_path))
+    (summary,) = reader.list_runs("early")
+    assert summary.final_loss == pytest.approx(1.0 / 53) == reader.read(summary.run_id).final_loss()
+
+
+@pytest.mark.parametrize("damage", ["event_not_an_object", "string_step_column", "null_step"])
+def test_a_foreign_archive_chunk_is_a_warning_not_a_traceback_or_a_wrong_step(tmp_path, damage):
+    """An audit's findings: an events chunk holding JSON that is no object raised AttributeError out
+    of the read (the dashboard showed a traceback); a steps chunk whose step column holds text raised
+    ValueError; one with a null step read as step -2**63, silently."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from hdet_track.tracking.wandb import WandbTracker
+
+    tracker = WandbTracker(project="damaged", dir=tmp_path, mode="offline")
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = HDETScheduler(opt, 0.1, total_steps=20, sync_every=5, track=tracker)
+    for step in range(1, 21):
+        opt.step()
+        sched.step(1.0 / step)
+    sched.close()
+    (events,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "files" / "hdet_events"))
+    if damage == "event_not_an_object":
+        pq.write_table(pa.table({"kind": ["x"], "step": [1], "json": ["[1, 2]"]}), f"{events}/events-000090.parquet")
+    elif damage == "string_step_column":
+        pq.write_table(pa.table({"step": ["x"], "replica": [0], "loss": [1.0]}), f"{events}/steps-000090.parquet")
+    else:
+        table = pa.table({"step": pa.array([None, 61], pa.int64()), "replica": [0, 0], "loss": [1.0, 2.0]})
+        pq.write_table(table, f"{events}/steps-000090.parquet")
+    run = WandbReader(str(tmp_path)).read(tracker.run_id)
+    assert run.steps.step.min() == 1 and run.steps.step.max() == 20
+    assert run.final_loss() == pytest.approx(1.0 / 20)
+    assert any("000090" in w for w in run.warnings), run.warnings
+
+
+@pytest.mark.parametrize("backend", ["mlflow", "wandb"])
+def test_a_zoom_into_a_range_without_steps_reads_empty_not_the_whole_run(tmp_path, backend):
+    """An audit's finding: a step range with no rows (past the run's steps: a user metric logged at a
+    later step makes it selectable on the dashboard) was taken for a torn archive: MLflow rebuilt the
+    whole run from its histories and warned, W&B put the whole run's loss and lr into the metrics."""
+    from hdet_track.tracking.wandb import WandbTracker
+
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    tracker = (
+        MLflowTracker(tracking_uri=uri, experiment="zoom")
+        if backend == "mlflow"
+        else WandbTracker(project="zoom", dir=tmp_path, mode="offline")
+    )
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = HDETScheduler(opt, 0.1, total_steps=40, sync_every=5, track=tracker)
+    for step in range(1, 41):
+        opt.step()
+        sched.step(1.0 / step)
+    sched.log_metrics({"val_loss": 0.5}, step=200)
+    sched.close()
+    reader = MLflowReader(uri) if backend == "mlflow" else WandbReader(str(tmp_path))
+    run = reader.read(tracker.run_id, steps=(100, 200))
+    assert len(run.steps) == 0 and not run.filled_from_rows and run.view == (100, 200)
+    assert not any("rebuilt" in w for w in run.warnings), run.warnings
+    assert "loss" not in run.metrics and "lr" not in run.metrics
+    whole = reader.read(tracker.run_id, steps=(1, 40))
+    assert whole.steps.step.min() == 1 and whole.steps.step.max() == 40

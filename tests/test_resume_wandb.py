@@ -408,3 +408,6 @@ def test_a_job_resumed_from_the_checkpoint_of_a_finished_run_logs_to_a_run_of_it
     (folder,) = glob.glob(str(tmp_path / "store" / "wandb" / f"*run-*-{forked.run_id}"))
     summary = read_wandb_file(glob.glob(os.path.join(folder, "run-*.wandb"))[0]).summary
     assert summary["hdet/forked_from"] == first.run_id and summary["hdet/forked_at_step"] == 17
+    # and the reader names it in the run's tags, as MLflow's does
+    assert forked.tags["hdet.forked_from"] == first.run_id and forked.tags["hdet.forked_at_step"] == "17"
+    assert "hdet.forked_from" not in first.tags

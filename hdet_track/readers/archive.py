@@ -25,6 +25,7 @@ def parse_chunks(
     """Parse archive chunks (name, Parquet bytes) into step tables and events; bad chunks become
     warnings on ``run`` (and their names go to ``bad``), never exceptions."""
     import pyarrow.parquet as pq
+    import pyarrow.types as pa_types
 
     tables: list[StepTable] = []
     events: list[Any] = []
@@ -38,10 +39,14 @@ def parse_chunks(
             continue
         cols = table.column_names
         if name.startswith("steps-") and {"step", "replica", "loss"} <= set(cols):
+            ids = [table.column(c) for c in ("step", "replica")]
+            if any(not pa_types.is_integer(c.type) or c.null_count for c in ids):  # not this writer's
+                run.warnings.append(f"skipped archive chunk {name}: its step or replica column is not whole numbers")
+                continue
             tables.append(
                 StepTable(
-                    step=table.column("step").to_numpy().astype(np.int64, copy=False),
-                    replica=table.column("replica").to_numpy().astype(np.int32, copy=False),
+                    step=ids[0].to_numpy().astype(np.int64, copy=False),
+                    replica=ids[1].to_numpy().astype(np.int32, copy=False),
                     loss=_floats(table.column("loss")),
                     values={c[2:]: _floats(table.column(c)) for c in cols if c.startswith("v:")},
                     multipliers={c[2:]: _floats(table.column(c)) for c in cols if c.startswith("m:")},
@@ -50,10 +55,13 @@ def parse_chunks(
         elif name.startswith("events-") and "json" in cols:
             for text in table.column("json").to_pylist():
                 try:
-                    events.append(event_from_dict(json.loads(text)))
+                    found = json.loads(text)
+                    if not isinstance(found, dict):
+                        raise TypeError(f"expected a JSON object, got {type(found).__name__}")
+                    events.append(event_from_dict(found))
                 except UnknownSchemaError as exc:
                     run.warnings.append(f"{name}: {exc}")
-                except (ValueError, TypeError, KeyError) as exc:
+                except (ValueError, TypeError, KeyError, AttributeError) as exc:
                     run.warnings.append(f"{name}: unreadable event ({type(exc).__name__}: {exc})")
         else:
             run.warnings.append(f"skipped archive chunk {name}: unexpected columns {cols[:6]}")

@@ -174,9 +174,13 @@ class HDETRun:
     @property
     def has_step_series(self) -> bool:
         """Whether the archive gave the per-replica step rows, or the run is read as an overview of
-        their summaries: then the store's own ``loss``/``lr`` histories are not needed (a torn chunk
-        that gave no rows leaves them in use)."""
-        return len(self.steps) > 0 or (self.overview and self.aggregates is not None)
+        their summaries, or as a zoom into a range where the summaries say it has none: then the
+        store's own ``loss``/``lr`` histories are not needed (a torn chunk that gave no rows leaves
+        them in use; an empty zoom read them, the whole run's, as if torn)."""
+        summarised = self.aggregates is not None and (
+            self.overview or (self.view is not None and len(self.aggregates) > 0)
+        )
+        return len(self.steps) > 0 or summarised
 
     @property
     def has_events(self) -> bool:

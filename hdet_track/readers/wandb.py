@@ -162,6 +162,9 @@ class WandbReader:
                 run.tags["hdet.resumed_after"] = str(contents.summary.get("hdet/resumed_after") or earlier_error)
             if contents.summary.get("hdet/error"):
                 run.tags["hdet.error"] = earlier_error = str(contents.summary["hdet/error"])
+            for key in ("hdet/forked_from", "hdet/forked_at_step"):  # as MLflow's tags name a fork's origin
+                if contents.summary.get(key) is not None:
+                    run.tags[key.replace("/", ".")] = str(contents.summary[key])
             run.tags["project"] = contents.project
             if contents.group:
                 run.tags.setdefault("hdet.compare_group", contents.group)

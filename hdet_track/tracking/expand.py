@@ -158,6 +158,8 @@ def _step_points(item: RecordItem) -> list[Point]:
     t = len(rec.steps)
     ts = (1000 * (item.start_time + (item.end_time - item.start_time) * np.arange(1, t + 1) / t)).astype(np.int64)
     last = rec.steps == item.last_step
+    if rec.partial and t:  # the steps since the last sync (a close, a flush): their last is the run's latest
+        last[-1] = True  # (a run's final loss, read from the series, was the last step the budget kept)
     points: list[Point] = []
     keep = (rec.steps % item.mean_stride == 0) | last
     means = {names.LOSS: _mean(rec.losses)}

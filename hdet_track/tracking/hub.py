@@ -341,6 +341,9 @@ class TrackingHub:
         self.log_every = log_every
         self.points_per_second = default_points_per_second() if points_per_second == "env" else points_per_second
         self._syncs = 0
+        # per user metric, the last time (ms) given to one of its points: a later one gets a later
+        # time, also within the same millisecond (MLflow orders a step's points by time, then by value)
+        self._metric_ms: dict[str, int] = {}
         self.flush_seconds = flush_seconds
         self.heartbeat_seconds = owner.heartbeat_seconds() if heartbeat_seconds == "env" else heartbeat_seconds
         if self.heartbeat_seconds is not None and not self.heartbeat_seconds > 0:
@@ -552,9 +555,15 @@ class TrackingHub:
             elif kind == "metrics":
                 values, step, when = item
                 try:
-                    batch.points.extend(metric_points(values, step, when))
+                    points = metric_points(values, step, when)
                 except (TypeError, ValueError, RuntimeError) as exc:  # what the caller's check let through
                     logger.warning("hdet-track: dropping metrics %s at step %d: %s", sorted(values), step, exc)
+                else:
+                    for point in points:
+                        ms = self._metric_ms[point.key] = max(
+                            point.timestamp_ms, self._metric_ms.get(point.key, -1) + 1
+                        )
+                        batch.points.append(point._replace(timestamp_ms=ms))
             elif kind == "flush":
                 flushes.append(item)
             elif kind == "end":
