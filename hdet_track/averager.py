@@ -213,6 +213,7 @@ class ReplicaAverager:
         return {
             "consensus": None if self._consensus is None else [c.clone() for c in self._consensus],
             "stepped": self._stepped,  # before any step the consensus is the weights it was built with
+            "layout": _LAYOUT,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -220,9 +221,21 @@ class ReplicaAverager:
         if saved is not None and self._consensus is not None:
             self._loaded = bool(state.get("stepped", True))  # else the first step takes it, as in a fresh job
             if [s.shape for s in saved] != [c.shape for c in self._consensus]:
+                if int(state.get("layout", 1)) < _LAYOUT:  # before 0.2.x's: only the model's, not what the
+                    # optimizer trains beside it (with model=); the first step keeps a fresh one
+                    logger.warning(
+                        "hdet-track: the checkpoint's kept consensus is an older version's, of fewer tensors "
+                        "(the optimizer's parameters outside model= are averaged now): the first step keeps a new one"
+                    )
+                    self._loaded = False
+                    return
                 raise ValueError("Expected a kept consensus of this model's shape in the checkpoint, but it differs")
             for mine, theirs in zip(self._consensus, saved):
                 mine.copy_(theirs)
+
+
+# what a kept consensus holds: 2, the model's tensors and the optimizer's parameters outside it (1: not those)
+_LAYOUT = 2
 
 
 def _trained(t: torch.Tensor) -> bool:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections import Counter
+from collections import defaultdict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,18 +72,29 @@ def _merge_user_metrics(
     found: dict[str, tuple[np.ndarray, np.ndarray]], extra: list[tuple[str, int, float]]
 ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """``found`` (from W&B's history) with the points of ``extra`` (the tracker's file) it lacks (the
-    history may stop short of what the tracker had written: W&B buffers its file); each point counted
-    once. The file's points come last and in the order they were logged: at a step logged twice the
-    last value is the one logged last (W&B's row holds only that one, the file both)."""
-    in_file = Counter((key, int(step), float(value)) for key, step, value in extra)
-    points: dict[str, list[tuple[int, float]]] = {}
+    history may stop short of what the tracker had written: W&B buffers its file; the file may stop
+    short of the history: it is written with the archive), each point once, in the order they were
+    logged: at a step logged twice the last value is the one logged last (a row holds only the last
+    of one hand-over, the file every one). A point in both takes its place in the file; one only in
+    the history comes right after the history's previous point that the file holds."""
+    places: dict[tuple[str, int, float], deque[int]] = defaultdict(deque)
+    for i, (key, step, value) in enumerate(extra):
+        places[(key, int(step), float(value))].append(i)
+    ordered: list[tuple[float, int, str, int, float]] = []  # (place, order in the history, key, step, value)
+    held: set[int] = set()
     for key, (steps, values) in found.items():
-        for step, value in zip(steps.tolist(), values.tolist()):
-            if in_file[(key, int(step), float(value))] > 0:
-                in_file[(key, int(step), float(value))] -= 1  # it comes in the file's order below
+        anchor = -1.0
+        for j, (step, value) in enumerate(zip(steps.tolist(), values.tolist())):
+            place = places.get((key, int(step), float(value)))
+            if place:
+                anchor = place.popleft()
+                held.add(int(anchor))
+                ordered.append((anchor, 0, key, step, value))
             else:
-                points.setdefault(key, []).append((step, value))
-    for key, step, value in extra:
+                ordered.append((anchor + 0.5, j, key, step, value))
+    ordered += [(i, 0, key, step, value) for i, (key, step, value) in enumerate(extra) if i not in held]
+    points: dict[str, list[tuple[int, float]]] = {}
+    for _, _, key, step, value in sorted(ordered, key=lambda t: (t[0], t[1])):
         points.setdefault(key, []).append((step, value))
     return series(points)
 

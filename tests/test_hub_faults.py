@@ -218,3 +218,19 @@ def test_a_recover_killed_half_way_leaves_the_run_for_the_next_recover_not_kille
     assert after.info.status == "FINISHED"
     assert not any("vanished" in v for v in after.data.tags.values()), after.data.tags
     assert sorted({m.step for m in client.get_metric_history(run.info.run_id, "val_loss")}) == list(range(1, 401))
+
+
+def test_a_spill_that_cannot_be_read_waits_its_turn_between_retries(tmp_path, outage, monkeypatch):
+    """A replay that raised (an unreadable spill, not the backend) left the retry due: every batch
+    and heartbeat replayed again at once, each with an ERROR and its traceback."""
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    sink = _spill_while_down(outage, uri, tmp_path / ".hdet-spill", 2)
+    sink.retry_seconds = 30.0
+    outage.reset()
+
+    def unreadable(self):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(SpillFile, "first", unreadable)
+    assert sink.retry() is False
+    assert sink.next_retry > time.monotonic() + 10  # the next try waits, as after an outage

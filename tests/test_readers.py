@@ -638,3 +638,21 @@ def test_a_zoom_into_a_range_without_steps_reads_empty_not_the_whole_run(tmp_pat
     assert "loss" not in run.metrics and "lr" not in run.metrics
     whole = reader.read(tracker.run_id, steps=(1, 40))
     assert whole.steps.step.min() == 1 and whole.steps.step.max() == 40
+
+
+def test_the_w_and_b_merge_keeps_the_order_values_were_logged_in_whichever_source_is_behind():
+    """The value logged last at a step wins whether W&B's history is behind the tracker's file (a
+    hand-over's rows hold only its last value) or the file is behind the history (written with the
+    archive: a process killed between the two), and a point in both counts once."""
+    from hdet_track.wandb_store import _merge_user_metrics
+
+    def merged(history, in_file):
+        steps, values = zip(*history) if history else ((), ())
+        found = {"val": (np.array(steps, dtype=np.int64), np.array(values, dtype=float))}
+        out = _merge_user_metrics(found, [("val", s, v) for s, v in in_file])["val"]
+        return list(zip(out[0].tolist(), out[1].tolist()))
+
+    assert merged([(20, 0.5)], [(20, 0.9), (20, 0.5)]) == [(20, 0.9), (20, 0.5)]  # the file ahead
+    assert merged([(5, 1.0), (5, 2.0)], [(5, 1.0)]) == [(5, 1.0), (5, 2.0)]  # the history ahead
+    assert merged([(1, 1.0)], [(1, 1.0), (2, 2.0)]) == [(1, 1.0), (2, 2.0)]
+    assert merged([(1, 1.0), (3, 3.0)], [(1, 1.0), (2, 2.0)]) == [(1, 1.0), (2, 2.0), (3, 3.0)]

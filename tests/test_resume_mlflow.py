@@ -422,3 +422,18 @@ def test_a_job_resumed_into_a_run_a_live_process_is_logging_logs_to_a_run_of_its
     values = _val(client, run_id)
     assert values == {s: (2.0 if s > 7 else 1.0) * s for s in range(1, 9)}  # the killed attempt's, then B1's
     assert client.get_run(run_id).info.status == "FINISHED"
+
+
+def test_a_job_closed_early_and_resumed_from_an_earlier_checkpoint_continues_its_run(tmp_path):
+    """A job run in parts: closed (FINISHED) at step 8 of 10 by a time budget, resumed from its
+    checkpoint of step 5. The run is its own, not another attempt's: no fork (a review's finding: the
+    fork rule took every run FINISHED past the checkpoint for another attempt's)."""
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    ckpt = tmp_path / "ckpt.pt"
+    client = MlflowClient(uri)
+    first = _forking_job(uri, ckpt, 1.0, stop=8).run_ids["mlflow"]
+    assert client.get_run(first).info.status == "FINISHED"
+    again = _forking_job(uri, ckpt, 2.0, start=5).run_ids["mlflow"]
+    assert again == first and "hdet.forked_from" not in client.get_run(first).data.tags
+    # the steps the store held (6-8) stay the first part's; the rest are the resumed part's
+    assert _val(client, first) == {s: (2.0 if s > 8 else 1.0) * s for s in range(1, 11)}

@@ -1136,3 +1136,35 @@ def test_a_param_group_key_some_groups_lack_is_refused_naming_them():
     opt = torch.optim.SGD([{"params": a.parameters(), "my_clip": 1.0}, {"params": b.parameters()}], lr=0.1)
     with pytest.raises(ValueError, match=r"'my_clip' in every param group of SGD, but param group\(s\) \[1\] lack it"):
         HDETScheduler(opt, 0.1, total_steps=10, explore={"my_clip": 0.3})
+
+
+def test_a_checkpoint_whose_kept_consensus_predates_the_parameters_outside_the_model_still_loads(caplog):
+    """Since the optimizer's parameters outside model= are averaged (and kept for a rollback), a
+    checkpoint of the version before held a smaller kept consensus, and loading it raised "Expected a
+    kept consensus of this model's shape": the job could not resume. It now loads, says so, and the
+    first step keeps a new consensus."""
+    torch.manual_seed(0)
+    model = nn.Linear(2, 1)
+    temp = nn.Parameter(torch.ones(()))
+
+    def build(params):
+        opt = torch.optim.SGD(params, lr=0.1)
+        return opt, HDETScheduler(opt, 0.1, total_steps=20, sync_every=5, auto_lr=True, model=model)
+
+    opt, sched = build([*model.parameters(), temp])
+    for step in range(1, 4):
+        opt.step()
+        sched.step(1.0 / step)
+    state = sched.state_dict()
+    _, older = build(list(model.parameters()))  # what the version before kept: the model's tensors only
+    state["averager"] = {k: v for k, v in older.state_dict()["averager"].items() if k != "layout"}
+    opt, resumed = build([*model.parameters(), temp])
+    with caplog.at_level("WARNING", logger="hdet_track"):
+        resumed.load_state_dict(state)
+    assert any("older version's" in r.getMessage() for r in caplog.records)
+    for step in range(4, 21):
+        opt.step()
+        resumed.step(1.0 / step)
+    mismatched = dict(state, averager=dict(state["averager"], layout=2))  # this version's: a real mismatch
+    with pytest.raises(ValueError, match="kept consensus of this model's shape"):
+        build([*model.parameters(), temp])[1].load_state_dict(mismatched)

@@ -177,10 +177,12 @@ class HDETRun:
         their summaries, or as a zoom into a range where the summaries say it has none: then the
         store's own ``loss``/``lr`` histories are not needed (a torn chunk that gave no rows leaves
         them in use; an empty zoom read them, the whole run's, as if torn)."""
-        summarised = self.aggregates is not None and (
-            self.overview or (self.view is not None and len(self.aggregates) > 0)
-        )
-        return len(self.steps) > 0 or summarised
+        if len(self.steps) > 0 or (self.overview and self.aggregates is not None):
+            return True
+        if self.view is None or self.aggregates is None or not self.aggregates.chunks:
+            return False
+        lo, hi = self.view  # a zoom between the chunks the summaries cover: empty, not torn
+        return not any(first <= hi and last >= lo for first, last in self.aggregates.chunks.values())
 
     @property
     def has_events(self) -> bool:

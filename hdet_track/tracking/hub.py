@@ -197,8 +197,9 @@ class _Sink:
         removable) is logged and counts as not replayed, so that the batch at hand is spilled, not lost."""
         try:
             return self._replay()
-        except Exception:  # noqa: BLE001 - the backend's own failures are handled inside
+        except Exception as exc:  # noqa: BLE001 - the backend's own failures are handled inside
             logger.error("hdet-track: the spill %s could not be replayed:\n%s", self.spill.path, traceback.format_exc())
+            self._went_down(exc)  # the next try waits its turn, as after an outage
             return False
 
     def _replay(self) -> bool:
@@ -244,8 +245,9 @@ class _Sink:
     def _keep_unsent(self, index: int, keep_empty: bool = False) -> bool:
         """The spill without its first ``index`` batches (sent), under the header naming the run as it
         stands now. False when the file cannot be rewritten (a full disk): it stays as it is, and the
-        batches sent go again at the next replay (each step is written once: a resumed run's tracker
-        skips what its store holds), rather than the writer thread dying and the run's end with it."""
+        batches sent go again at the next replay (the store keeps HDET's metric points once per step;
+        events and user metrics may be written twice), rather than the writer thread dying and the
+        run's end with it."""
         self.spill.header = spill_header(self.tracker, self.run_start)
         try:
             self.spill.keep_from(index, keep_empty=keep_empty)
@@ -504,6 +506,7 @@ class TrackingHub:
         wait for its next batch) and gets none until it answers (a heartbeat is never spilled); one
         whose heartbeat fails is down, as for any batch."""
         assert self.heartbeat_seconds is not None
+        self._next_beat = time.monotonic() + self.heartbeat_seconds  # first: a beat that fails waits its turn too
         if not self._ended:
             beat = owner.heartbeat(self.heartbeat_seconds, identity=self._identity)
             for sink in self._sinks:
@@ -514,7 +517,6 @@ class TrackingHub:
                         sink.tracker.heartbeat(beat)
                     except Exception as exc:  # noqa: BLE001 - any backend failure means "down"
                         sink._went_down(exc)
-        self._next_beat = time.monotonic() + self.heartbeat_seconds
 
     def _make_budget(self, total_steps: int, start: RunStart | None = None) -> PointBudget:
         sync_every = int((start.config if start is not None else {}).get("sync_every", 1) or 1)

@@ -252,7 +252,12 @@ class MLflowTracker(Tracker):
         # one given in code (Hugging Face's, Lightning's run), not $MLFLOW_RUN_ID (`mlflow run`'s, this job's own)
         self._given = bool(self._attach_id)
         carry = self._carry_on is not None
-        taken = None if attach or carry or not self._resume_id else _taken(client, self._resume_id, self, run_start)
+        replay = getattr(self, "_replaying_spill", False)  # a spill goes to the run its header names
+        taken = (
+            None
+            if attach or carry or replay or not self._resume_id
+            else _taken(client, self._resume_id, self, run_start)
+        )
         if taken is not None:  # another attempt's run: this one gets its own, linked to it
             why, earlier = taken
             tags |= {FORKED_FROM_TAG: earlier.info.run_id, FORKED_AT_TAG: str(run_start.start_step)}
@@ -440,7 +445,9 @@ class _PendingChunks:
 def _write_private(path: Path, text: str) -> None:
     """``text`` in ``path``, readable by this user alone (0600): a header holds the store's settings,
     whose URI may carry a password."""
-    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # also a file that was there
+    with os.fdopen(fd, "w") as f:
         f.write(text)
 
 
@@ -507,17 +514,17 @@ def _create(
 def _taken(client: Any, run_id: str, tracker: Any, run_start: RunStart) -> tuple[str, Any] | None:
     """Why the run ``run_id``, which a resumed job's checkpoint names, is another attempt's, and
     the run; None when it is this job's to continue (its earlier attempt failed, was killed, or
-    left it RUNNING with no live process, or closed it FINISHED at the checkpoint's step: a job run
-    in parts). Two jobs resumed from one checkpoint (a fork, a rerun
+    left it RUNNING with no live process, or closed it FINISHED before the schedule's end: a job
+    run in parts). Two jobs resumed from one checkpoint (a fork, a rerun
     of a job that finished) shared it: the second found it logged through the end and wrote
     nothing, or, at once, both wrote every step. Another host's process is not checked: a job
     restarted at once after its host died would take its own run for another's."""
     run = client.get_run(run_id)
-    if run.info.status == "FINISHED":  # and went on past this checkpoint
+    if run.info.status == "FINISHED":  # by an attempt that reached the schedule's end
         through = _logged_through(client, run)
-        if through <= run_start.start_step:
-            return None
-        return f"was ended FINISHED by another attempt, logged through step {through}", run
+        if through <= run_start.start_step or through < run_start.total_steps:
+            return None  # a job run in parts, closed early (FINISHED) and resumed: its own
+        return f"was ended FINISHED by another attempt that reached the schedule's end (step {through})", run
     if run.info.status != "RUNNING":
         return None
     try:

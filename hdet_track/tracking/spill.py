@@ -262,7 +262,9 @@ class SpillFile:
 def _private(path: Path, mode: int):
     """``path`` opened for binary writing (``mode``: os.O_APPEND or os.O_TRUNC), created as this
     user's alone (0600)."""
-    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | mode, 0o600), "ab" if mode == os.O_APPEND else "wb")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | mode, 0o600)
+    os.fchmod(fd, 0o600)  # also a file that was there (an earlier version's spill, a leftover .tmp)
+    return os.fdopen(fd, "ab" if mode == os.O_APPEND else "wb")
 
 
 def _ends_a_line(path: Path, size: int) -> bool:

@@ -379,7 +379,9 @@ class WandbTracker(Tracker):
             return
         forked = None  # the run the checkpoint names, when another attempt has it: this one gets its own
         resumed = self._resume_id is not None and not self._replaying and run_start.start_step > 0
-        if resumed and taken(Path(self._root() or ".") / "wandb", str(self._resume_id), run_start.start_step):
+        asked = os.environ.get("WANDB_RUN_ID") == self._resume_id  # the job names its run itself (a requeue script)
+        where = Path(self._root() or ".") / "wandb"
+        if resumed and not asked and taken(where, str(self._resume_id), run_start.start_step, run_start.total_steps):
             forked, self._resume_id = self._resume_id, None
         run = wandb.init(
             project=self.project or os.environ.get("WANDB_PROJECT") or DEFAULT_PROJECT,

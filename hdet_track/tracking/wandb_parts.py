@@ -174,11 +174,11 @@ class OwnerFile:
             self.write()
 
 
-def taken(wandb_dir: Path, run_id: str, start_step: int) -> bool:
+def taken(wandb_dir: Path, run_id: str, start_step: int, total_steps: int) -> bool:
     """Whether the run ``run_id``, which a resumed job's checkpoint (of step ``start_step``) names,
     is another attempt's, as its session folders in ``wandb_dir`` tell: its last session ended
-    FINISHED past that step, or a live process on this host owns it (see MLflow's ``_taken``: two
-    jobs resumed from one checkpoint shared it)."""
+    FINISHED at the schedule's end (``total_steps``), or a live process on this host owns it (see
+    MLflow's ``_taken``: two jobs resumed from one checkpoint shared it)."""
     name = f"run-{run_id}.wandb"  # a session folder holds its run's file under the exact id
     sessions = sorted((d for d in wandb_dir.glob("*run-*") if (d / name).is_file()), key=session_order)
     if not sessions:
@@ -192,5 +192,7 @@ def taken(wandb_dir: Path, run_id: str, start_step: int) -> bool:
         return False
     if ended.exit_code != 0 or ended.summary.get("hdet/status") != "FINISHED":
         return False
-    steps = [row.get(names.STEP) for row in ended.history]
-    return max((int(s) for s in steps if isinstance(s, (int, float))), default=-1) > start_step
+    # HDET's own per-step rows (a user metric may be logged at any step)
+    steps = [row.get(names.STEP) for row in ended.history if any(per_step(k) for k in row)]
+    through = max((int(s) for s in steps if isinstance(s, (int, float))), default=-1)
+    return through > start_step and through >= total_steps
