@@ -517,6 +517,26 @@ def test_listing_w_and_b_runs_looks_for_their_directories_once(tmp_path, monkeyp
     assert len(runs) == 3 and len(scans) == 1
 
 
+def _tracked(tmp_path, backend, steps, total_steps=None, sync_every=5):
+    """A run of ``steps`` steps (losses 1/k) of ``total_steps`` (default ``steps``) logged to a
+    sqlite MLflow store or W&B offline in ``tmp_path``: the scheduler, left open, and a function that
+    opens a reader of the store (once the run is in it)."""
+    from hdet_track.tracking.wandb import WandbTracker
+
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    if backend == "mlflow":
+        tracker = MLflowTracker(tracking_uri=uri, experiment="audit")
+    else:
+        tracker = WandbTracker(project="audit", dir=tmp_path, mode="offline")
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = HDETScheduler(opt, 0.1, total_steps=total_steps or steps, sync_every=sync_every, track=tracker)
+    for step in range(1, steps + 1):
+        opt.step()
+        sched.step(1.0 / step)
+    return sched, lambda: MLflowReader(uri) if backend == "mlflow" else WandbReader(str(tmp_path))
+
+
 @pytest.mark.parametrize("backend", ["mlflow", "wandb"])
 def test_a_user_metric_logged_twice_at_a_step_reads_back_the_value_logged_last(tmp_path, backend, monkeypatch):
     """An audit's finding: val_loss logged 0.9 then 0.5 at one step read back 0.9 on both backends
@@ -525,19 +545,7 @@ def test_a_user_metric_logged_twice_at_a_step_reads_back_the_value_logged_last(t
     millisecond by value, and two log calls in one millisecond got the same time."""
     import time as time_module
 
-    from hdet_track.tracking.wandb import WandbTracker
-
-    if backend == "mlflow":
-        uri = f"sqlite:///{tmp_path / 'store.db'}"
-        tracker = MLflowTracker(tracking_uri=uri, experiment="twice")
-    else:
-        tracker = WandbTracker(dir=tmp_path, mode="offline")
-    model = nn.Linear(2, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    sched = HDETScheduler(opt, 0.1, total_steps=20, sync_every=5, track=tracker)
-    for step in range(1, 21):
-        opt.step()
-        sched.step(1.0 / step)
+    sched, reader = _tracked(tmp_path, backend, 20)
     assert sched.flush()
     now = time_module.time()
     with monkeypatch.context() as frozen:  # both calls in one millisecond
@@ -545,8 +553,7 @@ def test_a_user_metric_logged_twice_at_a_step_reads_back_the_value_logged_last(t
         sched.log_metrics({"val_loss": 0.9}, step=20)
         sched.log_metrics({"val_loss": 0.5}, step=20)
     sched.close()
-    reader = MLflowReader(uri) if backend == "mlflow" else WandbReader(str(tmp_path))
-    steps, values = reader.read(tracker.run_id).metrics["val_loss"]
+    steps, values = reader().read(sched.run_ids[backend]).metrics["val_loss"]
     assert steps.tolist() == [20] and values.tolist() == [0.5]
 
 
@@ -557,25 +564,11 @@ def test_the_runs_list_gives_the_final_loss_of_a_run_closed_early_under_the_poin
     """An audit's finding: the runs list (the dashboard's Runs page) read a run's final loss from its
     thinned loss series, which kept the planned last step but not the last step trained: a run
     closed at step 53 of 10,000 listed the loss of the last step the budget kept."""
-    from hdet_track.tracking.wandb import WandbTracker
-
     monkeypatch.setenv("HDET_POINTS_PER_SECOND", "1")
-    uri = f"sqlite:///{tmp_path / 'store.db'}"
-    tracker = (
-        MLflowTracker(tracking_uri=uri, experiment="early")
-        if backend == "mlflow"
-        else WandbTracker(project="early", dir=tmp_path, mode="offline")
-    )
-    model = nn.Linear(2, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    sched = HDETScheduler(opt, 0.1, total_steps=10_000, sync_every=50, track=tracker)
-    for step in range(1, 54):
-        opt.step()
-        sched.step(1.0 / step)
+    sched, reader = _tracked(tmp_path, backend, 53, total_steps=10_000, sync_every=50)
     sched.close()
-    reader = MLflowReader(uri) if backend == "mlflow" else WandbReader(str(tmp_path))
-    (summary,) = reader.list_runs("early")
-    assert summary.final_loss == pytest.approx(1.0 / 53) == reader.read(summary.run_id).final_loss()
+    (summary,) = reader().list_runs("audit")
+    assert summary.final_loss == pytest.approx(1.0 / 53) == reader().read(summary.run_id).final_loss()
 
 
 @pytest.mark.parametrize("damage", ["event_not_an_object", "string_step_column", "null_step"])
@@ -586,15 +579,7 @@ def test_a_foreign_archive_chunk_is_a_warning_not_a_traceback_or_a_wrong_step(tm
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from hdet_track.tracking.wandb import WandbTracker
-
-    tracker = WandbTracker(project="damaged", dir=tmp_path, mode="offline")
-    model = nn.Linear(2, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    sched = HDETScheduler(opt, 0.1, total_steps=20, sync_every=5, track=tracker)
-    for step in range(1, 21):
-        opt.step()
-        sched.step(1.0 / step)
+    sched, reader = _tracked(tmp_path, "wandb", 20)
     sched.close()
     (events,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "files" / "hdet_events"))
     if damage == "event_not_an_object":
@@ -604,7 +589,7 @@ def test_a_foreign_archive_chunk_is_a_warning_not_a_traceback_or_a_wrong_step(tm
     else:
         table = pa.table({"step": pa.array([None, 61], pa.int64()), "replica": [0, 0], "loss": [1.0, 2.0]})
         pq.write_table(table, f"{events}/steps-000090.parquet")
-    run = WandbReader(str(tmp_path)).read(tracker.run_id)
+    run = reader().read(sched.run_ids["wandb"])
     assert run.steps.step.min() == 1 and run.steps.step.max() == 20
     assert run.final_loss() == pytest.approx(1.0 / 20)
     assert any("000090" in w for w in run.warnings), run.warnings
@@ -615,28 +600,15 @@ def test_a_zoom_into_a_range_without_steps_reads_empty_not_the_whole_run(tmp_pat
     """An audit's finding: a step range with no rows (past the run's steps: a user metric logged at a
     later step makes it selectable on the dashboard) was taken for a torn archive: MLflow rebuilt the
     whole run from its histories and warned, W&B put the whole run's loss and lr into the metrics."""
-    from hdet_track.tracking.wandb import WandbTracker
-
-    uri = f"sqlite:///{tmp_path / 'store.db'}"
-    tracker = (
-        MLflowTracker(tracking_uri=uri, experiment="zoom")
-        if backend == "mlflow"
-        else WandbTracker(project="zoom", dir=tmp_path, mode="offline")
-    )
-    model = nn.Linear(2, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    sched = HDETScheduler(opt, 0.1, total_steps=40, sync_every=5, track=tracker)
-    for step in range(1, 41):
-        opt.step()
-        sched.step(1.0 / step)
+    sched, reader = _tracked(tmp_path, backend, 40)
     sched.log_metrics({"val_loss": 0.5}, step=200)
     sched.close()
-    reader = MLflowReader(uri) if backend == "mlflow" else WandbReader(str(tmp_path))
-    run = reader.read(tracker.run_id, steps=(100, 200))
+    run_id = sched.run_ids[backend]
+    run = reader().read(run_id, steps=(100, 200))
     assert len(run.steps) == 0 and not run.filled_from_rows and run.view == (100, 200)
     assert not any("rebuilt" in w for w in run.warnings), run.warnings
     assert "loss" not in run.metrics and "lr" not in run.metrics
-    whole = reader.read(tracker.run_id, steps=(1, 40))
+    whole = reader().read(run_id, steps=(1, 40))
     assert whole.steps.step.min() == 1 and whole.steps.step.max() == 40
 
 
