@@ -197,7 +197,16 @@ def test_a_recover_killed_half_way_leaves_the_run_for_the_next_recover_not_kille
     # the real tracker (isolated in its own process, as a job's is), not the outage one
     env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "hdet_track.cli", "recover", uri]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # Ctrl-C's default action, whatever this process inherited (a job started in the background
+    # ignores SIGINT, and so did the recover: it ran to its end)
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
         runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
