@@ -85,6 +85,15 @@ def owner_alive(owner: dict) -> bool | None:
     return not (start is not None and len(fields) > 19 and fields[19] != str(start))  # else a reused pid
 
 
+def another_live_process(owner: Any, me: dict | None = None) -> bool:
+    """Whether ``owner`` (a :func:`process_identity`) is a live process of this host other than
+    ``me`` (default this process): one that holds a run a resumed job would otherwise reopen."""
+    me = me or process_identity()
+    if not isinstance(owner, dict) or (owner.get("host"), owner.get("pid")) == (me.get("host"), me.get("pid")):
+        return False
+    return bool(owner_alive(owner))
+
+
 def heartbeat_seconds() -> float | None:
     """The heartbeat interval: ``$HDET_TRACK_HEARTBEAT_SECONDS`` (default 30; ``0``: no heartbeat)."""
     text = os.environ.get(HEARTBEAT_ENV, "").strip()

@@ -19,6 +19,7 @@ from .wandb_file import WandbFormatError, read_wandb_file
 
 __all__ = [
     "session_order",
+    "run_sessions",
     "StoredSteps",
     "stored_steps",
     "archived_last_step",
@@ -40,6 +41,13 @@ SYNC_PREFIXES = ("hdet/sync/", "hdet/controller/", "hdet/onecycle/")
 EVENTS_DIR = ("files", "hdet_events")
 USER_METRICS_FILE = names.WANDB_USER_METRICS_FILE  # written by hdet_track.tracking.wandb.WandbTracker
 OWNER_FILE = names.WANDB_OWNER_FILE
+
+
+def run_sessions(wandb_dir: Path, run_id: str) -> list[Path]:
+    """The session folders of run ``run_id`` in ``wandb_dir`` (a resumed run has one per session),
+    oldest first (:func:`session_order`); a folder holds its run's file under the exact id."""
+    name = f"run-{run_id}.wandb"
+    return sorted((d for d in wandb_dir.glob("*run-*") if (d / name).is_file()), key=session_order)
 
 
 def read_owner(directory: Path) -> dict | None:

@@ -21,7 +21,7 @@ from .. import names
 from .._checks import check_number, check_str
 from ..errors import needs_extra
 from ..events import RunEnd, RunStart
-from ..owner import described, owner_alive, process_identity
+from ..owner import another_live_process, described, process_identity
 from ..summaries import SUMMARY_DIR
 from ._common import run_params, run_tags, warn_second_training
 from .archive import ARTIFACT_DIR, EventArchive, artifact_dir, chunk_index
@@ -531,12 +531,7 @@ def _taken(client: Any, run_id: str, tracker: Any, run_start: RunStart) -> tuple
         owner = json.loads(run.data.tags.get(names.MLFLOW_OWNER_TAG, ""))
     except ValueError:
         return None
-    me = getattr(tracker, "owner", None) or process_identity()
-    if not isinstance(owner, dict) or {k: owner.get(k) for k in ("host", "pid")} == {
-        k: me.get(k) for k in ("host", "pid")
-    }:
-        return None
-    if owner_alive(owner):
+    if another_live_process(owner, getattr(tracker, "owner", None)):
         return f"is being logged by {described(owner)}, which is alive", run
     return None
 

@@ -22,7 +22,7 @@ from .._checks import check_number, check_str
 from ..errors import needs_extra
 from ..events import RunEnd, RunStart
 from ..wandb_file import RunFileProgress, WandbFormatError
-from ..wandb_store import OWNER_FILE, SYNC_PREFIXES, USER_METRICS_FILE, StoredSteps
+from ..wandb_store import OWNER_FILE, SYNC_PREFIXES, USER_METRICS_FILE, StoredSteps, run_sessions
 from . import lifecycle
 from ._common import run_params, run_tags, warn_second_training
 from .archive import ARTIFACT_DIR, EventArchive, chunk_index
@@ -134,15 +134,13 @@ def _stored_before(run: Any) -> StoredSteps | None:
     holds what an earlier scheduler logged into it). None when there is nothing."""
     from ..wandb_store import stored_steps
 
-    name = f"run-{run.id}.wandb"  # a session folder holds its run's file under the exact id
-    sessions = sorted(d for d in Path(run.dir).parent.parent.glob("*run-*") if (d / name).is_file())
+    sessions = run_sessions(Path(run.dir).parent.parent, run.id)
     return stored_steps(sessions) if sessions else None
 
 
 def _archive_folders(run: Any) -> list[Path]:
     """The event-archive folders of ``run`` on this disk: this session's and its earlier sessions'."""
-    name = f"run-{run.id}.wandb"  # a session folder holds its run's file under the exact id
-    sessions = [d for d in Path(run.dir).parent.parent.glob("*run-*") if (d / name).is_file()]
+    sessions = run_sessions(Path(run.dir).parent.parent, run.id)
     return [Path(run.dir) / ARTIFACT_DIR] + [d / "files" / ARTIFACT_DIR for d in sessions]
 
 

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from .. import names
-from ..owner import owner_alive, process_identity
+from ..owner import another_live_process, process_identity
 from ..wandb_file import WandbFormatError, read_wandb_file
-from ..wandb_store import OWNER_FILE, SYNC_PREFIXES, StoredSteps, read_owner, session_order
+from ..wandb_store import OWNER_FILE, SYNC_PREFIXES, StoredSteps, read_owner, run_sessions
 from .archive import ARTIFACT_DIR
 from .base import Batch, Point
 
@@ -179,15 +179,13 @@ def taken(wandb_dir: Path, run_id: str, start_step: int, total_steps: int) -> bo
     is another attempt's, as its session folders in ``wandb_dir`` tell: its last session ended
     FINISHED at the schedule's end (``total_steps``), or a live process on this host owns it (see
     MLflow's ``_taken``: two jobs resumed from one checkpoint shared it)."""
-    name = f"run-{run_id}.wandb"  # a session folder holds its run's file under the exact id
-    sessions = sorted((d for d in wandb_dir.glob("*run-*") if (d / name).is_file()), key=session_order)
+    sessions = run_sessions(wandb_dir, run_id)
     if not sessions:
         return False
-    owner, mine = read_owner(sessions[-1]) or {}, process_identity()
-    if owner and (owner.get("host"), owner.get("pid")) != (mine["host"], mine["pid"]) and owner_alive(owner):
+    if another_live_process(read_owner(sessions[-1])):
         return True
     try:
-        ended = read_wandb_file(sessions[-1] / name)
+        ended = read_wandb_file(sessions[-1] / f"run-{run_id}.wandb")
     except (OSError, WandbFormatError):
         return False
     if ended.exit_code != 0 or ended.summary.get("hdet/status") != "FINISHED":
