@@ -11,6 +11,9 @@ process is its failure.
 When another rank failed first (torchrun then tears this one down), the run is FAILED with that
 rank's error: every rank that fails leaves a note in torch.distributed's own key-value store.
 
+The runs end when the main thread is done, before the interpreter's exit handlers (a backend's
+would otherwise end the run first); a run trained in a thread still running then ends at exit.
+
 Installed once per process by the first :class:`~hdet_track.tracking.recorder.Recorder`. Nothing
 here raises into the training loop.
 """
@@ -41,6 +44,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _RECORDERS: set = set()  # strong: a job's scheduler may be gone before its process ends
+_TRAINING_THREADS: dict[int, threading.Thread] = {}  # id(recorder) -> the thread its scheduler was made in
 _STATE: dict[str, Any] = {
     "installed": False,
     "rank": 0,
@@ -65,6 +69,7 @@ def register(recorder: Any) -> None:
             logger.warning("hdet-track: could not end the previous run:\n%s", traceback.format_exc())
     _STATE["interrupted"] = False  # a Ctrl-C that an earlier trial of a sweep caught is not this run's
     _RECORDERS.add(recorder)
+    _TRAINING_THREADS[id(recorder)] = threading.current_thread()
 
 
 def registered() -> list:
@@ -75,6 +80,7 @@ def registered() -> list:
 def unregister(recorder: Any) -> None:
     """``recorder``'s run has ended (and its writer stopped): nothing left to do at exit."""
     _RECORDERS.discard(recorder)
+    _TRAINING_THREADS.pop(id(recorder), None)
 
 
 def exit_status(reached_end: bool, last_step: int, total_steps: int) -> tuple[str, str | None]:
@@ -99,7 +105,26 @@ def exit_status(reached_end: bool, last_step: int, total_steps: int) -> tuple[st
 
 
 def _close_all(reason: str) -> None:
-    for recorder in list(_RECORDERS):
+    _close(list(_RECORDERS), reason)
+
+
+def _close_when_main_thread_ends() -> None:
+    """The main thread is done: end the runs it trained, before the interpreter's exit handlers run.
+
+    A backend's own exit handler would otherwise come first when the backend registered it after
+    ours: W&B registers one when its service starts, in hdet-track's writer thread, possibly while the
+    job is already failing; it ended the run with exit code 1 before hdet-track could write its
+    status and error, or took the service down under a ``wandb.init`` still in progress (found by
+    CI). A run trained in a thread that is still running is left to the exit handler, after it."""
+    mine = threading.current_thread()
+    _close(
+        [r for r in _RECORDERS if (t := _TRAINING_THREADS.get(id(r))) is None or t is mine or not t.is_alive()],
+        "exit",
+    )
+
+
+def _close(recorders: list, reason: str) -> None:
+    for recorder in recorders:
         try:
             recorder.end_with_process(reason)
         except Exception:  # noqa: BLE001 - never in the way of an exiting process
@@ -196,7 +221,11 @@ def install(rank: int) -> None:
     if _STATE["installed"]:
         return
     _STATE["installed"] = True
-    atexit.register(_close_all, "exit")
+    try:  # before every atexit handler (a private hook of threading's, concurrent.futures' since 3.9)
+        threading._register_atexit(_close_when_main_thread_ends)  # type: ignore[attr-defined]
+    except (AttributeError, RuntimeError):  # another Python, or the interpreter is shutting down already
+        pass
+    atexit.register(_close_all, "exit")  # what is left: runs trained in another thread
     # Processes started by multiprocessing leave through os._exit when forked: atexit never runs
     # there, multiprocessing's finalizers do.
     from multiprocessing import util as mp_util

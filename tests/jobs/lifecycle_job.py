@@ -4,14 +4,17 @@
 
 LAUNCHER: plain (one process), spawn (torch.multiprocessing.spawn, 2 ranks) or torchrun (started by
 the test with torchrun). FAILURE: raise (an exception on FAIL_RANK), exit (sys.exit(3) on every
-rank), sigterm or sigint (rank 0 prints READY and waits for the test's signal) or none. STEP: the step before
-which it happens (0: before the first step).
+rank), sigterm or sigint (rank 0 prints READY and waits for the test's signal), raise_as_service_starts
+(W&B: raise on FAIL_RANK as soon as W&B's service has started in hdet-track's writer thread, while its
+``wandb.init`` is still under way) or none. STEP: the step before which it happens (0: before the first step).
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
+import threading
 import time
 
 import torch
@@ -23,6 +26,16 @@ def job(rank: int, world: int, backend: str, uri: str, failure: str, at: int, fa
     from hdet_track import HDETScheduler
 
     torch.set_num_threads(1)
+    service_started = threading.Event()
+    if failure == "raise_as_service_starts":  # W&B registers its service's exit handler as it starts it
+        register = atexit.register
+
+        def noting(func, *args, **kwargs):  # type: ignore[no-untyped-def]
+            if "teardown" in getattr(func, "__qualname__", ""):
+                service_started.set()
+            return register(func, *args, **kwargs)
+
+        atexit.register = noting
     if backend == "wandb":
         from hdet_track.tracking.wandb import WandbTracker
 
@@ -41,6 +54,9 @@ def job(rank: int, world: int, backend: str, uri: str, failure: str, at: int, fa
     for k in range(1, 101):
         if k == at or (at == 0 and k == 1):
             if failure == "raise" and rank == fail_rank:
+                raise RuntimeError(f"boom on rank {rank} before step {k}")
+            if failure == "raise_as_service_starts" and rank == fail_rank:
+                assert service_started.wait(120), "W&B's service did not start"
                 raise RuntimeError(f"boom on rank {rank} before step {k}")
             if failure == "exit":
                 sys.exit(3)
