@@ -273,7 +273,8 @@ def checked_loss(loss: float | torch.Tensor | None, required: bool) -> float | t
     if loss is None:
         if required:
             raise ValueError(
-                "Expected step(loss) with this replica's training loss while auto_lr=True, but got no loss"
+                "Expected step(loss) with this replica's training loss while auto_lr=True, but got no loss "
+                "(SequentialLR and ChainedScheduler step their schedulers without one: use auto_lr=False there)"
             )
         return None
     if isinstance(loss, torch.Tensor):

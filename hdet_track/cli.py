@@ -738,7 +738,23 @@ def main(argv: list[str] | None = None) -> int:
         raise  # another pipe's (a worker's, a socket's): not the output's
 
 
+def _empty_store(args: argparse.Namespace) -> str | None:
+    """Why the SOURCE given is no store: an empty one (``recover "$STORE"`` with the variable unset)
+    used to fall back to the default store, as if none were given (compare's option refuses it)."""
+    value = args.source
+    if value is None or value.strip():
+        return None
+    return (
+        f"{args.command}: SOURCE is empty ({value!r}); expected an MLflow tracking URI (sqlite:///PATH, "
+        "http(s)://HOST:PORT), a W&B directory or a store's directory; leave it out for the default "
+        "($MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)"
+    )
+
+
 def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    empty = _empty_store(args) if args.command in ("dashboard", "recover") else None
+    if empty:
+        return _fail(empty)
     if args.command == "demo":
         return run_demo(args.subparser, args)
     if args.command == "compare":

@@ -1070,3 +1070,18 @@ def test_dashboard_takes_an_ipv6_address(capsys):
         assert main(["dashboard", "--host", "::1", "--port", str(port)]) == 2  # in use: before Streamlit starts
     err = capsys.readouterr().err
     assert f"cannot listen on ::1:{port}" in err and "pick another --port" in err and "--host must" not in err
+
+
+@pytest.mark.parametrize("source", ["", "  "])
+def test_recover_refuses_an_empty_source_not_taken_for_the_default(source, demo_store, capsys, monkeypatch):
+    """`recover "$STORE"` with the variable unset went to the default store (here one with runs) as if
+    no store were given (compare's --tracking-uri refused it already); now an error naming SOURCE, exit 2."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", demo_store)
+    assert main(["recover", source]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "SOURCE is empty" in err and "sqlite:///PATH" in err, err
+
+
+def test_dashboard_refuses_an_empty_source(tmp_path):
+    proc = _cli(["dashboard", "", "--port", str(_free_port())], tmp_path, _env_without_tracking(), 60)
+    assert proc.returncode == 2 and proc.stdout == "" and "SOURCE is empty ('')" in proc.stderr, proc.stderr

@@ -684,6 +684,22 @@ def test_as_sequential_lrs_first_scheduler_it_makes_no_sync_while_being_built():
     assert syncs == [5]  # SequentialLR hands over at its milestone: HDET's 10th step is the next scheduler's
 
 
+def test_auto_lr_in_sequential_lr_says_it_gets_no_loss_there():
+    """SequentialLR steps HDET without a loss: with auto_lr the error says where the loss went missing
+    and what to do, where it only said that it got none."""
+    from torch.optim.lr_scheduler import LinearLR, SequentialLR
+
+    _, opt = make(groups=1)
+    hdet = HDETScheduler(opt, 0.1, total_steps=10, sync_every=5, auto_lr=True)
+    sched = SequentialLR(opt, [LinearLR(opt, 0.1, total_iters=2), hdet], milestones=[2])
+    for _ in range(2):
+        opt.step()
+        sched.step()  # the warm-up, then the milestone (HDET's _update_lr(0): no step of its own)
+    opt.step()
+    with pytest.raises(ValueError, match=r"got no loss \(SequentialLR and ChainedScheduler .* use auto_lr=False"):
+        sched.step()
+
+
 def _lrs_resumed(build, steps: int, resume_at: int | None = None, order: str = "opt-first") -> list[float]:
     """The LR each of ``steps`` optimizer steps trains with, uninterrupted or saved after step
     ``resume_at`` (model, optimizer and scheduler, weights_only) and resumed in a fresh job that loads

@@ -509,6 +509,33 @@ def test_sequential_lr_hands_over_as_the_readme_says_and_resumes_exactly(tmp_pat
     assert [res[r]["rank0"] for r in range(2)] == [None, None]  # rank 0's checkpoint resumes every rank
 
 
+def test_hdet_after_a_warmup_in_sequential_lr_fans_out_ends_on_a_consensus_and_resumes_exactly():
+    """HDET as the later scheduler of SequentialLR (after a LinearLR warm-up) on 2 ranks: the warm-up's
+    LR on both ranks, then OneCycleLR's LR in the same place times each rank's multiplier, the
+    parameters and the explored weight decay on one consensus after HDET's last step, and a run
+    resumed from a checkpoint of any step (before, at and after the milestone) goes as the run did."""
+    from torch.optim.lr_scheduler import LinearLR, SequentialLR
+    from torch.optim.lr_scheduler import OneCycleLR as PlainOneCycle
+
+    res = run_ranks(workers.sequential_after_a_warmup, 2)
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    ref = SequentialLR(opt, [LinearLR(opt, 0.1, total_iters=5), PlainOneCycle(opt, 0.1, total_steps=10)], [5])
+    plain = []
+    for _ in range(15):
+        opt.step()
+        ref.step()
+        plain.append(opt.param_groups[0]["lr"])
+    for r in range(2):
+        assert res[r]["lrs"][:4] == plain[:4], r  # the warm-up's, as without HDET
+        ratios = {round(lr / p, 9) for lr, p in zip(res[r]["lrs"][4:14], plain[4:14])}
+        assert ratios <= {0.7, 1.3}, (r, ratios)  # OneCycle's in the same place, fanned out
+        assert {k: v for k, v in res[r]["own"].items() if v is not None} == {}, r
+    assert [res[0]["lrs"][4], res[1]["lrs"][4]] != [plain[4]] * 2  # the replicas do differ
+    assert not torch.equal(res[0]["params"][13], res[1]["params"][13])
+    assert torch.equal(res[0]["params"][14], res[1]["params"][14])  # HDET's last step: one consensus
+    assert res[0]["wds"][14] == res[1]["wds"][14] == 0.01  # and the shared weight decay
+
+
 def test_sync_now_averages_a_scalar_parameters_moments_and_keeps_the_highest_step():
     """A 0-dim parameter's Adam moments became the highest replica's (taken for counts like Adam's
     step): with opposite gradients the momentum kept one rank's sign where the mean is near 0."""

@@ -987,6 +987,54 @@ def sequential_handover(rank: int, world: int, milestone: int, call_sync_now: bo
     return out
 
 
+def sequential_after_a_warmup(rank: int, world: int) -> dict:
+    """``SequentialLR([LinearLR(5 steps), HDET(total_steps=10, spread, explored weight decay)],
+    milestones=[5])`` on independent replicas for 15 steps: HDET as the later scheduler (SequentialLR
+    starts it with ``_update_lr(0)`` at the milestone, not with its ``step()``). Returns, after each
+    step, the LR and weight decay the next step trains with and the parameters; and, for a checkpoint
+    of each rank's saved after step k (before, at and after the milestone, and after HDET's end),
+    the first step at which the resumed run went otherwise (None: it went the same way)."""
+    import io
+
+    from torch.optim.lr_scheduler import LinearLR, SequentialLR
+
+    def build():
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+        warm = LinearLR(opt, start_factor=0.1, total_iters=5)
+        hdet = HDETScheduler(
+            opt, 0.1, total_steps=10, spread=0.3, sync_every=5, model=model, seed=1, explore={"weight_decay": 0.5}
+        )
+        return model, opt, SequentialLR(opt, [warm, hdet], milestones=[5])
+
+    def train(job, start, stop, log):
+        model, opt, sched = job
+        for step in range(start, stop):
+            sgd_step(model, opt, rank, step)
+            sched.step()
+            log.append((opt.param_groups[0]["lr"], opt.param_groups[0]["weight_decay"], flat_params(model)))
+
+    job, run = build(), []
+    train(job, 0, 15, run)
+    out = {"lrs": [e[0] for e in run], "wds": [e[1] for e in run], "params": [e[2] for e in run], "own": {}}
+    for k in (3, 5, 6, 10, 15):
+        job, head = build(), []
+        train(job, 0, k, head)
+        buf = io.BytesIO()
+        torch.save({"model": job[0].state_dict(), "opt": job[1].state_dict(), "sched": job[2].state_dict()}, buf)
+        buf.seek(0)
+        saved = torch.load(buf, weights_only=True)
+        again = build()
+        again[0].load_state_dict(saved["model"])
+        again[1].load_state_dict(saved["opt"])
+        again[2].load_state_dict(saved["sched"])
+        went = list(head)
+        train(again, k, 15, went)
+        same = [a[:2] == b[:2] and torch.equal(a[2], b[2]) for a, b in zip(run, went)]
+        out["own"][k] = same.index(False) + 1 if False in same else None
+    return out
+
+
 def sync_now_with_a_scalar_parameter(rank: int, world: int) -> dict:
     """A 0-dim parameter (a learnable temperature) trained by Adam with opposite gradients on the
     ranks: its moments are 0-dim tensors, which ``sync_now()`` took for counts (the highest rank's)."""
