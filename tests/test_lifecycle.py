@@ -291,11 +291,14 @@ import torch.nn.functional as F
 from hdet_track import HDETScheduler
 from hdet_track.tracking.mlflow import MLflowTracker
 
-def train():
+def build():
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     track = MLflowTracker(tracking_uri=sys.argv[1], experiment="thread")
-    sched = HDETScheduler(opt, 0.1, total_steps=20, sync_every=5, model=model, track=track)
+    return model, opt, HDETScheduler(opt, 0.1, total_steps=20, sync_every=5, model=model, track=track)
+
+def train(job):
+    model, opt, sched = job or build()
     built.set()
     for _ in range(20):
         time.sleep(0.1)  # still training when the main thread is done
@@ -308,19 +311,109 @@ def train():
     sched.log_metrics({"val_loss": 0.5}, step=20)
 
 built = threading.Event()
-threading.Thread(target=train).start()  # a non-daemon thread: the process waits for it
+job = build() if sys.argv[2] == "main" else None
+threading.Thread(target=train, args=(job,)).start()  # a non-daemon thread: the process waits for it
 built.wait(120)  # the main thread is done once the run is being trained
 """
 
 
-def test_a_run_trained_in_another_thread_ends_after_that_thread_not_when_the_main_thread_is_done(tmp_path):
-    """The runs end when the main thread is done, before the interpreter's exit handlers; a run
-    trained in a thread still running then is left to the exit handlers, which come after it: it
-    ends FINISHED with every step and the final metric, not FAILED at step 0."""
+@pytest.mark.parametrize("built_in", ["main", "thread"])
+def test_a_run_trained_in_another_thread_ends_after_that_thread_not_when_the_main_thread_is_done(tmp_path, built_in):
+    """The runs end at exit, after the non-daemon threads: a run trained in a thread still running when
+    the main thread is done (its scheduler built there or in the main thread) ends FINISHED with every
+    step and the final metric, not FAILED at step 0 with the rest dropped (a first version of the
+    exit-order fix ended every run when the main thread was done)."""
     uri = f"sqlite:///{tmp_path / 'store.db'}"
-    proc = subprocess.run([sys.executable, "-c", THREAD_JOB, uri], capture_output=True, text=True, timeout=240)
+    cmd = [sys.executable, "-c", THREAD_JOB, uri, built_in]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run,) = _runs_by_name("sqlite", uri).values()
     assert run.status == "FINISHED" and not run.tags.get("hdet.error"), (run.tags, proc.stderr[-3000:])
     assert run.replica_series("loss", 0)[0].tolist() == list(range(1, 21))
     assert list(run.metrics["val_loss"][1]) == [0.5]
+
+
+FLUENT_JOB = """
+import sys
+import torch
+import torch.nn.functional as F
+if sys.argv[1] == "early":
+    import mlflow
+from hdet_track import HDETScheduler
+from hdet_track.tracking.mlflow import MLflowTracker
+
+model = torch.nn.Linear(4, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+sched = HDETScheduler(opt, 0.1, total_steps=20, sync_every=5, model=model, track=MLflowTracker())
+for k in range(1, 21):
+    if k == 10:
+        import mlflow
+        mlflow.log_param("note", "x")  # MLflow's fluent API: $MLFLOW_RUN_ID is its active run
+    if k == 15:
+        raise RuntimeError("boom at 15")
+    x = torch.randn(8, 4)
+    loss = F.cross_entropy(model(x), (x[:, 0] > 0).long())
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    sched.step(loss)
+"""
+
+
+@pytest.mark.parametrize("imported", ["early", "late"])
+def test_a_run_mlflows_fluent_api_holds_ends_failed_not_finished_by_mlflows_exit_handler(tmp_path, imported):
+    """The job's run is $MLFLOW_RUN_ID, which MLflow's fluent API also holds as its active run once the
+    job calls it (mlflow.log_param); the job then fails. MLflow's own exit handler ended the active run
+    FINISHED over hdet-track's FAILED (whichever of the two handlers ran last)."""
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("fluent")).info.run_id
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "HDET_"))}
+    env.update(MLFLOW_TRACKING_URI=uri, MLFLOW_RUN_ID=run_id)
+    proc = subprocess.run(
+        [sys.executable, "-c", FLUENT_JOB, imported], capture_output=True, text=True, timeout=240, env=env
+    )
+    assert proc.returncode == 1 and "boom at 15" in proc.stderr, proc.stderr[-3000:]
+    run = client.get_run(run_id)
+    assert run.info.status == "FAILED", (run.info, proc.stderr[-3000:])
+    assert "boom at 15" in run.data.tags.get("hdet.error", "") and run.data.params["note"] == "x"
+    assert len(client.get_metric_history(run_id, "loss")) == 10  # through the last sync
+
+
+HUNG_JOB = """
+import sys
+import torch
+import torch.nn.functional as F
+from hdet_track import HDETScheduler
+from hdet_track.tracking.mlflow import MLflowTracker
+
+model = torch.nn.Linear(4, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+sched = HDETScheduler(opt, 0.1, total_steps=20, sync_every=5, model=model, track=MLflowTracker(tracking_uri=sys.argv[1]))
+for _ in range(20):
+    x = torch.randn(8, 4)
+    loss = F.cross_entropy(model(x), (x[:, 0] > 0).long())
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    sched.step(loss)
+"""
+
+
+def test_the_exit_waits_once_for_a_writer_a_hung_backend_holds(tmp_path):
+    """A server that takes connections and never answers: the exit gave the writer its time once per
+    exit handler (atexit's, then multiprocessing's, which runs the same ending again), the wait and
+    its warning twice over. A run ended once is not waited for again."""
+    import socket
+
+    with socket.socket() as hung:
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(64)
+        env = dict(os.environ, HDET_TRACK_SHUTDOWN_TIMEOUT="2", MLFLOW_HTTP_REQUEST_MAX_RETRIES="0")
+        env["MLFLOW_HTTP_REQUEST_TIMEOUT"] = "120"
+        uri = f"http://127.0.0.1:{hung.getsockname()[1]}"
+        proc = subprocess.run(
+            [sys.executable, "-c", HUNG_JOB, uri], capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path
+        )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("the tracking writer did not finish within 2 s") == 1, proc.stderr[-3000:]

@@ -441,12 +441,14 @@ class TrackingHub:
         """Whether the job has reached ``total_steps``."""
         return self.total_steps > 0 and self._last_step >= self.total_steps
 
-    def end_with_process(self, reason: str) -> None:
+    def end_with_process(self, reason: str) -> str:
         """The process is ending (``reason``: "exit" or a signal's name): end the run by what the job
-        did (see :mod:`hdet_track.tracking.lifecycle`) and give the writer a bounded time."""
+        did (see :mod:`hdet_track.tracking.lifecycle`), give the writer a bounded time, and return
+        the status it ended with."""
         status, error = lifecycle.exit_status(self.reached_end, self._last_step, self.total_steps)
         # torchrun kills 30 s after its SIGTERM: leave time to hand everything to the backend
         self.close(status, error, timeout=20.0 if reason != "exit" else None)
+        return status
 
     def _join(self, timeout: float) -> None:
         self._thread.join(timeout + 5)

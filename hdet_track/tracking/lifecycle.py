@@ -11,8 +11,12 @@ process is its failure.
 When another rank failed first (torchrun then tears this one down), the run is FAILED with that
 rank's error: every rank that fails leaves a note in torch.distributed's own key-value store.
 
-The runs end when the main thread is done, before the interpreter's exit handlers (a backend's
-would otherwise end the run first); a run trained in a thread still running then ends at exit.
+The runs end at the process's exit, after its non-daemon threads (a job may train in one), and
+before any other exit handler: when the main thread is done, hdet-track's handler is moved to the
+front of the queue, ahead of those a backend registered after it (W&B's, when hdet-track's writer
+thread set W&B up, perhaps while the job was already failing). A run that MLflow's fluent API holds
+as its active run is ended there with the same status (MLflow's own exit handler would end it
+FINISHED).
 
 Installed once per process by the first :class:`~hdet_track.tracking.recorder.Recorder`. Nothing
 here raises into the training loop.
@@ -44,7 +48,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _RECORDERS: set = set()  # strong: a job's scheduler may be gone before its process ends
-_TRAINING_THREADS: dict[int, threading.Thread] = {}  # id(recorder) -> the thread its scheduler was made in
 _STATE: dict[str, Any] = {
     "installed": False,
     "rank": 0,
@@ -69,7 +72,6 @@ def register(recorder: Any) -> None:
             logger.warning("hdet-track: could not end the previous run:\n%s", traceback.format_exc())
     _STATE["interrupted"] = False  # a Ctrl-C that an earlier trial of a sweep caught is not this run's
     _RECORDERS.add(recorder)
-    _TRAINING_THREADS[id(recorder)] = threading.current_thread()
 
 
 def registered() -> list:
@@ -80,7 +82,6 @@ def registered() -> list:
 def unregister(recorder: Any) -> None:
     """``recorder``'s run has ended (and its writer stopped): nothing left to do at exit."""
     _RECORDERS.discard(recorder)
-    _TRAINING_THREADS.pop(id(recorder), None)
 
 
 def exit_status(reached_end: bool, last_step: int, total_steps: int) -> tuple[str, str | None]:
@@ -105,30 +106,34 @@ def exit_status(reached_end: bool, last_step: int, total_steps: int) -> tuple[st
 
 
 def _close_all(reason: str) -> None:
-    _close(list(_RECORDERS), reason)
-
-
-def _close_when_main_thread_ends() -> None:
-    """The main thread is done: end the runs it trained, before the interpreter's exit handlers run.
-
-    A backend's own exit handler would otherwise come first when the backend registered it after
-    ours: W&B registers one when its service starts, in hdet-track's writer thread, possibly while the
-    job is already failing; it ended the run with exit code 1 before hdet-track could write its
-    status and error, or took the service down under a ``wandb.init`` still in progress (found by
-    CI). A run trained in a thread that is still running is left to the exit handler, after it."""
-    mine = threading.current_thread()
-    _close(
-        [r for r in _RECORDERS if (t := _TRAINING_THREADS.get(id(r))) is None or t is mine or not t.is_alive()],
-        "exit",
-    )
-
-
-def _close(recorders: list, reason: str) -> None:
-    for recorder in recorders:
+    for recorder in list(_RECORDERS):
         try:
-            recorder.end_with_process(reason)
+            status = recorder.end_with_process(reason)
+            unregister(recorder)  # ended: a later exit handler (multiprocessing's) does not wait for it again
+            if status not in (None, "FINISHED"):
+                _end_fluent_mlflow_run(recorder.run_ids(), status)
         except Exception:  # noqa: BLE001 - never in the way of an exiting process
             logger.warning("hdet-track: could not end the run at %s:\n%s", reason, traceback.format_exc())
+
+
+def _end_fluent_mlflow_run(run_ids: dict[str, str | None], status: str) -> None:
+    """A run of this job that MLflow's fluent API holds as its active run (``$MLFLOW_RUN_ID``, the
+    user's ``mlflow.start_run()``) is ended with ``status`` there too: MLflow's own exit handler ends
+    an active run FINISHED, over hdet-track's FAILED or KILLED."""
+    fluent = sys.modules.get("mlflow.tracking.fluent")  # never imported here: only if the job uses it
+    if fluent is None:
+        return
+    active = fluent.active_run()
+    if active is not None and active.info.run_id in {v for k, v in run_ids.items() if k.startswith("mlflow")}:
+        fluent.end_run(status)
+
+
+def _move_to_front() -> None:
+    """The main thread is done (threading's own exit hook, before the non-daemon threads are joined
+    and before every exit handler): hdet-track's exit handler goes to the front of the queue, ahead
+    of those registered after it. Nothing is ended here: a job may still train in another thread."""
+    if os.getpid() == _STATE["pid"]:  # not in a forked child (a DataLoader worker) on its way out
+        end_runs_first_at_exit()
 
 
 def _format(exc_type: type, exc: BaseException, tb: Any) -> str:
@@ -221,11 +226,12 @@ def install(rank: int) -> None:
     if _STATE["installed"]:
         return
     _STATE["installed"] = True
-    try:  # before every atexit handler (a private hook of threading's, concurrent.futures' since 3.9)
-        threading._register_atexit(_close_when_main_thread_ends)  # type: ignore[attr-defined]
+    _STATE["pid"] = os.getpid()
+    atexit.register(_close_all, "exit")
+    try:  # threading's hook for the end of the main thread (concurrent.futures' too, since 3.9)
+        threading._register_atexit(_move_to_front)  # type: ignore[attr-defined]
     except (AttributeError, RuntimeError):  # another Python, or the interpreter is shutting down already
         pass
-    atexit.register(_close_all, "exit")  # what is left: runs trained in another thread
     # Processes started by multiprocessing leave through os._exit when forked: atexit never runs
     # there, multiprocessing's finalizers do.
     from multiprocessing import util as mp_util
@@ -289,7 +295,8 @@ class _Leave:
 def end_runs_first_at_exit() -> None:
     """Make the process's exit end the tracked runs before any exit handler registered so far (a
     backend's: ``wandb.init`` registers one that would end the run first, without the status and
-    error hdet-track gives it). Call it after starting a backend run."""
+    error hdet-track gives it). Called when the main thread is done, and by a tracker after it set
+    its backend up."""
     if _STATE["installed"]:
         atexit.unregister(_close_all)
         atexit.register(_close_all, "exit")

@@ -77,15 +77,15 @@ class Recorder(SchedulerCallback):
         self._info = info
         self._pending = pending
 
-    def end_with_process(self, reason: str) -> None:
-        """The process is ending (see :mod:`hdet_track.tracking.lifecycle`)."""
+    def end_with_process(self, reason: str) -> str | None:
+        """The process is ending (see :mod:`hdet_track.tracking.lifecycle`): the status the run ends with."""
         if self.hub is None:
-            return
+            return None
         if not self.started and self._info is not None:
             self.on_start(self._info())  # a job that failed before its first step still has a run
         while self._pending is not None and (record := self._pending()) is not None:
             self.on_sync(record)  # without divergences unless they arrived
-        self.hub.end_with_process(reason)
+        return self.hub.end_with_process(reason)
 
     def on_start(self, info: RunInfo) -> None:
         self.total_steps = info.total_steps

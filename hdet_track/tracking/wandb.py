@@ -147,11 +147,12 @@ def _archive_folders(run: Any) -> list[Path]:
 def _run_settings(wandb: Any) -> Any:
     """Settings for a run hdet-track starts: W&B's run file written every second, unless the user
     chose an interval (in the environment, ``wandb.setup(settings=...)`` or W&B's settings file)."""
+    setup = wandb.setup()  # (also starts W&B's service)
     if any(os.environ.get(name) for name in _INTERVAL_ENV):
         return None  # the user's choice
     field = "x_transaction_log_flush_interval"
     try:
-        chosen = getattr(wandb.setup().settings, field)  # what wandb.init would use
+        chosen = getattr(setup.settings, field)  # what wandb.init would use
         default = wandb.Settings.model_fields[field].default
     except Exception:  # noqa: BLE001 - an older or newer wandb: keep to the environment check
         chosen = default = None
@@ -381,6 +382,8 @@ class WandbTracker(Tracker):
         where = Path(self._root() or ".") / "wandb"
         if resumed and not asked and taken(where, str(self._resume_id), run_start.start_step, run_start.total_steps):
             forked, self._resume_id = self._resume_id, None
+        settings = _run_settings(wandb)  # W&B set up: its service, whose exit handler ends the run
+        lifecycle.end_runs_first_at_exit()  # ahead of it while wandb.init is under way (the job may be ending)
         run = wandb.init(
             project=self.project or os.environ.get("WANDB_PROJECT") or DEFAULT_PROJECT,
             entity=self.entity or os.environ.get("WANDB_ENTITY"),
@@ -400,7 +403,7 @@ class WandbTracker(Tracker):
             id=self._resume_id
             or (_new_run_id() if self._replaying or forked else os.environ.get("WANDB_RUN_ID") or _new_run_id()),
             resume="allow" if self._resume_id or self._replaying else None,
-            settings=_run_settings(wandb),
+            settings=settings,
         )
         lifecycle.end_runs_first_at_exit()  # before the exit handler wandb.init registered
         self._resume_id = None  # used up: a later run of this object is a new one unless resumed again
