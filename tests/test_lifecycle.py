@@ -43,6 +43,9 @@ CASES = [
     ("torchrun", 4, "server", "raise", 51, 0, "FAILED", "boom on rank 0 before step 51"),  # right after a sync
     ("torchrun", 2, "sqlite", "sigterm", 40, 0, "KILLED", "terminated by SIGTERM"),
     ("torchrun", 2, "wandb", "exit", 60, 0, "FAILED", "(exit code 3)"),
+    # torchrun tears rank 0 down after rank 1's exit, or while its own exit unwinds: not KILLED
+    ("torchrun", 2, "sqlite", "exit_one", 30, 1, "FAILED", "rank 1 failed:\nthe process exited (exit code 3)"),
+    ("plain", 1, "sqlite", "exit_torn_down", 30, 0, "FAILED", "step 29 of 100 without closing the run (exit code 3)"),
 ]
 
 

@@ -254,6 +254,8 @@ def install(rank: int) -> None:
         current = sys.exc_info()
         if current[1] is not None and not isinstance(current[1], SystemExit) and code not in (None, 0):
             _record_exception(*current)  # type: ignore[arg-type]
+        elif code not in (None, 0):  # for rank 0, which torchrun may tear down before it gets there itself
+            _leave_note(f"the process exited (exit code {code})")
         real_exit(code)
 
     sys.exit = exit_with_code
@@ -323,6 +325,8 @@ def _on_signal(signum: int, frame: Any) -> None:
     peer = _peer_failure()
     if peer is not None:  # torchrun tears the survivors down after a rank failed
         _STATE["signal"] = ("FAILED", peer)
+    elif _STATE["exit_code"] not in (None, 0):
+        pass  # torn down while leaving with a failing exit code of its own: FAILED by that code
     else:
         _STATE["signal"] = ("KILLED", f"terminated by {name}")
     _close_all(name)

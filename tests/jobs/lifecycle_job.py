@@ -4,7 +4,8 @@
 
 LAUNCHER: plain (one process), spawn (torch.multiprocessing.spawn, 2 ranks) or torchrun (started by
 the test with torchrun). FAILURE: raise (an exception on FAIL_RANK), exit (sys.exit(3) on every
-rank), sigterm or sigint (rank 0 prints READY and waits for the test's signal), raise_as_service_starts
+rank), exit_one (sys.exit(3) on FAIL_RANK), exit_torn_down (sys.exit(3), with a SIGTERM to itself while
+that unwinds, as torchrun's teardown may come), sigterm or sigint (rank 0 prints READY and waits for the test's signal), raise_as_service_starts
 (W&B: raise on FAIL_RANK as soon as W&B's service has started in hdet-track's writer thread, while its
 ``wandb.init`` is still under way) or none. STEP: the step before which it happens (0: before the first step).
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import signal
 import sys
 import threading
 import time
@@ -60,6 +62,14 @@ def job(rank: int, world: int, backend: str, uri: str, failure: str, at: int, fa
                 raise RuntimeError(f"boom on rank {rank} before step {k}")
             if failure == "exit":
                 sys.exit(3)
+            if failure == "exit_one" and rank == fail_rank:
+                sys.exit(3)
+            if failure == "exit_torn_down":  # torchrun's SIGTERM comes while the exit unwinds
+                try:
+                    sys.exit(3)
+                finally:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    time.sleep(10)
             if failure in ("sigterm", "sigint") and rank == 0:
                 print("READY", flush=True)
                 time.sleep(120)
