@@ -36,6 +36,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def reserved_port() -> socket.socket:
+    """A port kept for a server that starts later: bound with SO_REUSEADDR but not listening, so that
+    connecting to it is refused (the server is "down"), no other process binds it in the meantime (a
+    port from free_port() stays free only by chance), and the server (uvicorn sets SO_REUSEADDR)
+    can still take it. Close it once the server is up."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", 0))
+    return s
+
+
 class MlflowServer:
     def __init__(self, root: Path, port: int | None = None) -> None:
         self.root = Path(root)

@@ -60,7 +60,7 @@ def launch(launcher: str, ranks: int, backend: str, uri: str, failure: str, step
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
     if launcher == "torchrun":
         cmd = [TORCHRUN, f"--nproc-per-node={ranks}", "--max-restarts=0", "--monitor-interval=0.5"]
-        cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", JOB, *args]
+        cmd += ["--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", JOB, *args]  # a free port, bound by torchrun
     else:
         cmd = [sys.executable, JOB, *args]
     log = open(tmp / "job.log", "w+")

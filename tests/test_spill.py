@@ -20,7 +20,7 @@ from mlflow.tracking import MlflowClient
 from hdet_track.readers.mlflow import MLflowReader
 from hdet_track.tracking.spill import store_spill_dir
 
-from .servers import MlflowServer, free_port
+from .servers import MlflowServer, reserved_port
 
 JOB = str(Path(__file__).parent / "jobs" / "lifecycle_job.py")
 CLI = str(Path(sys.executable).with_name("hdet-track"))
@@ -65,7 +65,8 @@ def _only_run(uri: str):
 
 
 def test_recover_delivers_a_finished_job_spilled_while_the_server_was_down(tmp_path):
-    port = free_port()
+    reservation = reserved_port()  # down until the server starts, and not taken by another process
+    port = reservation.getsockname()[1]
     uri = f"http://127.0.0.1:{port}"
     started, ended = _job_against_down_server(uri, "none", -1)
 
@@ -79,7 +80,8 @@ def test_recover_delivers_a_finished_job_spilled_while_the_server_was_down(tmp_p
     assert down.returncode == 1 and "kept" in down.stdout, down.stdout + down.stderr
     assert sorted(where.glob("spill-*.jsonl")) == files
 
-    server = MlflowServer(tmp_path / "server", port=port).start()
+    with reservation:
+        server = MlflowServer(tmp_path / "server", port=port).start()
     try:
         up = subprocess.run([CLI, "recover", uri], env=_up_env(), capture_output=True, text=True, timeout=180)
         assert up.returncode == 0 and "delivered" in up.stdout, up.stdout + up.stderr
@@ -102,13 +104,15 @@ def test_recover_delivers_a_finished_job_spilled_while_the_server_was_down(tmp_p
 
 
 def test_the_next_job_on_the_same_server_delivers_a_crashed_jobs_spill(tmp_path):
-    port = free_port()
+    reservation = reserved_port()  # down until the server starts, and not taken by another process
+    port = reservation.getsockname()[1]
     uri = f"http://127.0.0.1:{port}"
     _job_against_down_server(uri, "raise", 35)  # crashes at step 35 while the server is down
     where = store_spill_dir(uri)
     assert len(list(where.glob("spill-*.jsonl"))) == 1
 
-    server = MlflowServer(tmp_path / "server", port=port).start()
+    with reservation:
+        server = MlflowServer(tmp_path / "server", port=port).start()
     try:
         ok = subprocess.run(
             [sys.executable, JOB, "plain", "mlflow", uri, "none", "-1"],

@@ -3,6 +3,8 @@ the resumed job continues the same MLflow or W&B run, and the store holds every 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from mlflow.tracking import MlflowClient
 
@@ -21,18 +23,24 @@ def uninterrupted(tmp_path_factory):
     return run_ranks(workers.tracked_resume, WORLD, "", uri, "full", True)
 
 
-def only_run(uri):
+def only_run(uri, settled=False):
+    """The one run of the store; with ``settled``, once it is no longer RUNNING (a SIGKILLed job's
+    tracking process, in a session of its own, ends the run a moment after the ranks are gone)."""
     client = MlflowClient(uri)
-    runs = client.search_runs([client.get_experiment_by_name("resume").experiment_id])
-    assert len(runs) == 1
-    return client, runs[0]
+    deadline = time.monotonic() + 30
+    while True:
+        runs = client.search_runs([client.get_experiment_by_name("resume").experiment_id])
+        assert len(runs) == 1
+        if not settled or runs[0].info.status != "RUNNING" or time.monotonic() > deadline:
+            return client, runs[0]
+        time.sleep(0.2)
 
 
 @pytest.mark.parametrize("kill_after", [17, 21], ids=["killed-mid-window", "killed-after-the-next-sync"])
 def test_tracked_job_killed_mid_window_resumes_into_the_same_run(tmp_path, uninterrupted, kill_after):
     uri = f"sqlite:///{tmp_path / 'store.db'}"
     run_ranks(workers.tracked_resume, WORLD, str(tmp_path), uri, "first", True, kill_after, allow_kill=True)
-    client, killed = only_run(uri)
+    client, killed = only_run(uri, settled=True)
     # SIGKILL: the job could not end its run; the tracker process saw it vanish and did
     assert killed.info.status == "KILLED"
     assert "vanished" in killed.data.tags.get("hdet.error", "")
