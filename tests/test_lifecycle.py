@@ -413,7 +413,7 @@ def test_the_exit_waits_once_for_a_writer_a_hung_backend_holds(tmp_path):
         hung.bind(("127.0.0.1", 0))
         hung.listen(64)
         env = dict(os.environ, HDET_TRACK_SHUTDOWN_TIMEOUT="2", MLFLOW_HTTP_REQUEST_MAX_RETRIES="0")
-        env["MLFLOW_HTTP_REQUEST_TIMEOUT"] = "120"
+        env["MLFLOW_HTTP_REQUEST_TIMEOUT"] = "20"  # well past the 2 s wait; its tracking process lives that long
         uri = f"http://127.0.0.1:{hung.getsockname()[1]}"
         proc = subprocess.run(
             [sys.executable, "-c", HUNG_JOB, uri], capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path
