@@ -287,13 +287,26 @@ def test_a_ctrl_c_an_earlier_run_caught_does_not_make_a_later_run_killed():
         lifecycle._STATE.update(saved)
 
 
-THREAD_JOB = """
+# what the exit-order jobs below share: imports and one training step
+_JOB_PRELUDE = """
 import sys, threading, time
 import torch
 import torch.nn.functional as F
 from hdet_track import HDETScheduler
 from hdet_track.tracking.mlflow import MLflowTracker
 
+def train_step(model, opt, sched):
+    x = torch.randn(8, 4)
+    loss = F.cross_entropy(model(x), (x[:, 0] > 0).long())
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    sched.step(loss)
+"""
+
+THREAD_JOB = (
+    _JOB_PRELUDE
+    + """
 def build():
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -305,12 +318,7 @@ def train(job):
     built.set()
     for _ in range(20):
         time.sleep(0.1)  # still training when the main thread is done
-        x = torch.randn(8, 4)
-        loss = F.cross_entropy(model(x), (x[:, 0] > 0).long())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        sched.step(loss)
+        train_step(model, opt, sched)
     sched.log_metrics({"val_loss": 0.5}, step=20)
 
 built = threading.Event()
@@ -318,6 +326,7 @@ job = build() if sys.argv[2] == "main" else None
 threading.Thread(target=train, args=(job,)).start()  # a non-daemon thread: the process waits for it
 built.wait(120)  # the main thread is done once the run is being trained
 """
+)
 
 
 @pytest.mark.parametrize("built_in", ["main", "thread"])
@@ -336,15 +345,14 @@ def test_a_run_trained_in_another_thread_ends_after_that_thread_not_when_the_mai
     assert list(run.metrics["val_loss"][1]) == [0.5]
 
 
-FLUENT_JOB = """
+FLUENT_JOB = (
+    """
 import sys
-import torch
-import torch.nn.functional as F
 if sys.argv[1] == "early":
     import mlflow
-from hdet_track import HDETScheduler
-from hdet_track.tracking.mlflow import MLflowTracker
-
+"""
+    + _JOB_PRELUDE
+    + """
 model = torch.nn.Linear(4, 2)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 sched = HDETScheduler(opt, 0.1, total_steps=20, sync_every=5, model=model, track=MLflowTracker())
@@ -354,13 +362,9 @@ for k in range(1, 21):
         mlflow.log_param("note", "x")  # MLflow's fluent API: $MLFLOW_RUN_ID is its active run
     if k == 15:
         raise RuntimeError("boom at 15")
-    x = torch.randn(8, 4)
-    loss = F.cross_entropy(model(x), (x[:, 0] > 0).long())
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    sched.step(loss)
+    train_step(model, opt, sched)
 """
+)
 
 
 @pytest.mark.parametrize("imported", ["early", "late"])
@@ -383,24 +387,16 @@ def test_a_run_mlflows_fluent_api_holds_ends_failed_not_finished_by_mlflows_exit
     assert len(client.get_metric_history(run_id, "loss")) == 10  # through the last sync
 
 
-HUNG_JOB = """
-import sys
-import torch
-import torch.nn.functional as F
-from hdet_track import HDETScheduler
-from hdet_track.tracking.mlflow import MLflowTracker
-
+HUNG_JOB = (
+    _JOB_PRELUDE
+    + """
 model = torch.nn.Linear(4, 2)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 sched = HDETScheduler(opt, 0.1, total_steps=20, sync_every=5, model=model, track=MLflowTracker(tracking_uri=sys.argv[1]))
 for _ in range(20):
-    x = torch.randn(8, 4)
-    loss = F.cross_entropy(model(x), (x[:, 0] > 0).long())
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    sched.step(loss)
+    train_step(model, opt, sched)
 """
+)
 
 
 def test_the_exit_waits_once_for_a_writer_a_hung_backend_holds(tmp_path):
