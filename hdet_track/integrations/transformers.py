@@ -196,11 +196,7 @@ def _end_failed(sched: HDETScheduler, args: Any, exc: BaseException) -> None:
     if _reports_to(args, "mlflow"):
         # Hugging Face's MLflow callback opened this run and ends it only in on_train_end, which an
         # exception skips: MLflow's own exit hook would then end it FINISHED.
-        import mlflow
-
-        active = mlflow.active_run()
-        if active is not None and active.info.run_id == sched.run_ids.get("mlflow"):
-            mlflow.end_run(status)
+        lifecycle.end_fluent_mlflow_run(sched.run_ids, status)
 
 
 def _reports_to(args: Any, backend: str) -> bool:

@@ -42,6 +42,7 @@ __all__ = [
     "unregister",
     "exit_status",
     "end_runs_first_at_exit",
+    "end_fluent_mlflow_run",
     "caught_failure",
 ]
 
@@ -111,15 +112,15 @@ def _close_all(reason: str) -> None:
             status = recorder.end_with_process(reason)
             unregister(recorder)  # ended: a later exit handler (multiprocessing's) does not wait for it again
             if status not in (None, "FINISHED"):
-                _end_fluent_mlflow_run(recorder.run_ids(), status)
+                end_fluent_mlflow_run(recorder.run_ids(), status)
         except Exception:  # noqa: BLE001 - never in the way of an exiting process
             logger.warning("hdet-track: could not end the run at %s:\n%s", reason, traceback.format_exc())
 
 
-def _end_fluent_mlflow_run(run_ids: dict[str, str | None], status: str) -> None:
+def end_fluent_mlflow_run(run_ids: dict[str, str | None], status: str) -> None:
     """A run of this job that MLflow's fluent API holds as its active run (``$MLFLOW_RUN_ID``, the
-    user's ``mlflow.start_run()``) is ended with ``status`` there too: MLflow's own exit handler ends
-    an active run FINISHED, over hdet-track's FAILED or KILLED."""
+    user's ``mlflow.start_run()``, Hugging Face's MLflow callback) is ended with ``status`` there too:
+    MLflow's own exit handler ends an active run FINISHED, over hdet-track's FAILED or KILLED."""
     fluent = sys.modules.get("mlflow.tracking.fluent")  # never imported here: only if the job uses it
     if fluent is None:
         return

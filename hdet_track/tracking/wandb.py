@@ -382,8 +382,8 @@ class WandbTracker(Tracker):
         where = Path(self._root() or ".") / "wandb"
         if resumed and not asked and taken(where, str(self._resume_id), run_start.start_step, run_start.total_steps):
             forked, self._resume_id = self._resume_id, None
-        settings = _run_settings(wandb)  # W&B set up: its service, whose exit handler ends the run
-        lifecycle.end_runs_first_at_exit()  # ahead of it while wandb.init is under way (the job may be ending)
+        settings = _run_settings(wandb)  # W&B set up: its service, whose exit handler would end the run
+        lifecycle.end_runs_first_at_exit()  # hdet-track's first, also while wandb.init is under way
         run = wandb.init(
             project=self.project or os.environ.get("WANDB_PROJECT") or DEFAULT_PROJECT,
             entity=self.entity or os.environ.get("WANDB_ENTITY"),
@@ -405,7 +405,6 @@ class WandbTracker(Tracker):
             resume="allow" if self._resume_id or self._replaying else None,
             settings=settings,
         )
-        lifecycle.end_runs_first_at_exit()  # before the exit handler wandb.init registered
         self._resume_id = None  # used up: a later run of this object is a new one unless resumed again
         self._setup(run, tags, run_start)
         if forked is not None:
